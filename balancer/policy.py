@@ -1,0 +1,86 @@
+"""Routing policies: pure functions from the replicas' load to the replica that takes the next request.
+
+A policy sees only the replicas it may pick (healthy, not yet tried for this request), keyed by their position in
+the pool. Positions, not ids, carry the rotation order so round robin stays fair while replicas come and go.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+# Rough characters per token for text we have not tokenized; the balancer never loads a tokenizer.
+CHARS_PER_TOKEN = 4
+CHAT_TOKENS_PER_MESSAGE = 4  # role markers added by chat templates
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    # The balancer's own accounting: exact for its requests, blind to traffic sent to the replica directly.
+    in_flight: int = 0
+    unreported_prompt_tokens: int = 0  # estimated prompt tokens sent since the last GetStatus answer
+    # The replica's last GetStatus answer: covers all traffic, but is up to one poll interval old.
+    pending_prompt_tokens: int = 0
+    running_requests: int = 0
+    queued_requests: int = 0
+
+
+def outstanding_work(load: ReplicaLoad) -> int:
+    """Tokens the replica still has to process before a new request gets going: prompt tokens not prefilled yet
+    plus one per live sequence (each costs a token of every forward pass while it decodes)."""
+    sequences = max(load.in_flight, load.running_requests + load.queued_requests)
+    return load.pending_prompt_tokens + load.unreported_prompt_tokens + sequences
+
+
+def _rotation_distance(position: int, cursor: int, num_replicas: int) -> int:
+    return (position - cursor) % num_replicas
+
+
+def round_robin(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: int) -> int:
+    """The first candidate at or after `cursor` in pool order, wrapping around."""
+    return min(loads, key=lambda p: _rotation_distance(p, cursor, num_replicas))
+
+
+def least_loaded(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: int) -> int:
+    """The candidate with the least outstanding work; ties go round robin so idle replicas share evenly."""
+    return min(loads, key=lambda p: (outstanding_work(loads[p]), _rotation_distance(p, cursor, num_replicas)))
+
+
+PickFn = Callable[[Mapping[int, ReplicaLoad], int, int], int]
+POLICIES: dict[str, PickFn] = {"round_robin": round_robin, "least_loaded": least_loaded}
+
+
+@dataclass
+class Router:
+    """A policy and its rotation cursor."""
+
+    policy: str
+    num_replicas: int
+    cursor: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        self._pick = POLICIES[self.policy]
+
+    def pick(self, loads: Mapping[int, ReplicaLoad]) -> int | None:
+        """Position of the chosen replica, or None when there is no candidate."""
+        if not loads:
+            return None
+        chosen = self._pick(loads, self.cursor, self.num_replicas)
+        self.cursor = (chosen + 1) % self.num_replicas
+        return chosen
+
+
+def estimate_prompt_tokens(request) -> int:
+    """Prompt length of a fastgen.v1.GenerateRequest without a tokenizer: exact for token ids, estimated from
+    characters for text and chat."""
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        return len(request.token_ids.ids)
+    if kind == "text":
+        return len(request.text) // CHARS_PER_TOKEN + 1
+    if kind == "messages":
+        messages = request.messages.messages
+        chars = sum(len(m.content) for m in messages)
+        return chars // CHARS_PER_TOKEN + CHAT_TOKENS_PER_MESSAGE * len(messages)
+    return 0

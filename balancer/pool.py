@@ -1,0 +1,217 @@
+"""The replicas behind the balancer: one grpc.aio channel each, a health watch each (grpc.health.v1 Check plus
+GetStatus polling for load), and the balancer's own in-flight accounting."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from ..server.grpc_server import CHANNEL_OPTIONS
+from ..server.metrics import BalancerMetrics
+from .policy import ReplicaLoad
+
+log = logging.getLogger("fastgen.balancer")
+
+# A restarted replica should be found again within a health interval or two, not after gRPC's default
+# reconnect backoff (up to two minutes).
+UPSTREAM_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.use_local_subchannel_pool", 1),  # our own connection, not one shared with (and backed off by) others
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# A replica that answers checks too slowly (busy, not dead) leaves rotation only after this many in a row;
+# refused connections and NOT_SERVING take it out at once.
+SLOW_CHECKS_BEFORE_UNHEALTHY = 3
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    id: str
+    address: str  # host:port
+
+
+def parse_replica_spec(text: str) -> ReplicaSpec:
+    """'ID=HOST:PORT' -> ReplicaSpec; ValueError saying what is wrong."""
+    rid, sep, address = text.partition("=")
+    host, colon, port = address.rpartition(":")
+    if not sep or not rid or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected ID=HOST:PORT (e.g. r0=127.0.0.1:50051), got {text!r}")
+    return ReplicaSpec(rid, address)
+
+
+@dataclass
+class Replica:
+    spec: ReplicaSpec
+    position: int  # index in the pool: the rotation order of the routing policies
+    channel: grpc.aio.Channel
+    stub: fastgen_pb2_grpc.GenerationStub
+    health_stub: health_pb2_grpc.HealthStub
+    checked: bool = False  # False until the first health check answered or failed
+    healthy: bool = False
+    last_error: str = "not checked yet"
+    slow_checks: int = 0
+    status: fastgen_pb2.ReplicaStatus = field(default_factory=fastgen_pb2.ReplicaStatus)
+    model: str = ""
+    in_flight: int = 0
+    unreported_prompt_tokens: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(
+            in_flight=self.in_flight, unreported_prompt_tokens=self.unreported_prompt_tokens,
+            pending_prompt_tokens=self.status.pending_prompt_tokens, running_requests=self.status.running_requests,
+            queued_requests=self.status.queued_requests,
+        )  # fmt: skip
+
+    def health_enum(self) -> int:
+        if not self.checked:
+            return fastgen_pb2.HEALTH_UNKNOWN
+        return fastgen_pb2.HEALTH_SERVING if self.healthy else fastgen_pb2.HEALTH_NOT_SERVING
+
+
+class ReplicaPool:
+    """Owns the upstream channels and what the balancer knows about each replica. All methods run on the
+    balancer's event loop; nothing here blocks."""
+
+    def __init__(
+        self,
+        specs: list[ReplicaSpec],
+        health_interval: float,
+        health_timeout: float,
+        metrics: BalancerMetrics | None = None,
+        on_health_change: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self._metrics = metrics
+        self._on_health_change = on_health_change
+        self.replicas = [self._connect(spec, i) for i, spec in enumerate(specs)]
+        self._watches: list[asyncio.Task] = []
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self._watches = [asyncio.create_task(self._watch(r), name=f"health-{r.id}") for r in self.replicas]
+
+    async def close(self) -> None:
+        for task in self._watches:
+            task.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in self.replicas))
+
+    # ---- routing support ----
+    def candidates(self, exclude: set[int]) -> dict[int, ReplicaLoad]:
+        """Loads of the healthy replicas not in `exclude`, keyed by position."""
+        return {r.position: r.load() for r in self.replicas if r.healthy and r.position not in exclude}
+
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas)
+
+    def unavailable_message(self) -> str:
+        reasons = "; ".join(f"{r.id} at {r.address}: {r.last_error}" for r in self.replicas)
+        n = len(self.replicas)
+        return (
+            f"no healthy replica: {n} replica{'s' if n != 1 else ''} configured, all failing health checks "
+            f"({reasons}); retry later or check the replicas' logs"
+        )
+
+    @contextlib.asynccontextmanager
+    async def lease(self, replica: Replica, prompt_tokens: int) -> AsyncIterator[Replica]:
+        """Counts a request as in flight on `replica` for the duration of the block."""
+        replica.in_flight += 1
+        replica.unreported_prompt_tokens += prompt_tokens
+        self._publish_in_flight(replica)
+        try:
+            yield replica
+        finally:
+            replica.in_flight -= 1
+            self._publish_in_flight(replica)
+
+    async def mark_failed(self, replica: Replica, reason: str) -> None:
+        """A call found the replica unreachable: take it out of rotation now rather than at the next check."""
+        await self._set_health(replica, False, reason)
+
+    # ---- health watch ----
+    async def _watch(self, replica: Replica) -> None:
+        while True:
+            await self._check(replica)
+            if replica.healthy:
+                await self._poll_status(replica)
+            await asyncio.sleep(self.health_interval)
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            resp = await replica.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout)
+        except grpc.aio.AioRpcError as e:
+            await self._on_check_error(replica, e)
+            return
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            replica.slow_checks = 0
+            await self._set_health(replica, True, "")
+        else:
+            await self._set_health(replica, False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+    async def _on_check_error(self, replica: Replica, e: grpc.aio.AioRpcError) -> None:
+        reason = f"{e.code().name}: {e.details()}"
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            replica.slow_checks += 1
+            if replica.slow_checks < SLOW_CHECKS_BEFORE_UNHEALTHY and replica.checked:
+                return
+        await self._set_health(replica, False, reason)
+
+    async def _poll_status(self, replica: Replica) -> None:
+        sent_tokens = replica.unreported_prompt_tokens  # what the answer will already include
+        try:
+            resp = await replica.stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=self.health_timeout)
+        except grpc.aio.AioRpcError as e:
+            log.debug("GetStatus of %s failed: %s", replica.id, e.details())
+            return  # load stays at its last value; health is the Check's business
+        replica.unreported_prompt_tokens = max(0, replica.unreported_prompt_tokens - sent_tokens)
+        replica.model = resp.model
+        if resp.replicas:
+            replica.status = resp.replicas[0]
+
+    async def _set_health(self, replica: Replica, healthy: bool, reason: str) -> None:
+        was_checked, was_healthy = replica.checked, replica.healthy
+        replica.checked, replica.healthy = True, healthy
+        replica.last_error = reason if not healthy else ""
+        if was_checked and was_healthy == healthy:
+            return
+        if healthy:
+            log.info("replica %s at %s is healthy: in rotation", replica.id, replica.address)
+        else:
+            log.warning("replica %s at %s is unhealthy (%s): out of rotation", replica.id, replica.address, reason)
+            replica.status = fastgen_pb2.ReplicaStatus()  # its last load no longer means anything
+        if self._metrics:
+            self._metrics.set_healthy(replica.id, healthy)
+        if self._on_health_change:
+            await self._on_health_change()
+
+    # ---- helpers ----
+    def _connect(self, spec: ReplicaSpec, position: int) -> Replica:
+        channel = grpc.aio.insecure_channel(spec.address, options=UPSTREAM_CHANNEL_OPTIONS)
+        replica = Replica(
+            spec=spec, position=position, channel=channel, stub=fastgen_pb2_grpc.GenerationStub(channel),
+            health_stub=health_pb2_grpc.HealthStub(channel),
+        )  # fmt: skip
+        if self._metrics:
+            self._metrics.set_healthy(spec.id, False)
+            self._metrics.set_in_flight(spec.id, 0)
+        return replica
+
+    def _publish_in_flight(self, replica: Replica) -> None:
+        if self._metrics:
+            self._metrics.set_in_flight(replica.id, replica.in_flight)

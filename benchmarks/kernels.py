@@ -1,0 +1,304 @@
+"""Kernel benchmark for a CUDA machine: the Triton kernels against the torch references and SDPA.
+
+    python benchmarks/kernels.py [--dtype bf16|fp16]
+
+1. Checks the Triton kernels against the torch references in fp16 and bf16.
+2. Measures the card: copy bandwidth (a large device-to-device copy) and bf16 matmul rate.
+3. Times (median of triton.testing.do_bench) paged attention for decode, prefill and a mixed SplitFuse batch
+   against torch's scaled_dot_product_attention over the same sequences laid out as a padded dense batch, and
+   the rotary/KV-write and RMSNorm kernels against their torch references.
+Prints markdown tables; exits with status 1 if a check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastgen.kernels import TORCH_KERNELS, AttentionMetadata, rope_cos_sin, rope_inv_freq, select_kernels
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DEVICE = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative error ‖out − ref‖ / ‖ref‖
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # (tokens, heads, head_dim)
+    k_cache: torch.Tensor  # (num_blocks, block_size, kv_heads, head_dim)
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    q_lens: list[int]
+    seq_lens: list[int]
+
+
+def make_batch(q_lens, seq_lens, block_size, dtype, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM) -> Batch:
+    """Sequences whose queries are the last q_lens[i] of seq_lens[i] tokens, cached in shuffled blocks as a
+    long-running server's would be."""
+    device = DEVICE
+    blocks = [-(-s // block_size) for s in seq_lens]
+    order = torch.randperm(sum(blocks), device=device, dtype=torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    cache_shape = (sum(blocks), block_size, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+
+    query_start = [0]
+    for n in q_lens:
+        query_start.append(query_start[-1] + n)
+    q_lens_t = torch.tensor(q_lens, device=device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)  # (tokens,)
+    starts = torch.tensor(query_start[:-1], device=device)
+    pos = torch.arange(query_start[-1], device=device) - starts[seq] + seq_lens_t[seq] - q_lens_t[seq]
+    slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
+    meta = AttentionMetadata(
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=seq_lens_t,
+        block_tables=tables,
+        slot_mapping=slots,
+        num_decodes=sum(1 for n in q_lens if n == 1),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_host=query_start,
+        seq_lens_host=list(seq_lens),
+    )
+    q = torch.randn(query_start[-1], heads, head_dim, dtype=dtype, device=device)
+    return Batch(q, k_cache, v_cache, meta, list(q_lens), list(seq_lens))
+
+
+def padded_dense(b: Batch):
+    """The same attention for SDPA: (q, k, v, mask), queries padded to the longest chunk (seqs, heads, Lq, d),
+    keys to the longest sequence (seqs, kv_heads, Lk, d); mask (seqs, 1, Lq, Lk) or None when no padding or
+    chunk offset needs one (then every query sees all keys, or the batch is plain causal prefill)."""
+    seqs, lq, lk = len(b.q_lens), max(b.q_lens), max(b.seq_lens)
+    block_size = b.k_cache.shape[1]
+    tables = b.meta.block_tables[:, : -(-lk // block_size)].long()
+    k, v = (c[tables].flatten(1, 2)[:, :lk].transpose(1, 2).contiguous() for c in (b.k_cache, b.v_cache))
+    q = b.q.new_zeros(seqs, b.q.shape[1], lq, b.q.shape[2])
+    starts = b.meta.query_start_host
+    for i, n in enumerate(b.q_lens):
+        q[i, :, :n] = b.q[starts[i] : starts[i] + n].transpose(0, 1)
+    if len(set(b.q_lens)) == 1 and len(set(b.seq_lens)) == 1 and b.q_lens[0] in (1, b.seq_lens[0]):
+        return q, k, v, None
+    seq_lens = torch.tensor(b.seq_lens, device=q.device)[:, None, None]
+    q_lens = torch.tensor(b.q_lens, device=q.device)[:, None, None]
+    rows = torch.arange(lq, device=q.device)[None, :, None]
+    keys = torch.arange(lk, device=q.device)[None, None, :]
+    # Padding rows see key 0 only, so they stay finite; they are not part of the result.
+    mask = (keys <= seq_lens - q_lens + torch.minimum(rows, q_lens - 1))  # (seqs, Lq, Lk)
+    return q, k, v, mask[:, None]
+
+
+def attention_work(b: Batch) -> tuple[float, float]:
+    """(bytes, flops) that paged attention must move and compute: every cached K/V row once, q and the output
+    once; 4 flops per (query head, visible key, dim)."""
+    elem = b.q.element_size()
+    kv_bytes = 2 * sum(b.seq_lens) * KV_HEADS * HEAD_DIM * elem
+    q_bytes = 2 * b.q.numel() * elem
+    pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(b.q_lens, b.seq_lens))
+    return kv_bytes + q_bytes, 4.0 * pairs * HEADS * HEAD_DIM
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def run_checks(triton_k, torch_k) -> list[tuple[str, str, float, float]]:
+    """(check, dtype, relative error, tolerance) rows."""
+    rows = []
+    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0), 8192).to(DEVICE)
+    for dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        tol = TOLERANCE[dtype]
+        for block_size in (16, 32):
+            # decodes first, then a whole prompt and a chunk that starts mid-block
+            b = make_batch([1] * 6 + [200, 300], [1, 17, 100, 513, 1500, 2048, 200, 1000 + 7], block_size, dtype)
+            out = triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5)
+            ref = torch_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5)
+            err = rel_err(out, ref)
+            rows.append((f"paged_attention mixed, block {block_size}", name, err, tol))
+
+        b = make_batch([1] * 4 + [64], [30, 300, 700, 1200, 500], 16, dtype)
+        tokens = b.q.shape[0]
+        k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in "kv")
+        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(2)]
+        q_out = triton_k.rotary_write_kv(b.q, k, v, cos_sin, positions, *caches[0], b.meta.slot_mapping)
+        q_ref = torch_k.rotary_write_kv(b.q, k, v, cos_sin, positions, *caches[1], b.meta.slot_mapping)
+        written = [c.flatten(0, 1)[b.meta.slot_mapping] for pair in caches for c in pair]  # k0, v0, k1, v1
+        err = max(rel_err(q_out, q_ref), rel_err(written[0], written[2]), rel_err(written[1], written[3]))
+        rows.append(("rotary_write_kv (q, written k and v)", name, err, tol))
+
+        x, residual = (torch.randn(300, 4096, dtype=dtype, device=DEVICE) for _ in range(2))
+        weight = torch.randn(4096, dtype=dtype, device=DEVICE)
+        out, new_res = triton_k.add_rms_norm(x, residual, weight, 1e-5)
+        ref, ref_res = torch_k.add_rms_norm(x, residual, weight, 1e-5)
+        err = max(rel_err(out, ref), rel_err(new_res, ref_res))
+        rows.append(("add_rms_norm (out, residual)", name, err, tol))
+        err = rel_err(triton_k.rms_norm(x, weight, 1e-5), torch_k.rms_norm(x, weight, 1e-5))
+        rows.append(("rms_norm", name, err, tol))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def card_peaks() -> tuple[float, float]:
+    """(copy bytes/s, bf16 matmul flop/s) measured on this card."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)  # 1 GiB: far past any cache
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / (bench_ms(lambda: dst.copy_(src)) * 1e-3)  # read + write
+    del src, dst
+    n = 8192
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    matmul = 2 * n**3 / (bench_ms(lambda: a @ b) * 1e-3)
+    return copy, matmul
+
+
+def sdpa_ms(q, k, v, mask, causal) -> tuple[float, str]:
+    """Fastest of SDPA with enable_gqa and SDPA on K/V repeated to every query head (some backends only take
+    the latter); (ms, which)."""
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    variants = {
+        "gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True),
+        "repeated kv": lambda: F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, is_causal=causal),
+    }
+    times = {}
+    for name, fn in variants.items():
+        try:
+            times[name] = bench_ms(fn)
+        except RuntimeError as e:  # a backend refusing this shape/mask combination
+            print(f"SDPA {name}: {e}", file=sys.stderr)
+    best = min(times, key=times.get)
+    return times[best], best
+
+
+def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
+    cases = {
+        "decode 64 × 2048": ([1] * 64, [2048] * 64),
+        "prefill 4 × 2048": ([2048] * 4, [2048] * 4),
+        # SplitFuse: 4 prompt chunks of 512 tokens at different depths, 60 decodes
+        "mixed 4 chunks × 512 + 60 decodes": ([1] * 60 + [512] * 4, [2048] * 60 + [512, 1024, 1536, 2048]),
+    }
+    rows = []
+    for label, (q_lens, seq_lens) in cases.items():
+        for block_size in (16, 32):
+            b = make_batch(q_lens, seq_lens, block_size, dtype)
+            ours = bench_ms(lambda: triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5))
+            q, k, v, mask = padded_dense(b)
+            causal = mask is None and b.q_lens[0] > 1
+            theirs, variant = sdpa_ms(q, k, v, mask, causal)
+            nbytes, flops = attention_work(b)
+            bw, rate = nbytes / (ours * 1e-3), flops / (ours * 1e-3)
+            rows.append(
+                f"| {label} | {block_size} | {ours:.3f} | {theirs:.3f} ({variant}) | {theirs / ours:.2f}× "
+                f"| {bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%) | {rate / 1e12:.1f} ({100 * rate / matmul_flops:.0f}%) |"
+            )
+            del b, q, k, v, mask
+            torch.cuda.empty_cache()
+    return rows
+
+
+def other_rows(triton_k, torch_k, dtype, copy_bw) -> list[str]:
+    b = make_batch([8192], [8192], 16, dtype)  # one 8192-token prompt
+    tokens, hidden = b.q.shape[0], 4096
+    x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
+    weight = torch.randn(hidden, dtype=dtype, device=DEVICE)
+    elem = x.element_size()
+    norm_bytes = 4 * tokens * hidden * elem  # read x, residual; write out, residual
+
+    k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in "kv")
+    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0), tokens).to(DEVICE)
+    positions = torch.arange(tokens, device=DEVICE)
+    rotary_bytes = 2 * b.q.numel() * elem + 4 * k.numel() * elem  # q read + written; k, v read + written to cache
+
+    def rotary(kernels):
+        return lambda: kernels.rotary_write_kv(b.q, k, v, cos_sin, positions, b.k_cache, b.v_cache, b.meta.slot_mapping)
+
+    cases = [
+        (f"add_rms_norm {tokens} × {hidden}", lambda kk: lambda: kk.add_rms_norm(x, residual, weight, 1e-5), norm_bytes),
+        (f"rotary_write_kv {tokens} tokens", rotary, rotary_bytes),
+    ]
+    rows = []
+    for label, make, nbytes in cases:
+        ours, theirs = bench_ms(make(triton_k)), bench_ms(make(torch_k))
+        bw = nbytes / (ours * 1e-3)
+        rows.append(f"| {label} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f}× | {bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%) |")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the timed runs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU, and torch sees none here: nothing to measure.", file=sys.stderr)
+        return 2
+
+    import triton
+
+    triton_k = select_kernels("triton", "cuda")
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}: torch {torch.__version__}, triton {triton.__version__}\n")
+
+    checks = run_checks(triton_k, TORCH_KERNELS)
+    print("## Checks against the torch references\n")
+    print("| check | dtype | relative error | result |\n|---|---|---|---|")
+    for name, dt, err, tol in checks:
+        print(f"| {name} | {dt} | {err:.2e} | {'ok' if err < tol else f'FAIL (tolerance {tol:.0e})'} |")
+
+    copy_bw, matmul_flops = card_peaks()
+    print(f"\n## Card\n\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matmul {matmul_flops / 1e12:.0f} TFLOP/s\n")
+
+    print(f"## Paged attention ({args.dtype}, {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM})\n")
+    print("Bandwidth counts each cached K/V row, q and the output once; FLOP/s counts the causal work only.\n")
+    print("| batch | block | triton ms | SDPA ms (padded) | speedup | triton GB/s (% copy) | triton TFLOP/s (% matmul) |")
+    print("|---|---|---|---|---|---|---|")
+    for row in attention_rows(triton_k, dtype, copy_bw, matmul_flops):
+        print(row, flush=True)
+
+    print(f"\n## Other kernels ({args.dtype})\n")
+    print("| kernel | triton ms | torch ms | speedup | triton GB/s (% copy) |\n|---|---|---|---|---|")
+    for row in other_rows(triton_k, TORCH_KERNELS, dtype, copy_bw):
+        print(row, flush=True)
+
+    failed = [c for c in checks if not c[2] < c[3]]
+    if failed:
+        print(f"\n{len(failed)} check(s) FAILED", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""RMSNorm, alone and fused with the residual add that precedes it."""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (tokens, hidden) normalised in float32 and scaled by weight, as Hugging Face LlamaRMSNorm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the normalised input of the next block and the new residual."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual

@@ -1,0 +1,324 @@
+"""Triton versions of the kernels for CUDA (they also run on CPU tensors under TRITON_INTERPRET=1).
+
+Same call signatures and results as the torch references in this package:
+- `paged_attention`: one launch for a whole ragged batch (decodes and prompt chunks together). The grid is
+  (query tiles, kv heads); a tile holds consecutive new tokens of one sequence times all query heads of one
+  kv head, so each cached block is read once per tile whatever the GQA ratio.
+- `rotary_write_kv`: rotates q and k and scatters rotated k and plain v into their cache slots, one pass.
+- `rms_norm` / `add_rms_norm`: one program per row, float32 statistics.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import Kernels
+from .attention import AttentionMetadata
+
+LOG2_E = 1.4426950408889634
+
+# Reductions go through tl.reduce with triton's own combine functions instead of tl.max / tl.sum, and tiles are
+# made with tl.full instead of tl.zeros: those helpers are @triton.jit functions of triton's library, decorated
+# once when triton is first imported. If that happened without TRITON_INTERPRET (say a test session imported
+# triton before switching the interpreter on for these kernels), the interpreter cannot call them, while it
+# recognises these combine functions and reduces with numpy. Compiled code is the same either way.
+_max_combine = tl.standard._elementwise_max
+_sum_combine = tl.standard._sum_combine
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary + KV-cache write
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_half(x1, x2, cos, sin, dtype: tl.constexpr):
+    """Rotate-half on float32 tiles, rounding after every op as torch does in `dtype`, so results match it."""
+    a = (x1 * cos).to(dtype).to(tl.float32)
+    b = (x2 * sin).to(dtype).to(tl.float32)
+    c = (x2 * cos).to(dtype).to(tl.float32)
+    e = (x1 * sin).to(dtype).to(tl.float32)
+    return (a - b).to(dtype), (c + e).to(dtype)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_sin_ptr, positions_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    block_size,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)  # one token per program: all its q, k and v heads
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < HALF
+    # torch casts the float32 table to the activation dtype before multiplying
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
+
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    q_ok = (h < HEADS) & i_ok[None, :]
+    q_row = q_ptr + t * stride_qt + h * stride_qh + i[None, :]  # (heads, half)
+    q1 = tl.load(q_row, mask=q_ok, other=0.0).to(tl.float32)
+    q2 = tl.load(q_row + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    o1, o2 = _rotate_half(q1, q2, cos, sin, dtype)
+    o_row = q_out_ptr + t * stride_ot + h * stride_oh + i[None, :]
+    tl.store(o_row, o1, mask=q_ok)
+    tl.store(o_row + HALF, o2, mask=q_ok)
+
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    block = slot // block_size
+    offset = slot % block_size
+    kh = tl.arange(0, KV_HEADS_PAD)[:, None]
+    # Negative slots (padding tokens) are skipped instead of writing out of bounds. The test is folded into the
+    # head bound because the interpreter turns `block & scalar` masks into int32.
+    kv_ok = (kh < tl.where(slot >= 0, KV_HEADS, 0)) & i_ok[None, :]
+    k_row = k_ptr + t * stride_kt + kh * stride_kh + i[None, :]  # (kv_heads, half)
+    k1 = tl.load(k_row, mask=kv_ok, other=0.0).to(tl.float32)
+    k2 = tl.load(k_row + HALF, mask=kv_ok, other=0.0).to(tl.float32)
+    r1, r2 = _rotate_half(k1, k2, cos, sin, k_ptr.dtype.element_ty)
+    kc_row = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kh * stride_kch + i[None, :]
+    tl.store(kc_row, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(kc_row + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+    # v is copied in two halves too, so one padded width serves every tile
+    v_row = v_ptr + t * stride_vt + kh * stride_vh + i[None, :]
+    vc_row = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kh * stride_vch + i[None, :]
+    tl.store(vc_row, tl.load(v_row, mask=kv_ok).to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(vc_row + HALF, tl.load(v_row + HALF, mask=kv_ok).to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotates q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) by position, writes rotated k and v
+    into the cache; returns the rotated q (a new tensor: q itself is left as it was, like the torch version)."""
+    q, k, v, cos_sin = (_last_dim_contiguous(x) for x in (q, k, v, cos_sin))
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    assert head_dim % 2 == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rotary_write_kv_kernel[(tokens,)](
+        q, k, v, cos_sin, positions, slot_mapping, q_out, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[1],
+        HEADS=heads, KV_HEADS=kv_heads, HALF=half,
+        HEADS_PAD=triton.next_power_of_2(heads), KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+        enable_fp_fusion=False,  # no fused multiply-adds, so the rounding is torch's
+    )
+    return q_out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tiles_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    num_tiles, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tiles_ptr + tile)
+    tile_start = tl.load(tiles_ptr + num_tiles + tile)  # first query token of the tile within its sequence
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    # Row r of the tile is query token tile_start + r // GROUP, query head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // GROUP
+    row_ok = (rows < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    # Padding rows reuse the last real token so their softmax stays finite; they are never stored.
+    tok = tl.minimum(tok, q_len - 1)
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = seq_len - q_len + tok  # position of each row's token in its sequence
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]  # (BLOCK_M, HEAD_DIM_PAD)
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
+    kv_end = seq_len - q_len + tl.minimum(tile_start + TOKENS_PER_TILE, q_len)  # causal: past the tile's last token
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        # BLOCK_N need not match the cache block size: every key looks up its own block
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_PAD)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.where(n[None, :] <= q_pos[:, None], s, float("-inf"))
+        # key 0 is visible to every row, so m_new is finite from the first block on
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@functools.lru_cache(maxsize=32)
+def _tile_map(query_start: tuple[int, ...], tokens_per_tile: int, device: torch.device) -> torch.Tensor:
+    """(2, tiles) int32 on device: each tile's sequence and first query token within it. Cached because every
+    layer of a step asks for the same map."""
+    starts = torch.tensor(query_start, dtype=torch.int64)
+    lens = starts[1:] - starts[:-1]  # (seqs,)
+    per_seq = (lens + tokens_per_tile - 1) // tokens_per_tile
+    seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)  # (tiles,)
+    first_tile = torch.cumsum(per_seq, 0) - per_seq
+    local = torch.arange(len(seq)) - first_tile[seq]
+    return torch.stack([seq, local * tokens_per_tile]).to(torch.int32).to(device)
+
+
+def _attention_config(
+    meta: AttentionMetadata, group: int, head_dim_pad: int, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps). Decode-only batches use the smallest tile that holds one token's heads:
+    decode is bound by reading the cache, so larger tiles would only add idle rows. Float32 (no tensor-core path
+    at full precision) and head dims over 128 get smaller tiles, which keep them from spilling registers."""
+    rows = triton.next_power_of_2(group)
+    decode_only = meta.max_query_len <= 1
+    if dtype == torch.float32 or head_dim_pad > 128:
+        return max(16 if decode_only else 32, rows), 32, 8
+    return max(16 if decode_only else 64, rows), 64, 4
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of q (tokens, heads, head_dim) over each sequence's cache; returns (tokens, heads, head_dim)."""
+    q = _last_dim_contiguous(q)
+    tokens, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert heads % kv_heads == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = heads // kv_heads
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps = _attention_config(meta, group, head_dim_pad, q.dtype)
+    tokens_per_tile = block_m // group
+    tiles = _tile_map(tuple(meta.query_start_host), tokens_per_tile, q.device)
+    num_tiles = tiles.shape[1]
+    _paged_attention_kernel[(num_tiles, kv_heads)](
+        q, k_cache, v_cache, out, tiles, meta.query_start, meta.seq_lens, meta.block_tables,
+        num_tiles, scale * LOG2_E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        # fp32 inputs would otherwise go through tf32 tensor cores and lose ~3 digits
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=2, enable_fp_fusion=True,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        # rounded to the input dtype before normalising, exactly as torch's `x + residual`
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=ok)
+    x32 = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.reduce(x32 * x32, 0, _sum_combine) / hidden + eps)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_rms_norm(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    x2 = _last_dim_contiguous(x.reshape(-1, hidden))  # (rows, hidden)
+    if residual is None:
+        r2 = res_out = x2  # unused: HAS_RESIDUAL is off
+        in_dtype = x.dtype
+    else:
+        r2 = _last_dim_contiguous(residual.reshape(-1, hidden))
+        in_dtype = torch.promote_types(x.dtype, residual.dtype)  # the dtype of `x + residual`
+        res_out = torch.empty(x2.shape, dtype=in_dtype, device=x.device)
+    out_dtype = torch.promote_types(weight.dtype, in_dtype)  # what `weight * normed` gives in torch
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+            enable_fp_fusion=False,
+        )
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (tokens, hidden) normalised in float32 and scaled by weight, as Hugging Face LlamaRMSNorm."""
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the normalised input of the next block and the new residual."""
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+TRITON_KERNELS = Kernels("triton", rotary_write_kv, paged_attention, rms_norm, add_rms_norm)

@@ -1,0 +1,244 @@
+"""fastgen-deploy: start, inspect and stop a persistent FastGen deployment (balancer + replicas).
+
+Imports neither torch nor fastgen.replica, so every command answers at once; the model loads in the replicas.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import fields
+from pathlib import Path
+
+from . import deployment
+from .config import DTYPES, POLICIES, SCHEDULERS, DeployConfig, address, default_threads, format_size, parse_size
+from .deployment import DeployError
+from .state import fastgen_home
+
+PORTS_HELP = """ports: the balancer listens on --port and replica i on --port+1+i; metrics (Prometheus, /metrics) of the
+balancer are on --metrics-port and those of replica i on --metrics-port+1+i. State and logs live in
+$FASTGEN_HOME/<name> (default ~/.fastgen/<name>)."""
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastgen-deploy", description=__doc__.splitlines()[0], epilog=PORTS_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_start(sub)
+    add_status(sub)
+    add_stop(sub)
+    sub.add_parser("list", help="list deployments").add_argument("--json", action="store_true")
+    add_logs(sub)
+    add_generate(sub)
+    return parser
+
+
+def add_name(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="default", help="deployment name (default: %(default)s)")
+
+
+def add_start(sub) -> None:
+    d = DeployConfig()
+    p = sub.add_parser("start", help="launch a deployment and wait until it serves", epilog=PORTS_HELP)
+    add_name(p)
+    p.add_argument("--model", default=d.model, help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)")
+    p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks per replica (default: %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default=d.policy, help="default: %(default)s")
+    p.add_argument("--host", default=d.host, help="address every process binds to (default: %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="balancer gRPC port; replica i: port+1+i (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help="balancer metrics port; replica i: metrics-port+1+i (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="token budget of one forward pass (default: %(default)s)")
+    p.add_argument("--max-seqs", type=int, default=d.max_seqs, help="sequences per forward pass (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=None, help="exact KV pool size; overrides --kv-cache-memory")
+    p.add_argument("--kv-cache-memory", type=size_arg, default=format_size(d.kv_cache_memory),
+                   help="KV pool per replica: 512MiB, 2GiB or bytes (default: %(default)s)")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="default: %(default)s")
+    p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores // replicas)")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds to wait for every process to serve (default: %(default)s)")
+
+
+def add_status(sub) -> None:
+    p = sub.add_parser("status", help="health and load of every process")
+    add_name(p)
+    p.add_argument("--json", action="store_true", help="print a JSON list of processes")
+
+
+def add_stop(sub) -> None:
+    p = sub.add_parser("stop", help="drain in-flight requests, then stop every process")
+    add_name(p)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to drain before SIGKILL (default: 60)")
+
+
+def add_logs(sub) -> None:
+    p = sub.add_parser("logs", help="show a process's log")
+    add_name(p)
+    p.add_argument("process", nargs="?", default=None, metavar="ROLE_OR_ID",
+                   help="supervisor (default), balancer, replica-N or N")  # fmt: skip
+    p.add_argument("-n", "--lines", type=int, default=50, help="lines from the end (default: 50)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="send one prompt through the balancer and print the completion")
+    p.add_argument("prompt")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--name", default="default", help="deployment name (default: %(default)s)")
+    target.add_argument("--address", default=None, help="host:port of a balancer or replica")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (default: 120)")
+
+
+def config_from(args: argparse.Namespace) -> DeployConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(DeployConfig) if f.name != "threads"}
+    threads = args.threads if args.threads is not None else default_threads(cpu_count(), max(1, args.replicas))
+    return DeployConfig(**values, threads=threads)
+
+
+def cmd_start(args: argparse.Namespace, home: Path) -> int:
+    config = deployment.prepare(config_from(args))
+    print(f"starting deployment {config.name!r}: {config.replicas} replica(s) of {config.model}, waiting until "
+          f"all serve (up to {config.timeout:g} s) …", file=sys.stderr, flush=True)  # fmt: skip
+    state = deployment.start(config, home)
+    print(f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
+          f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
+    for rec in state["processes"]:
+        print(f"  {rec['id']:<12} grpc {address(state['host'], rec['port']):<22} "
+              f"metrics http://{address(state['host'], rec['metrics_port'])}/metrics  pid {rec['pid']}")  # fmt: skip
+    print(f"send requests to {address(state['host'], state['processes'][0]['port'])}; "
+          f"logs: {home / config.name / 'logs'}")  # fmt: skip
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, home: Path) -> int:
+    state = deployment.live_state(home, args.name)
+    rows = deployment.status(state)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"deployment {args.name!r}: {state['status']}, model {state['model']}, policy {state['policy']}, "
+          f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
+    print(f"{'PROCESS':<12} {'PID':>7} {'PORT':>6} {'METRICS':>7} {'HEALTH':<12} {'RESTARTS':>8}  LOAD")
+    for r in rows:
+        print(f"{r['id']:<12} {r['pid'] or '-':>7} {r['port']:>6} {r['metrics_port']:>7} {r['health']:<12} "
+              f"{r['restarts']:>8}  {load_text(r)}")  # fmt: skip
+    return 0
+
+
+def load_text(row: dict) -> str:
+    if "in_flight" in row:
+        return f"in flight {row['in_flight']}, replicas serving {row['replicas_serving']}"
+    if "queued" in row:
+        return (f"queued {row['queued']}, running {row['running']}, "
+                f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}")  # fmt: skip
+    return "-"
+
+
+def cmd_stop(args: argparse.Namespace, home: Path) -> int:
+    report = deployment.stop(home, args.name, args.timeout)
+    forced = f"; {len(report.forced)} needed SIGKILL" if report.forced else ""
+    print(f"deployment {args.name!r} stopped ({len(report.stopped)} processes{forced})")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace, home: Path) -> int:
+    rows = deployment.list_deployments(home)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no deployments under {home}")
+    else:
+        print(f"{'NAME':<16} {'STATUS':<9} {'ADDRESS':<22} {'REPLICAS':>8}  MODEL")
+        for r in rows:
+            print(f"{r['name']:<16} {r['status']:<9} {r['address']:<22} {r['replicas']:>8}  {r['model']}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace, home: Path) -> int:
+    path = deployment.log_path(home, args.name, args.process)
+    with open(path, errors="replace") as f:
+        sys.stdout.writelines(deque(f, maxlen=max(0, args.lines)))
+        sys.stdout.flush()
+        if args.follow:
+            follow(f)
+    return 0
+
+
+def follow(f) -> None:
+    try:
+        while True:
+            line = f.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            else:
+                time.sleep(0.3)
+    except KeyboardInterrupt:
+        pass
+
+
+def cmd_generate(args: argparse.Namespace, home: Path) -> int:
+    target = args.address or deployment.balancer_address(home, args.name)
+    from ..server import Client, GenerationError  # here, not at the top: only this command needs the client
+
+    sampling = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
+                if v is not None}  # fmt: skip
+    try:
+        with Client(target, timeout=args.timeout) as client:
+            if args.stream:
+                for text in client.stream(args.prompt, **sampling):
+                    print(text, end="", flush=True)
+                print()
+            else:
+                result = client.generate(args.prompt, **sampling)
+                print(result.text)
+                print(f"(served by {result.replica}: {result.generated_tokens} tokens, {result.finish_reason})",
+                      file=sys.stderr)  # fmt: skip
+    except GenerationError as e:
+        raise DeployError(f"request to {target} failed: {e}") from None
+    return 0
+
+
+COMMANDS = {
+    "start": cmd_start, "status": cmd_status, "stop": cmd_stop, "list": cmd_list, "logs": cmd_logs,
+    "generate": cmd_generate,
+}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args, fastgen_home())
+    except DeployError as e:
+        print(f"fastgen-deploy {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""What a deployment is: its settings, their validation, its port layout and the command of every process.
+
+Pure: no sockets, no processes, no imports of torch or of fastgen.replica (the CLI must answer instantly).
+
+Port layout of a deployment with N replicas (documented in the CLI's help):
+    balancer   gRPC --port          metrics --metrics-port
+    replica i  gRPC --port + 1 + i  metrics --metrics-port + 1 + i
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLICIES = ("round_robin", "least_loaded")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULERS = ("splitfuse", "prefill_first", "static")
+DEFAULT_MODEL = "smollm2-135m"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+# Bare K/M/G are binary, as in most serving tools' memory flags; KB/MB/GB are decimal.
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    name: str = "default"
+    model: str = DEFAULT_MODEL
+    replicas: int = 2
+    tp: int = 1
+    policy: str = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 50050
+    metrics_port: int = 9400
+    dtype: str = "auto"
+    max_batch_tokens: int = 512
+    max_seqs: int = 64
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int = 512 << 20  # bytes
+    scheduler: str = "splitfuse"
+    max_model_len: int | None = None
+    threads: int = 1  # per replica
+    timeout: float = 600.0  # seconds for every process to become SERVING
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of a deployment. A replica is one process today; with tensor parallelism it becomes a group of
+    `tp` processes that share `replica` and differ in `rank`."""
+
+    id: str  # unique in the deployment; names the log file: "balancer", "replica-0", later "replica-0-rank-1"
+    role: str  # "balancer" | "replica"
+    port: int
+    metrics_port: int
+    argv: list[str] = field(default_factory=list)
+    replica: str | None = None
+    rank: int | None = None
+
+
+def parse_size(text: str) -> int:
+    """Bytes in '512MiB', '2GiB', '1.5G', '1073741824'."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: write e.g. 512MiB, 2GiB or a number of bytes")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"size {text!r} is zero: give a positive size such as 512MiB")
+    return value
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def default_threads(cores: int, replicas: int) -> int:
+    return max(1, cores // max(1, replicas))
+
+
+def grpc_ports(config: DeployConfig) -> list[int]:
+    """Balancer first, then replica 0..N-1."""
+    return [config.port + i for i in range(config.replicas + 1)]
+
+
+def metrics_ports(config: DeployConfig) -> list[int]:
+    return [config.metrics_port + i for i in range(config.replicas + 1)]
+
+
+def looks_like_path(model: str) -> bool:
+    return "/" in model or model.startswith(("~", ".")) or model.endswith(".gguf")
+
+
+def validate(config: DeployConfig) -> list[str]:
+    """Every problem with the settings, each saying what to change; empty when they are fine."""
+    problems = _name_problems(config.name) + _count_problems(config) + _choice_problems(config)
+    problems += _engine_problems(config) + _port_problems(config)
+    if looks_like_path(config.model) and not Path(config.model).expanduser().exists():
+        problems.append(
+            f"--model {config.model}: no such file or folder; pass {DEFAULT_MODEL!r}, a Hugging Face folder "
+            "(config.json + *.safetensors) or a .gguf file"
+        )
+    return problems
+
+
+def _name_problems(name: str) -> list[str]:
+    if _NAME.match(name):
+        return []
+    return [
+        f"--name {name!r}: use 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit "
+        "(it names a folder)"
+    ]
+
+
+def _count_problems(c: DeployConfig) -> list[str]:
+    checks = [
+        (c.replicas >= 1, f"--replicas must be at least 1, got {c.replicas}"),
+        (c.tp >= 1, f"--tp must be at least 1, got {c.tp}"),
+        (c.threads >= 1, f"--threads must be at least 1, got {c.threads}"),
+        (c.timeout > 0, f"--timeout must be positive seconds, got {c.timeout}"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+def _choice_problems(c: DeployConfig) -> list[str]:
+    checks = [("--policy", c.policy, POLICIES), ("--dtype", c.dtype, DTYPES), ("--scheduler", c.scheduler, SCHEDULERS)]
+    return [f"{flag} {value!r}: use one of {', '.join(ok)}" for flag, value, ok in checks if value not in ok]
+
+
+def _engine_problems(c: DeployConfig) -> list[str]:
+    checks = [
+        (c.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, got {c.max_batch_tokens}"),
+        (c.max_seqs >= 1, f"--max-seqs must be at least 1, got {c.max_seqs}"),
+        (c.block_size >= 1, f"--block-size must be at least 1, got {c.block_size}"),
+        (c.num_blocks is None or c.num_blocks >= 1, f"--num-blocks must be at least 1, got {c.num_blocks}"),
+        (c.kv_cache_memory >= 1, f"--kv-cache-memory must be positive, got {c.kv_cache_memory}"),
+        (c.max_model_len is None or c.max_model_len >= 2, f"--max-model-len must be at least 2, got {c.max_model_len}"),
+    ]
+    problems = [message for ok, message in checks if not ok]
+    if 1 <= c.max_batch_tokens < c.max_seqs:
+        # The engine refuses this too, but only after the model has loaded.
+        problems.append(
+            f"--max-seqs ({c.max_seqs}) exceeds --max-batch-tokens ({c.max_batch_tokens}): every decoding sequence "
+            "needs one token of the budget; lower --max-seqs or raise --max-batch-tokens"
+        )
+    return problems
+
+
+def _port_problems(c: DeployConfig) -> list[str]:
+    n = max(1, c.replicas)
+    problems = []
+    for flag, base in (("--port", c.port), ("--metrics-port", c.metrics_port)):
+        if base < 1 or base + n > 65535:
+            problems.append(
+                f"{flag} {base}: the deployment needs ports {base}..{base + n} (balancer + {n} replicas), "
+                "which must lie within 1..65535"
+            )
+    overlap = set(grpc_ports(c)) & set(metrics_ports(c))
+    if overlap:
+        problems.append(
+            f"--port {c.port} and --metrics-port {c.metrics_port} overlap (both need {min(overlap)}): the gRPC ports "
+            f"are {c.port}..{c.port + n} and the metrics ports {c.metrics_port}..{c.metrics_port + n}"
+        )
+    return problems
+
+
+def connect_host(host: str) -> str:
+    """Where a local client reaches a server bound to host (a wildcard bind is reached on loopback)."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+
+
+def address(host: str, port: int) -> str:
+    host = connect_host(host)
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def plan(config: DeployConfig, python: str) -> list[ProcessSpec]:
+    """The balancer followed by the replicas, with their commands."""
+    replicas = [replica_spec(config, python, i) for i in range(config.replicas)]
+    return [balancer_spec(config, python, replicas)] + replicas
+
+
+def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
+    rid = f"replica-{index}"
+    port, metrics_port = c.port + 1 + index, c.metrics_port + 1 + index
+    argv = [python, "-m", "fastgen.replica", "--host", c.host, "--port", str(port), "--metrics-port", str(metrics_port)]
+    argv += ["--replica-id", rid, "--model", c.model]
+    if c.dtype != "auto":  # the replica picks the dtype itself when not told
+        argv += ["--dtype", c.dtype]
+    argv += ["--max-batch-tokens", str(c.max_batch_tokens), "--max-seqs", str(c.max_seqs)]
+    argv += ["--block-size", str(c.block_size)]
+    if c.num_blocks is not None:
+        argv += ["--num-blocks", str(c.num_blocks)]
+    argv += ["--kv-cache-memory", str(c.kv_cache_memory), "--scheduler", c.scheduler]
+    if c.max_model_len is not None:
+        argv += ["--max-model-len", str(c.max_model_len)]
+    argv += ["--threads", str(c.threads)]
+    if c.tp > 1:  # the replica starts its own rank processes for now
+        argv += ["--tp", str(c.tp)]
+    return ProcessSpec(id=rid, role="replica", port=port, metrics_port=metrics_port, argv=argv, replica=rid)
+
+
+def balancer_spec(c: DeployConfig, python: str, replicas: list[ProcessSpec]) -> ProcessSpec:
+    argv = [python, "-m", "fastgen.balancer", "--host", c.host, "--port", str(c.port)]
+    argv += ["--metrics-port", str(c.metrics_port)]
+    for r in replicas:
+        argv += ["--replica", f"{r.replica}={address(c.host, r.port)}"]
+    argv += ["--policy", c.policy]
+    return ProcessSpec(id="balancer", role="balancer", port=c.port, metrics_port=c.metrics_port, argv=argv)

@@ -1,0 +1,283 @@
+"""Starting, inspecting and stopping deployments from the CLI's side. The supervisor (supervisor.py) does the
+running; this module launches it, waits for it, and reads what it records."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+
+from . import probe
+from .config import DEFAULT_MODEL, DeployConfig, address, grpc_ports, looks_like_path, metrics_ports, plan, validate
+from .state import (
+    Paths, deployment_names, is_live, load_config, paths_for, read_json, remove_live_state, save_config, try_lock,
+    write_json_atomic,
+)  # fmt: skip
+from .supervisor import log_tail
+
+# Beyond --timeout, how long `start` waits for the supervisor to give up and clean up by itself.
+START_GRACE_S = 30.0
+# Beyond stop's --timeout (after which the supervisor SIGKILLs its children), how long before we kill it too.
+STOP_GRACE_S = 5.0
+
+
+class DeployError(Exception):
+    """A failure to show the user as it is: the message says what went wrong and what to change."""
+
+
+def prepare(config: DeployConfig) -> DeployConfig:
+    """Validated settings with a model path made absolute (the supervisor runs elsewhere)."""
+    problems = validate(config)
+    if problems:
+        raise DeployError("invalid settings:\n  " + "\n  ".join(problems))
+    if not probe.host_resolves(config.host):
+        raise DeployError(f"--host {config.host!r} does not resolve: give an IP address such as 127.0.0.1")
+    model = Path(config.model).expanduser()
+    if model.exists() and (looks_like_path(config.model) or config.model != DEFAULT_MODEL):
+        config = replace(config, model=str(model.resolve()))
+    return config
+
+
+def start(config: DeployConfig, home: Path, python: str = sys.executable) -> dict:
+    """Launches the deployment and waits until every process is SERVING; returns the supervisor's state."""
+    config = prepare(config)
+    paths = paths_for(home, config.name)
+    lock_fd = try_lock(paths)
+    if lock_fd is None:
+        raise DeployError(
+            f"a deployment named {config.name!r} is already running: stop it first (fastgen-deploy stop --name "
+            f"{config.name}) or choose another --name"
+        )
+    try:
+        clear_leftovers(paths)
+        problems = port_problems(config, home)
+        if problems:
+            raise DeployError("ports not available:\n  " + "\n  ".join(problems))
+        remove_live_state(paths)
+        save_config(paths, config)
+        supervisor = spawn_supervisor(paths, lock_fd, python)
+    finally:
+        os.close(lock_fd)  # the supervisor holds the lock from now on (inherited fd)
+    try:
+        return wait_for_start(paths, supervisor, config.timeout + START_GRACE_S)
+    except BaseException:  # a failure or Ctrl-C: leave nothing running
+        try:
+            stop(home, config.name, timeout=10.0)
+        except DeployError:
+            pass
+        raise
+
+
+def port_problems(config: DeployConfig, home: Path) -> list[str]:
+    """Ports another live deployment holds (even while it is still loading) or that cannot be bound now."""
+    owners = ports_of_live_deployments(home, exclude=config.name)
+    problems = []
+    roles = [spec.id for spec in plan(config, python="python")]
+    for kind, flag, ports in (("gRPC", "--port", grpc_ports(config)), ("metrics", "--metrics-port", metrics_ports(config))):
+        for role, port in zip(roles, ports):
+            if port in owners:
+                problems.append(f"port {port} ({role} {kind}) belongs to deployment {owners[port]!r}: choose another {flag}")
+            elif not probe.port_free(config.host, port):
+                problems.append(f"port {port} ({role} {kind}) on {config.host} is in use: choose another {flag}")
+    return problems
+
+
+def ports_of_live_deployments(home: Path, exclude: str) -> dict[int, str]:
+    owners = {}
+    for name in deployment_names(home):
+        paths = paths_for(home, name)
+        config = load_config(paths)
+        if name == exclude or config is None or not is_live(paths):
+            continue
+        for port in grpc_ports(config) + metrics_ports(config):
+            owners[port] = name
+    return owners
+
+
+def spawn_supervisor(paths: Paths, lock_fd: int, python: str) -> subprocess.Popen:
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    with open(paths.log("supervisor"), "w") as out:
+        return subprocess.Popen(
+            [python, "-m", "fastgen.launch.supervisor", str(paths.root), "--lock-fd", str(lock_fd)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=paths.root,
+            start_new_session=True,  # survives the terminal and Ctrl-C of the shell that ran `start`
+            pass_fds=(lock_fd,),
+        )  # fmt: skip
+
+
+def wait_for_start(paths: Paths, supervisor: subprocess.Popen, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = read_json(paths.state) or {}
+        status = state.get("status")
+        if status == "running":
+            return state
+        if status in ("stopping", "failed", "stopped"):
+            supervisor.wait()  # it stops its children itself, within its drain timeout
+            raise DeployError((read_json(paths.state) or state).get("error") or "stopped during start-up")
+        if supervisor.poll() is not None:
+            raise DeployError(
+                f"the supervisor exited with code {supervisor.returncode} before the deployment came up; the end of "
+                f"its log ({paths.log('supervisor')}):\n{log_tail(paths.log('supervisor'))}"
+            )
+        if time.monotonic() > deadline:
+            raise DeployError(f"the deployment did not come up within {timeout:g} s; see fastgen-deploy logs")
+        time.sleep(0.2)
+
+
+@dataclass(frozen=True)
+class StopReport:
+    stopped: list[int]  # pids that were running when stop began
+    forced: list[int]  # pids that needed SIGKILL from the CLI
+
+
+def stop(home: Path, name: str, timeout: float = 60.0) -> StopReport:
+    """Drains and stops the deployment, then makes sure none of its processes is left; forgets its state."""
+    paths = paths_for(home, name)
+    if not paths.config.exists() and not paths.state.exists():
+        raise DeployError(f"no deployment named {name!r} (see fastgen-deploy list)")
+    state = wait_for_state(paths) if is_live(paths) else read_json(paths.state) or {}
+    supervisor = supervisor_ref(state)
+    sup_proc = supervisor.process() if supervisor else None
+    victims = recorded_processes(state)
+    if sup_proc is not None:
+        victims += probe.tree(sup_proc)
+        write_json_atomic(paths.stop_request, {"timeout": timeout})
+        probe.kill_all([sup_proc], signal.SIGTERM)
+        probe.wait_gone([sup_proc], timeout + STOP_GRACE_S)
+    if supervisor is not None:
+        victims += probe.group_members(supervisor.pid)  # orphans of a supervisor that died
+    stopped = sorted({p.pid for p in victims})
+    forced = probe.alive(victims)
+    probe.kill_all(forced, signal.SIGKILL)
+    left = probe.wait_gone(forced, 5.0)
+    if left:
+        raise DeployError(f"could not stop pids {[p.pid for p in left]} of deployment {name!r}; kill them by hand")
+    remove_live_state(paths)
+    return StopReport(stopped=stopped, forced=sorted(p.pid for p in forced))
+
+
+def wait_for_state(paths: Paths, timeout: float = 5.0) -> dict:
+    """The supervisor writes its state right after launching its children; a stop can arrive just before."""
+    deadline = time.monotonic() + timeout
+    while (state := read_json(paths.state)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return state or {}
+
+
+def supervisor_ref(state: dict) -> probe.ProcessRef | None:
+    sup = state.get("supervisor")
+    return probe.ProcessRef(sup["pid"], sup["create_time"]) if sup else None
+
+
+def recorded_processes(state: dict) -> list[psutil.Process]:
+    """The live processes the state records, with their descendants (TP ranks, helpers)."""
+    found = []
+    for rec in state.get("processes", []):
+        if rec.get("pid") is None:
+            continue
+        p = probe.ProcessRef(rec["pid"], rec["create_time"]).process()
+        if p is not None:
+            found += probe.tree(p)
+    return found
+
+
+def clear_leftovers(paths: Paths) -> None:
+    """Kills what a crashed supervisor left running (its lock is free, its state says otherwise)."""
+    state = read_json(paths.state)
+    if state is None:
+        return
+    supervisor = supervisor_ref(state)
+    leftovers = recorded_processes(state) + (probe.group_members(supervisor.pid) if supervisor else [])
+    probe.kill_all(leftovers, signal.SIGKILL)
+    probe.wait_gone(leftovers, 5.0)
+
+
+def live_state(home: Path, name: str) -> dict:
+    """The state of a running deployment, or a DeployError saying why there is none."""
+    paths = paths_for(home, name)
+    if not paths.config.exists():
+        raise DeployError(f"no deployment named {name!r} (see fastgen-deploy list)")
+    if not is_live(paths):
+        state = read_json(paths.state) or {}
+        why = f": {state['error'].splitlines()[0]}" if state.get("error") else ""
+        raise DeployError(
+            f"deployment {name!r} is not running (its supervisor exited{why}); see fastgen-deploy logs --name {name} "
+            f"supervisor, then fastgen-deploy stop --name {name} to clear it"
+        )
+    return wait_for_state(paths)
+
+
+def status(state: dict, timeout: float = 1.0) -> list[dict]:
+    """One row per process of a live deployment's state, with live health (grpc.health.v1) and load (GetStatus)."""
+    host = state["host"]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda rec: process_status(rec, host, timeout), state["processes"]))
+
+
+def process_status(rec: dict, host: str, timeout: float) -> dict:
+    row = {key: rec.get(key) for key in ("id", "role", "pid", "port", "metrics_port")}
+    if rec.get("replica") is not None:
+        row["replica"] = rec["replica"]
+    if rec.get("rank") is not None:
+        row["rank"] = rec["rank"]
+    row["restarts"] = rec.get("restarts", 0)
+    target = address(host, rec["port"])
+    row["health"] = probe.check_health(target, timeout) if rec.get("pid") else probe.DOWN
+    reply = probe.get_status(target, timeout) if row["health"] != probe.DOWN else None
+    if reply is not None:
+        row.update(load_of(reply))
+    return row
+
+
+def load_of(reply) -> dict:
+    if reply.role == "balancer":
+        return {"in_flight": sum(r.in_flight for r in reply.replicas),
+                "replicas_serving": sum(r.health == 1 for r in reply.replicas)}  # fmt: skip
+    if not reply.replicas:
+        return {}
+    r = reply.replicas[0]
+    return {"queued": r.queued_requests, "running": r.running_requests,
+            "kv_blocks_used": r.kv_blocks_used, "kv_blocks_total": r.kv_blocks_total}  # fmt: skip
+
+
+def list_deployments(home: Path) -> list[dict]:
+    rows = []
+    for name in deployment_names(home):
+        paths = paths_for(home, name)
+        config, state = load_config(paths), read_json(paths.state) or {}
+        live = is_live(paths)
+        rows.append({
+            "name": name, "status": state.get("status", "starting") if live else "dead",
+            "model": config.model, "replicas": config.replicas, "tp": config.tp,
+            "address": address(config.host, config.port), "metrics_ports": f"{config.metrics_port}..{config.metrics_port + config.replicas}",
+            "supervisor_pid": (state.get("supervisor") or {}).get("pid") if live else None,
+        })  # fmt: skip
+    return rows
+
+
+def log_path(home: Path, name: str, which: str | None) -> Path:
+    """The log of 'supervisor' (default), 'balancer', 'replica-N' or just 'N'."""
+    paths = paths_for(home, name)
+    process_id = "supervisor" if which is None else (f"replica-{which}" if which.isdigit() else which)
+    path = paths.log(process_id)
+    if path.is_file():
+        return path
+    known = sorted(p.stem for p in paths.logs.glob("*.log")) if paths.logs.is_dir() else []
+    if not known:
+        raise DeployError(f"no logs for a deployment named {name!r} under {paths.root} (see fastgen-deploy list)")
+    raise DeployError(f"no log {process_id!r} in deployment {name!r}: choose one of {', '.join(known)}")
+
+
+def balancer_address(home: Path, name: str) -> str:
+    config = load_config(paths_for(home, name))
+    if config is None:
+        raise DeployError(f"no deployment named {name!r}: start one, or pass --address host:port")
+    live_state(home, name)
+    return address(config.host, config.port)

@@ -1,0 +1,136 @@
+"""Looking at running things: free ports, grpc.health.v1 checks, GetStatus, and processes by pid (psutil)."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..proto import fastgen_pb2, fastgen_pb2_grpc
+
+SERVING, NOT_SERVING, DOWN = "SERVING", "NOT_SERVING", "DOWN"
+# A private subchannel pool: otherwise every channel to an address shares one connection whose reconnect backoff
+# (up to minutes) would hide a process that has just come up.
+_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.enable_retries", 0)]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now. gRPC servers set SO_REUSEPORT, so a second server on a used
+    port would start silently and share the traffic: this check (without SO_REUSEPORT) is what catches it."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            # Like the servers: a port whose old connections linger in TIME_WAIT is still usable.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+            except OSError:
+                return False
+    return True
+
+
+def host_resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return True
+
+
+def check_health(target: str, timeout: float = 1.0) -> str:
+    """SERVING, NOT_SERVING (up but loading, draining or failing) or DOWN (no answer)."""
+    with grpc.insecure_channel(target, options=_CHANNEL_OPTIONS) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return DOWN
+    return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
+
+
+def get_status(target: str, timeout: float = 1.0) -> fastgen_pb2.StatusResponse | None:
+    with grpc.insecure_channel(target, options=_CHANNEL_OPTIONS) as channel:
+        try:
+            return fastgen_pb2_grpc.GenerationStub(channel).GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """A pid plus its start time, so a recycled pid is never mistaken for ours."""
+
+    pid: int
+    create_time: float
+
+    @staticmethod
+    def of(pid: int) -> ProcessRef | None:
+        try:
+            return ProcessRef(pid, psutil.Process(pid).create_time())
+        except psutil.Error:
+            return None
+
+    def process(self) -> psutil.Process | None:
+        """The live process, or None when it has exited (zombies count as exited)."""
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.create_time) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return p
+        except psutil.Error:
+            return None
+
+
+def tree(p: psutil.Process) -> list[psutil.Process]:
+    """p and all its descendants."""
+    try:
+        return [p] + p.children(recursive=True)
+    except psutil.Error:
+        return [p]
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Processes in a process group: children the supervisor started stay in its group even once orphaned."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def kill_all(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            continue
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Waits until every process has exited or timeout passes; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    left = alive(procs)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = alive(left)
+    return left

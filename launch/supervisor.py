@@ -1,0 +1,263 @@
+"""The long-running supervisor of one deployment: `python -m fastgen.launch.supervisor DEPLOYMENT_DIR`.
+
+`fastgen-deploy start` launches it detached (own session, stdin closed, output to logs/supervisor.log) holding the
+deployment's lock. It starts the balancer and the replicas, waits until all are SERVING (any exit or the timeout
+during start-up fails the deployment), then restarts whatever dies, with exponential backoff. On SIGTERM it drains:
+balancer first (it finishes the requests in flight through it), then the replicas, then SIGKILL after the timeout.
+Only this process writes state.json.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import probe
+from .config import DeployConfig, ProcessSpec, address, plan
+from .state import Paths, load_config, read_json, write_json_atomic
+
+log = logging.getLogger("fastgen.supervisor")
+
+POLL_S = 0.25
+DEFAULT_DRAIN_S = 60.0
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before restarting a process that died: 1 s, 2 s, 4 s … capped at 30 s. A run that lasted reset_after
+    seconds counts as healthy and starts the schedule over."""
+
+    initial: float = 1.0
+    maximum: float = 30.0
+    reset_after: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.maximum, self.initial * 2 ** max(0, failures - 1))
+
+    def failures_after_exit(self, failures: int, uptime: float) -> int:
+        return 1 if uptime >= self.reset_after else failures + 1
+
+
+@dataclass
+class Child:
+    spec: ProcessSpec
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    create_time: float | None = None
+    started_at: float = 0.0  # monotonic
+    failures: int = 0  # exits in a row without a healthy run
+    restarts: int = 0
+    restart_at: float | None = None  # monotonic; set while waiting out the backoff
+    last_exit: int | None = None
+
+
+@dataclass
+class StopFlag:
+    """Set by SIGTERM/SIGINT; a plain attribute because signal handlers must not take locks."""
+
+    requested: bool = False
+
+
+def launch(child: Child, env: dict[str, str], first: bool) -> None:
+    child.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(child.log_path, "w" if first else "a") as out:
+        out.write(f"==== fastgen-deploy: starting {child.spec.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                  f"{' '.join(child.spec.argv)}\n")  # fmt: skip
+        out.flush()
+        # Children stay in the supervisor's session and process group, so `stop` can find them even if the
+        # supervisor itself was killed.
+        child.proc = subprocess.Popen(child.spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      env=env)  # fmt: skip
+    ref = probe.ProcessRef.of(child.proc.pid)
+    child.create_time = ref.create_time if ref else None
+    child.started_at = time.monotonic()
+    child.restart_at = None
+    log.info("started %s (pid %d)", child.spec.id, child.proc.pid)
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of the latest run recorded in a log."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    run = text[text.rfind("==== fastgen-deploy: starting") :] if "==== fastgen-deploy" in text else text
+    return "\n".join(run.splitlines()[-lines:])
+
+
+def process_record(child: Child) -> dict:
+    spec = child.spec
+    running = child.proc is not None and child.proc.poll() is None
+    return {
+        "id": spec.id, "role": spec.role, "replica": spec.replica, "rank": spec.rank,
+        "pid": child.proc.pid if running else None, "create_time": child.create_time if running else None,
+        "port": spec.port, "metrics_port": spec.metrics_port, "log": str(child.log_path),
+        "restarts": child.restarts, "last_exit": child.last_exit,
+        "state": "running" if running else ("restarting" if child.restart_at is not None else "exited"),
+    }  # fmt: skip
+
+
+def write_state(paths: Paths, config: DeployConfig, children: list[Child], status: str, error: str | None = None):
+    write_json_atomic(paths.state, {
+        "name": config.name, "status": status, "error": error,
+        "supervisor": {"pid": os.getpid(), "create_time": probe.ProcessRef.of(os.getpid()).create_time},
+        "host": config.host, "model": config.model, "policy": config.policy, "tp": config.tp,
+        "updated": time.time(), "processes": [process_record(c) for c in children],
+    })  # fmt: skip
+
+
+def exit_message(child: Child, phase: str) -> str:
+    return (
+        f"{child.spec.id} exited with code {child.last_exit} {phase}; the end of its log ({child.log_path}):\n"
+        + log_tail(child.log_path)
+    )
+
+
+def wait_until_serving(children: list[Child], host: str, timeout: float, stop: StopFlag) -> str | None:
+    """None once every child answers SERVING; otherwise why start-up failed."""
+    deadline = time.monotonic() + timeout
+    health = {c.spec.id: probe.DOWN for c in children}
+    while True:
+        for c in children:
+            if c.proc.poll() is not None:
+                c.last_exit = c.proc.returncode
+                return exit_message(c, "during start-up")
+        for c in children:
+            if health[c.spec.id] != probe.SERVING:
+                health[c.spec.id] = probe.check_health(address(host, c.spec.port), timeout=1.0)
+        if all(h == probe.SERVING for h in health.values()):
+            return None
+        if stop.requested:
+            return "stopped by a signal during start-up"
+        if time.monotonic() > deadline:
+            late = [c for c in children if health[c.spec.id] != probe.SERVING]
+            return "\n".join(
+                f"{c.spec.id} not SERVING after {timeout:g} s (health {health[c.spec.id]}); raise --timeout if it "
+                f"is still loading. The end of its log ({c.log_path}):\n{log_tail(c.log_path)}"
+                for c in late
+            )
+        time.sleep(POLL_S)
+
+
+def reap(child: Child, backoff: Backoff, now: float) -> bool:
+    """Notices a dead child and schedules its restart; True when something changed."""
+    if child.proc is None or child.restart_at is not None or child.proc.poll() is None:
+        return False
+    child.last_exit = child.proc.returncode
+    child.failures = backoff.failures_after_exit(child.failures, now - child.started_at)
+    child.restart_at = now + backoff.delay(child.failures)
+    log.warning("%s (pid %d) exited with code %s; restarting in %.0f s", child.spec.id, child.proc.pid,
+                child.last_exit, child.restart_at - now)  # fmt: skip
+    return True
+
+
+def supervise(paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag,
+              backoff: Backoff) -> None:  # fmt: skip
+    """Keeps every child running until a stop is requested."""
+    while not stop.requested:
+        now = time.monotonic()
+        changed = [reap(c, backoff, now) for c in children]
+        for c in children:
+            if c.restart_at is not None and now >= c.restart_at:
+                c.restarts += 1
+                launch(c, env, first=False)
+                changed.append(True)
+        if any(changed):
+            write_state(paths, config, children, "running")
+        time.sleep(POLL_S)
+
+
+def drain_timeout(paths: Paths) -> float:
+    request = read_json(paths.stop_request) or {}
+    return float(request.get("timeout", DEFAULT_DRAIN_S))
+
+
+def terminate(children: list[Child], timeout: float) -> None:
+    """SIGTERM the balancer, wait for it, then the replicas; SIGKILL whatever is left when timeout runs out."""
+    deadline = time.monotonic() + timeout
+    stages = [[c for c in children if c.spec.role == "balancer"], [c for c in children if c.spec.role != "balancer"]]
+    for stage in stages:
+        procs = [p for c in stage if (p := live_process(c)) is not None]
+        # Descendants (e.g. TP ranks) are collected now: once their parent exits they are reparented away.
+        family = [q for p in procs for q in probe.tree(p)]
+        probe.kill_all(procs, signal.SIGTERM)
+        left = probe.wait_gone(family, max(0.0, deadline - time.monotonic()))
+        if left:
+            log.warning("SIGKILL after %g s: pids %s", timeout, [p.pid for p in left])
+            probe.kill_all(left, signal.SIGKILL)
+            probe.wait_gone(left, 5.0)
+    for c in children:
+        if c.proc is not None:
+            c.proc.poll()  # reap, so no zombie outlives us
+        c.restart_at = None
+
+
+def live_process(child: Child):
+    if child.proc is None or child.proc.poll() is not None or child.create_time is None:
+        return None
+    return probe.ProcessRef(child.proc.pid, child.create_time).process()
+
+
+def start_and_supervise(paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str],
+                        stop: StopFlag, backoff: Backoff) -> str | None:  # fmt: skip
+    """Runs until a stop is requested; returns why start-up failed, or None."""
+    for c in children:
+        launch(c, env, first=True)
+    write_state(paths, config, children, "starting")
+    error = wait_until_serving(children, config.host, config.timeout, stop)
+    if error is not None:
+        log.error("start-up failed: %s", error)
+        return error
+    write_state(paths, config, children, "running")
+    log.info("all %d processes SERVING", len(children))
+    supervise(paths, config, children, env, stop, backoff)
+    return None
+
+
+def run(paths: Paths, backoff: Backoff = Backoff()) -> int:
+    config = load_config(paths)
+    stop = StopFlag()
+
+    def request_stop(signum, frame):
+        stop.requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    children = [Child(spec, paths.log(spec.id)) for spec in plan(config, sys.executable)]
+    try:
+        error = start_and_supervise(paths, config, children, env, stop, backoff)
+    except BaseException:
+        terminate(children, DEFAULT_DRAIN_S / 4)  # never leave orphans behind, even on a bug of ours
+        raise
+    write_state(paths, config, children, "stopping", error)
+    terminate(children, drain_timeout(paths))
+    write_state(paths, config, children, "failed" if error else "stopped", error)
+    log.info("stopped")
+    return 1 if error else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastgen.launch.supervisor", description=__doc__)
+    parser.add_argument("deployment_dir", type=Path)
+    # The CLI passes its flock-ed lock fd down; keeping it open is what holds the lock for our whole life.
+    parser.add_argument("--lock-fd", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    try:
+        return run(Paths(args.deployment_dir))
+    except Exception:
+        log.exception("supervisor crashed")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""One replica process: `python -m fastgen.replica --port 50051 --replica-id replica-0 [engine knobs]`.
+
+Binds its port first (health answers NOT_SERVING while the model loads), loads and warms the model, then
+serves until SIGTERM, which drains: no new requests, in-flight ones finish, then exit 0."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import sys
+import time
+
+from ..server.grpc_server import PortInUseError, create_server, set_serving
+from .config import SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig
+
+log = logging.getLogger("fastgen.replica")
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastgen.replica", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: pick a free one)")
+    p.add_argument("--replica-id", default="replica-0")
+    p.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--max-batch-tokens", type=positive, default=512)
+    p.add_argument("--max-seqs", type=positive, default=64)
+    p.add_argument("--block-size", type=positive, default=16)
+    p.add_argument("--num-blocks", type=positive, default=None)
+    p.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20)
+    p.add_argument("--scheduler", default="splitfuse", choices=SCHEDULERS)
+    p.add_argument("--max-model-len", type=positive, default=None)
+    p.add_argument("--default-max-new-tokens", type=positive, default=256)
+    p.add_argument("--threads", type=positive, default=1, help="torch threads for this process")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel ranks of this replica")
+    p.add_argument("--max-queue-requests", type=positive, default=256)
+    p.add_argument("--max-queue-tokens", type=positive, default=262144)
+    p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds SIGTERM waits for in-flight requests")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=None if args.dtype == "auto" else args.dtype,
+        device=args.device,
+        kernels=args.kernels,
+        scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, policy=args.scheduler),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, memory_bytes=args.kv_cache_memory),
+        max_model_len=args.max_model_len,
+        default_max_new_tokens=args.default_max_new_tokens,
+    )
+
+
+def warm_up(engine) -> None:
+    """One short request through every stage, so the first real request does not pay for lazy set-up."""
+    from .request import SamplingParams
+
+    engine.add_request("warm-up", list(range(1, 9)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from ..server.metrics import ReplicaMetrics, start_metrics_server
+    from .engine import build_engine
+    from .service import EngineLoop, QueueLimits, ReplicaService
+
+    torch.set_num_threads(args.threads)
+    config = engine_config(args)  # flag errors surface before anything binds
+    registry = CollectorRegistry()
+    metrics = ReplicaMetrics(registry, args.replica_id, args.model)
+    service = ReplicaService(args.replica_id, args.model, metrics)
+    server, health = create_server(service, args.host, args.port)
+    await server.start()
+    await set_serving(health, False)
+    metrics_port = start_metrics_server(registry, args.host, args.metrics_port)
+    log.info("replica %s listening on %s:%d (metrics on %d); loading %s", args.replica_id, args.host, args.port,
+             metrics_port, args.model)  # fmt: skip
+
+    started = time.monotonic()
+    engine = await asyncio.to_thread(build_engine, config)
+    await asyncio.to_thread(warm_up, engine)
+    loop = EngineLoop(engine, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens),
+                      asyncio.get_running_loop())  # fmt: skip
+    loop.start()
+    service.engine_loop = loop
+    await set_serving(health, True)
+    log.info("replica %s SERVING after %.1f s", args.replica_id, time.monotonic() - started)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("draining %d in-flight requests", loop.in_flight)
+    service.draining = True
+    await set_serving(health, False)
+    deadline = time.monotonic() + args.drain_timeout
+    while loop.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=2.0)
+    loop.stop()
+    log.info("replica %s stopped", args.replica_id)
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    if args.tp > 1:
+        from .tp_worker import run_tensor_parallel
+
+        return run_tensor_parallel(args, serve)
+    try:
+        return asyncio.run(serve(args))
+    except PortInUseError as exc:
+        print(f"fastgen.replica: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # bad model, bad engine settings
+        print(f"fastgen.replica: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The non-persistent API: load a model, run a list of prompts through the engine, return the outputs.
+
+    from fastgen.replica import pipeline
+    pipe = pipeline("smollm2-135m", dtype="bfloat16")
+    outs = pipe(["Hello,"], max_new_tokens=32)
+    print(outs[0].text)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .engine import Engine, Prompt, build_engine
+from .request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class Output:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+
+
+class Pipeline:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._next_id = 0
+
+    def __call__(self, prompts: Seq[Prompt] | str, **sampling) -> list[Output]:
+        """Generates for every prompt (strings, token-id lists or chat-message lists) with the same sampling
+        settings (SamplingParams fields); outputs come back in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if "stop" in sampling and isinstance(sampling["stop"], str):
+            sampling["stop"] = (sampling["stop"],)
+        elif "stop" in sampling:
+            sampling["stop"] = tuple(sampling["stop"])
+        params = SamplingParams(**sampling)
+        ids = []
+        try:
+            for prompt in prompts:
+                ids.append(f"pipeline-{self._next_id}")
+                self._next_id += 1
+                self.engine.add_request(ids[-1], prompt, params)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        done: dict[str, Output] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step().outputs:
+                if out.finished:
+                    done[out.request_id] = Output(
+                        out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.generated_tokens
+                    )
+        return [done[rid] for rid in ids]
+
+    generate = __call__
+
+
+def pipeline(
+    model: str = "smollm2-135m",
+    dtype: str | None = None,
+    max_batch_tokens: int = 512,
+    max_seqs: int | None = None,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_memory: int = 512 << 20,
+    scheduler: str = "splitfuse",
+    max_model_len: int | None = None,
+    device: str = "cpu",
+    kernels: str = "auto",
+    progress: bool = True,
+) -> Pipeline:
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        kernels=kernels,
+        scheduler=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_seqs=max_seqs or min(64, max_batch_tokens), policy=scheduler),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory),
+        max_model_len=max_model_len,
+        progress=progress,
+    )
+    return Pipeline(build_engine(config))

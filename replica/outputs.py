@@ -1,0 +1,61 @@
+"""What the engine emits: per-request outputs after each step and one stats record per step (no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import FinishReason
+
+
+@dataclass
+class RequestTimings:
+    arrival: float  # time.monotonic() when the request was added
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_text: str  # text that became final during this step
+    new_token_ids: list[int]  # tokens sampled during this step
+    text: str  # all final text so far
+    token_ids: list[int]  # all generated tokens so far
+    prompt_tokens: int
+    finish_reason: FinishReason | None
+    timings: RequestTimings
+    time: float  # when this output was produced (time.monotonic())
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_seqs: int  # sequences in the forward pass
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    token_budget: int
+    num_preempted: int
+    forward_s: float  # model forward + sampling
+    step_s: float  # the whole step, scheduling and detokenization included
+    num_waiting: int  # after the step
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stats: StepStats | None = None  # None when there was nothing to run

@@ -1,0 +1,83 @@
+"""Request and sequence state as plain counters (no torch)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # a stop string matched
+    EOS = "eos"  # an end-of-sequence token was sampled
+    CANCELLED = "cancelled"  # aborted by the caller
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 0  # 0: the engine's default, capped by the context left
+    min_new_tokens: int = 0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # the same seed gives the same tokens whatever else is in the batch
+    stop: tuple[str, ...] = ()  # stop strings, matched on text and left out of the output
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field and what to change."""
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (0 means the server default), got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens}): "
+                "lower min_new_tokens or raise max_new_tokens"
+            )
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty: remove the empty entry")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and where its KV cache stands. KV for token_ids[:num_computed] is in the cache."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_new_tokens: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not cached yet: 1 while decoding, more while (re)filling a prompt."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_new_tokens

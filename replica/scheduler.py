@@ -1,0 +1,191 @@
+"""Dynamic SplitFuse scheduler and the two baseline schedules of the paper's comparison (no torch).
+
+Each `schedule()` call builds one forward pass. Sequences keep FCFS priority: older sequences are served first
+and, when the KV pool runs short, the newest sequence is preempted (its blocks freed; it is recomputed later).
+The scheduler advances `num_computed` as it schedules: the batch it returns is what the model will cache.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .batch import Batch, ScheduledSeq
+from .block_allocator import BlockAllocator
+from .config import SchedulerConfig
+from .request import Sequence, SeqStatus
+
+# How many later requests may be admitted ahead of a waiting request that does not fit yet. Past this the
+# queue stops overtaking it, running sequences drain, and it gets its blocks: no starvation.
+MAX_OVERTAKES = 16
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences go back to the front
+        self.running: list[Sequence] = []  # admission order, oldest first
+        self.num_preemptions = 0
+        self._overtakes = 0
+        self._schedule = {
+            "splitfuse": self._schedule_splitfuse,
+            "prefill_first": self._schedule_prefill_first,
+            "static": self._schedule_static,
+        }[config.policy]
+
+    # ---- admission and release -------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuses (ValueError) a request that could never run, whatever else is going on."""
+        total = num_prompt_tokens + max_new_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"context of {self.config.max_model_len} tokens: shorten the prompt or lower max_new_tokens"
+            )
+        need = self.allocator.blocks_for(total)
+        if need > self.allocator.num_blocks:
+            raise ValueError(
+                f"prompt + max_new_tokens = {total} tokens needs {need} KV blocks but the whole pool has "
+                f"{self.allocator.num_blocks}: lower max_new_tokens or shorten the prompt (or give the server a "
+                "larger KV cache)"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_prompt_tokens, seq.max_new_tokens)
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Releases a sequence that finished or was aborted, wherever it is."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        return self._schedule()
+
+    # ---- the three schedules ---------------------------------------------------------------------------
+    def _schedule_splitfuse(self) -> Batch:
+        """Every decode gets one token; prompt chunks (unfinished prompts first, then new requests in arrival
+        order) fill the rest of the budget, splitting a prompt that does not fit."""
+        budget = self.config.max_batch_tokens
+        decodes, chunks, preempted, scheduled = [], [], [], set()
+        for seq in list(self.running):
+            if seq.status is SeqStatus.RUNNING and seq.num_uncomputed == 1:
+                if self._make_room(seq, seq.num_tokens, scheduled, preempted, preempt_self=True):
+                    decodes.append(self._take(seq, 1, scheduled))
+                    budget -= 1
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled or seq.num_uncomputed <= 1:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            self._make_room(seq, seq.num_computed + n, scheduled, preempted, preempt_self=False)
+            n = min(n, self.allocator.tokens_fitting(seq.block_table, seq.num_computed))
+            if n:
+                chunks.append(self._take(seq, n, scheduled))
+                budget -= n
+        if not preempted:  # a pool short enough to preempt admits nothing new this step
+            for seq, n in self._admit(budget, whole_prompts=False):
+                chunks.append(self._take(seq, n, scheduled))
+        return Batch(decodes + chunks, len(decodes), preempted)
+
+    def _schedule_prefill_first(self) -> Batch:
+        """vLLM's scheduler of 2023: whole new prompts whenever any can be admitted, decodes wait meanwhile."""
+        scheduled: set[int] = set()
+        prefills = [self._take(seq, n, scheduled) for seq, n in self._admit(self.config.max_batch_tokens, True)]
+        if prefills:
+            return Batch(prefills, 0, [])
+        return self._decode_all(scheduled)
+
+    def _schedule_static(self) -> Batch:
+        """Static batching: a batch is admitted only when the previous one has finished, then runs to the end."""
+        scheduled: set[int] = set()
+        if self.running:
+            return self._decode_all(scheduled)
+        prefills = [
+            self._take(seq, n, scheduled)
+            for seq, n in self._admit(self.config.max_batch_tokens, whole_prompts=True, reserve_lifetime=True)
+        ]
+        return Batch(prefills, 0, [])
+
+    # ---- pieces ----------------------------------------------------------------------------------------
+    def _decode_all(self, scheduled: set[int]) -> Batch:
+        decodes, preempted = [], []
+        for seq in list(self.running):
+            if seq.status is SeqStatus.RUNNING and seq.num_uncomputed == 1:
+                if self._make_room(seq, seq.num_tokens, scheduled, preempted, preempt_self=True):
+                    decodes.append(self._take(seq, 1, scheduled))
+        return Batch(decodes, len(decodes), preempted)
+
+    def _admit(
+        self, budget: int, whole_prompts: bool, reserve_lifetime: bool = False
+    ) -> list[tuple[Sequence, int]]:
+        """Moves waiting sequences to running while the budget, max_seqs and the KV pool allow.
+
+        A request that does not fit now may be overtaken by later ones, at most MAX_OVERTAKES times."""
+        admitted: list[tuple[Sequence, int]] = []
+        claimed = 0  # blocks promised to sequences admitted by this call (for their whole life when static)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_seqs:
+            seq = self.waiting[i]
+            n = seq.num_uncomputed if whole_prompts else min(seq.num_uncomputed, budget)
+            if whole_prompts and n > budget and admitted:
+                break  # whole prompts only; the first one may exceed the budget so it can run at all
+            # Keep a few blocks back for running sequences to decode into, unless the pool is otherwise idle.
+            watermark = max(1, self.allocator.num_blocks // 100) if self.running else 0
+            need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else n)
+            if claimed + need + watermark <= self.allocator.num_free:
+                del self.waiting[i]
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                admitted.append((seq, n))
+                budget -= n
+                claimed += need
+                self._overtakes = 0 if i == 0 else self._overtakes + 1
+            elif i == 0 and self._overtakes >= MAX_OVERTAKES:
+                break
+            elif reserve_lifetime:
+                break  # static batches keep arrival order
+            else:
+                i += 1
+        return admitted
+
+    def _make_room(
+        self, seq: Sequence, num_tokens: int, scheduled: set[int], preempted: list[int], preempt_self: bool
+    ) -> bool:
+        """Frees blocks for seq to hold num_tokens by preempting newer sequences not yet in this batch.
+        When none is left, a decode preempts itself (preempt_self) and a prompt chunk takes what fits."""
+        while not self.allocator.can_grow(seq.block_table, num_tokens):
+            victim = self.running[-1]
+            if victim is seq or victim.seq_id in scheduled:
+                if preempt_self:
+                    self._preempt(seq, preempted)
+                return False
+            self._preempt(victim, preempted)
+        return True
+
+    def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        preempted.append(seq.seq_id)
+
+    def _take(self, seq: Sequence, n: int, scheduled: set[int]) -> ScheduledSeq:
+        start = seq.num_computed
+        self.allocator.grow(seq.block_table, start + n)
+        seq.num_computed += n
+        scheduled.add(seq.seq_id)
+        return ScheduledSeq(
+            seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table), start + n == seq.num_tokens
+        )

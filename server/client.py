@@ -1,0 +1,329 @@
+"""Python clients of fastgen.v1.Generation: `Client` (blocking) and `AsyncClient` (asyncio), for a balancer or a
+single replica alike.
+
+    with Client("127.0.0.1:50050") as client:
+        print(client.generate("Once upon a time", max_new_tokens=32).text)
+        for text in client.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1):
+            print(text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import asyncio
+import numbers
+import threading
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from .grpc_server import CHANNEL_OPTIONS
+
+SAMPLING_FIELDS = (
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+)  # fmt: skip
+CALL_FIELDS = ("request_id", "timeout")
+# Requests of one batch in flight at once: enough to fill a deployment, few enough not to overflow its queues.
+DEFAULT_MAX_IN_FLIGHT = 128
+
+FINISH_REASONS = {
+    fastgen_pb2.FINISH_REASON_UNSPECIFIED: None,
+    fastgen_pb2.FINISH_REASON_LENGTH: "length",
+    fastgen_pb2.FINISH_REASON_STOP: "stop",
+    fastgen_pb2.FINISH_REASON_EOS: "eos",
+    fastgen_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+HEALTH_NAMES = {
+    fastgen_pb2.HEALTH_UNKNOWN: "unknown",
+    fastgen_pb2.HEALTH_SERVING: "serving",
+    fastgen_pb2.HEALTH_NOT_SERVING: "not_serving",
+}
+
+class GenerationError(Exception):
+    """A failed call: `.code` is the grpc.StatusCode, `.details` the server's message (what to change)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
+
+    @classmethod
+    def from_rpc_error(cls, e: grpc.RpcError) -> GenerationError:
+        return cls(e.code(), e.details() or "")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length", "stop", "eos" or "cancelled"
+    prompt_tokens: int
+    generated_tokens: int
+    replica: str  # id of the replica that served the request
+    request_id: str
+
+
+@dataclass
+class GenerationChunk:
+    text: str  # text that became final with this chunk
+    token_ids: list[int]  # ids sampled since the previous chunk
+    finish_reason: str | None  # set on the last chunk only
+    prompt_tokens: int  # set on the last chunk
+    generated_tokens: int  # set on the last chunk
+    replica: str
+    request_id: str
+
+
+@dataclass
+class ReplicaInfo:
+    replica: str
+    address: str
+    health: str  # "serving", "not_serving" or "unknown"
+    queued_requests: int
+    running_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_generated: int
+    in_flight: int
+    pending_prompt_tokens: int
+
+
+@dataclass
+class Status:
+    model: str
+    role: str  # "replica" or "balancer"
+    replicas: list[ReplicaInfo] = field(default_factory=list)
+
+
+# ---- Conversions between Python values and the wire messages. ----
+def check_kwargs(kwargs: Mapping[str, object]) -> None:
+    unknown = sorted(set(kwargs) - set(SAMPLING_FIELDS) - set(CALL_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"valid ones are {', '.join(SAMPLING_FIELDS + CALL_FIELDS)}"
+        )
+
+
+def sampling_params(kwargs: Mapping[str, object]) -> fastgen_pb2.SamplingParams:
+    values = {k: kwargs[k] for k in SAMPLING_FIELDS if kwargs.get(k) is not None}
+    stop = values.pop("stop", ())
+    params = fastgen_pb2.SamplingParams(**values)
+    params.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    return params
+
+
+def is_single_prompt(prompt: object) -> bool:
+    """True for one prompt (text, token ids or chat messages); False for a list of prompts."""
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, Sequence):
+        raise TypeError(f"a prompt is a str, a list of token ids or a list of chat messages, got {type(prompt)}")
+    return len(prompt) > 0 and isinstance(prompt[0], (numbers.Integral, Mapping))
+
+
+def build_request(prompt: object, request_id: str | None, kwargs: Mapping[str, object]) -> fastgen_pb2.GenerateRequest:
+    req = fastgen_pb2.GenerateRequest(request_id=request_id or "", params=sampling_params(kwargs))
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt):
+        req.messages.messages.extend(
+            fastgen_pb2.ChatMessage(role=str(m.get("role", "")), content=str(m.get("content", ""))) for m in prompt
+        )
+    elif all(isinstance(t, numbers.Integral) for t in prompt):
+        req.token_ids.ids.extend(int(t) for t in prompt)  # an empty list reaches the server, which explains
+    else:
+        raise TypeError("a prompt list must hold only token ids (int) or only chat messages (dict with role, content)")
+    return req
+
+
+def batch_requests(prompts: Sequence, kwargs: Mapping[str, object]) -> list[fastgen_pb2.GenerateRequest]:
+    base_id = kwargs.get("request_id")
+    return [build_request(p, f"{base_id}-{i}" if base_id else None, kwargs) for i, p in enumerate(prompts)]
+
+
+def to_result(resp: fastgen_pb2.GenerateResponse) -> GenerationResult:
+    return GenerationResult(
+        text=resp.text, token_ids=list(resp.token_ids), finish_reason=FINISH_REASONS[resp.finish_reason],
+        prompt_tokens=resp.prompt_tokens, generated_tokens=resp.generated_tokens, replica=resp.replica,
+        request_id=resp.request_id,
+    )  # fmt: skip
+
+
+def to_chunk(chunk: fastgen_pb2.GenerateChunk) -> GenerationChunk:
+    return GenerationChunk(
+        text=chunk.text, token_ids=list(chunk.token_ids), finish_reason=FINISH_REASONS[chunk.finish_reason],
+        prompt_tokens=chunk.prompt_tokens, generated_tokens=chunk.generated_tokens, replica=chunk.replica,
+        request_id=chunk.request_id,
+    )  # fmt: skip
+
+
+def to_status(resp: fastgen_pb2.StatusResponse) -> Status:
+    replicas = [
+        ReplicaInfo(
+            replica=r.replica, address=r.address, health=HEALTH_NAMES.get(r.health, "unknown"),
+            queued_requests=r.queued_requests, running_requests=r.running_requests, kv_blocks_used=r.kv_blocks_used,
+            kv_blocks_total=r.kv_blocks_total, tokens_generated=r.tokens_generated, in_flight=r.in_flight,
+            pending_prompt_tokens=r.pending_prompt_tokens,
+        )  # fmt: skip
+        for r in resp.replicas
+    ]
+    return Status(model=resp.model, role=resp.role, replicas=replicas)
+
+
+# ---- Blocking client. ----
+class Client:
+    """Blocking client over one channel. A list of prompts runs concurrently (up to `max_in_flight` at once) and
+    returns results in order. Sampling keyword arguments are SamplingParams' fields; also `request_id` and
+    `timeout` (seconds, overriding the client's)."""
+
+    def __init__(self, address: str, timeout: float | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+        self.address = address
+        self.timeout = timeout
+        self.max_in_flight = max_in_flight
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = fastgen_pb2_grpc.GenerationStub(self._channel)
+
+    def generate(self, prompt, **kwargs) -> GenerationResult | list[GenerationResult]:
+        check_kwargs(kwargs)
+        timeout = kwargs.get("timeout", self.timeout)
+        if is_single_prompt(prompt):
+            req = build_request(prompt, kwargs.get("request_id"), kwargs)
+            try:
+                return to_result(self._stub.Generate(req, timeout=timeout))
+            except grpc.RpcError as e:
+                raise GenerationError.from_rpc_error(e) from None
+        return self._generate_batch(batch_requests(prompt, kwargs), timeout)
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Yields the new text of each chunk (empty chunks are skipped)."""
+        for chunk in self.stream_chunks(prompt, **kwargs):
+            if chunk.text:
+                yield chunk.text
+
+    def stream_chunks(self, prompt, **kwargs) -> Iterator[GenerationChunk]:
+        check_kwargs(kwargs)
+        if not is_single_prompt(prompt):
+            raise TypeError("stream takes one prompt; call it once per prompt")
+        req = build_request(prompt, kwargs.get("request_id"), kwargs)
+        call = self._stub.GenerateStream(req, timeout=kwargs.get("timeout", self.timeout))
+        try:
+            for chunk in call:
+                yield to_chunk(chunk)
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc_error(e) from None
+        finally:
+            call.cancel()  # a consumer that stops early frees the server's work; a no-op after the end
+
+    def status(self, timeout: float | None = None) -> Status:
+        try:
+            return to_status(self._stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout or self.timeout))
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc_error(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _generate_batch(self, requests: list, timeout: float | None) -> list[GenerationResult]:
+        # Futures on the one channel give concurrency without a thread per request; the semaphore bounds it.
+        slots = threading.Semaphore(self.max_in_flight)
+        failed = threading.Event()
+
+        def on_done(future: grpc.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                failed.set()
+            slots.release()
+
+        futures = []
+        try:
+            for req in requests:
+                slots.acquire()
+                if failed.is_set():
+                    break  # stop sending; collecting the results below raises the failure
+                future = self._stub.Generate.future(req, timeout=timeout)
+                future.add_done_callback(on_done)
+                futures.append(future)
+            return [to_result(f.result()) for f in futures]
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc_error(e) from None
+        finally:
+            for f in futures:
+                f.cancel()  # after a failure, the rest of the batch is abandoned; a no-op on finished calls
+
+
+# ---- Asyncio client. ----
+class AsyncClient:
+    """The asyncio twin of `Client`: `await generate(...)`, `async for text in stream(...)`. Create and use it
+    inside one event loop."""
+
+    def __init__(self, address: str, timeout: float | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+        self.address = address
+        self.timeout = timeout
+        self.max_in_flight = max_in_flight
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = fastgen_pb2_grpc.GenerationStub(self._channel)
+
+    async def generate(self, prompt, **kwargs) -> GenerationResult | list[GenerationResult]:
+        check_kwargs(kwargs)
+        timeout = kwargs.get("timeout", self.timeout)
+        if is_single_prompt(prompt):
+            return await self._generate_one(build_request(prompt, kwargs.get("request_id"), kwargs), timeout)
+        slots = asyncio.Semaphore(self.max_in_flight)
+
+        async def bounded(req):
+            async with slots:
+                return await self._generate_one(req, timeout)
+
+        tasks = [asyncio.ensure_future(bounded(r)) for r in batch_requests(prompt, kwargs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()  # the first failure ends the batch: cancel the rest
+
+    async def stream(self, prompt, **kwargs) -> AsyncIterator[str]:
+        async for chunk in self.stream_chunks(prompt, **kwargs):
+            if chunk.text:
+                yield chunk.text
+
+    async def stream_chunks(self, prompt, **kwargs) -> AsyncIterator[GenerationChunk]:
+        check_kwargs(kwargs)
+        if not is_single_prompt(prompt):
+            raise TypeError("stream takes one prompt; call it once per prompt")
+        req = build_request(prompt, kwargs.get("request_id"), kwargs)
+        call = self._stub.GenerateStream(req, timeout=kwargs.get("timeout", self.timeout))
+        try:
+            async for chunk in call:
+                yield to_chunk(chunk)
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def status(self, timeout: float | None = None) -> Status:
+        try:
+            resp = await self._stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc_error(e) from None
+        return to_status(resp)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _generate_one(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> GenerationResult:
+        try:
+            return to_result(await self._stub.Generate(req, timeout=timeout))
+        except grpc.RpcError as e:
+            raise GenerationError.from_rpc_error(e) from None

@@ -1,0 +1,272 @@
+"""Prometheus metrics of FastGen: one table of definitions and the recorders that turn replica and balancer
+events into them.
+
+Every metric lives on a `CollectorRegistry` the process creates and passes in, so two servers in one process
+(tests, the pipeline) never collide and nothing registers behind anyone's back. No torch here: the balancer and
+the deployment CLI import this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .grpc_server import PortInUseError
+
+# Latencies span GPU decode steps (a few ms) to CPU requests of many seconds.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+TOKENS_PER_FORWARD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+REPLICA_LABELS = ("replica", "model")
+FINISH_REASONS = ("length", "stop", "eos", "cancelled")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: type  # prometheus_client's Counter, Gauge or Histogram
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only
+
+
+def _replica(name: str, kind: type, help: str, labels: tuple[str, ...] = (), buckets=None) -> MetricDef:
+    return MetricDef(name, kind, help, REPLICA_LABELS + labels, buckets)
+
+
+# ---- The table. Names are what the Grafana dashboard and users query; change them only together. ----
+# Replica process.
+TIME_TO_FIRST_TOKEN = _replica(
+    "fastgen_time_to_first_token_seconds", Histogram, "Arrival to first generated token.", buckets=LATENCY_BUCKETS)
+INTER_TOKEN_LATENCY = _replica(
+    "fastgen_inter_token_latency_seconds", Histogram, "Time between consecutive tokens of a request.",
+    buckets=LATENCY_BUCKETS)
+E2E_LATENCY = _replica(
+    "fastgen_e2e_request_latency_seconds", Histogram, "Arrival to finish of a request.",
+    buckets=REQUEST_LATENCY_BUCKETS)
+QUEUE_TIME = _replica(
+    "fastgen_request_queue_time_seconds", Histogram, "Arrival to first scheduled forward pass.",
+    buckets=REQUEST_LATENCY_BUCKETS)
+PROMPT_TOKENS = _replica("fastgen_prompt_tokens_total", Counter, "Prompt tokens of admitted requests.")
+GENERATED_TOKENS = _replica("fastgen_generated_tokens_total", Counter, "Tokens generated.")
+REQUESTS_FINISHED = _replica(
+    "fastgen_requests_finished_total", Counter, "Finished requests by finish reason.", ("reason",))
+REQUESTS = _replica(
+    "fastgen_requests_total", Counter, "RPCs answered by gRPC method and status code.", ("method", "code"))
+QUEUE_LENGTH = _replica("fastgen_queue_length", Gauge, "Requests waiting for their first forward pass.")
+RUNNING_SEQUENCES = _replica("fastgen_running_sequences", Gauge, "Sequences being prefilled or decoded.")
+KV_BLOCKS_USED = _replica("fastgen_kv_cache_blocks_used", Gauge, "KV cache blocks in use.")
+KV_BLOCKS_TOTAL = _replica("fastgen_kv_cache_blocks_total", Gauge, "KV cache blocks in the pool.")
+KV_USAGE = _replica("fastgen_kv_cache_usage_ratio", Gauge, "Fraction of KV cache blocks in use (0..1).")
+PREEMPTIONS = _replica("fastgen_preemptions_total", Counter, "Sequences preempted for lack of KV blocks.")
+TOKENS_PER_FORWARD = _replica(
+    "fastgen_tokens_per_forward", Histogram, "Tokens (prefill + decode) in one forward pass.",
+    buckets=TOKENS_PER_FORWARD_BUCKETS)
+BUDGET_FILL = _replica(
+    "fastgen_token_budget_fill_ratio", Histogram, "Tokens in a forward pass over the token budget.",
+    buckets=FILL_BUCKETS)
+FORWARD_TIME = _replica(
+    "fastgen_forward_seconds", Histogram, "Model forward and sampling of one engine step.", buckets=LATENCY_BUCKETS)
+STEP_TIME = _replica(
+    "fastgen_step_seconds", Histogram, "One engine step, scheduling and detokenization included.",
+    buckets=LATENCY_BUCKETS)
+
+# Balancer process.
+BALANCER_REQUESTS = MetricDef(
+    "fastgen_balancer_requests_total", Counter, "RPCs the balancer answered, by method and status code.",
+    ("method", "code"))
+BALANCER_REPLICA_REQUESTS = MetricDef(
+    "fastgen_balancer_replica_requests_total", Counter, "Upstream calls to each replica by status code.",
+    ("replica", "code"))
+BALANCER_IN_FLIGHT = MetricDef(
+    "fastgen_balancer_in_flight_requests", Gauge, "Requests the balancer has in flight on each replica.",
+    ("replica",))
+BALANCER_REPLICA_HEALTHY = MetricDef(
+    "fastgen_balancer_replica_healthy", Gauge, "1 when the replica passes health checks, else 0.", ("replica",))
+BALANCER_RETRIES = MetricDef(
+    "fastgen_balancer_retries_total", Counter, "Requests retried on another replica, by the failed replica.",
+    ("replica", "code"))
+BALANCER_ROUTING = MetricDef(
+    "fastgen_balancer_routing_decisions_total", Counter, "Replica picks by routing policy.", ("policy", "replica"))
+
+REPLICA_METRICS = (
+    TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, QUEUE_TIME, PROMPT_TOKENS, GENERATED_TOKENS,
+    REQUESTS_FINISHED, REQUESTS, QUEUE_LENGTH, RUNNING_SEQUENCES, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, KV_USAGE,
+    PREEMPTIONS, TOKENS_PER_FORWARD, BUDGET_FILL, FORWARD_TIME, STEP_TIME,
+)  # fmt: skip
+BALANCER_METRICS = (
+    BALANCER_REQUESTS, BALANCER_REPLICA_REQUESTS, BALANCER_IN_FLIGHT, BALANCER_REPLICA_HEALTHY, BALANCER_RETRIES,
+    BALANCER_ROUTING,
+)  # fmt: skip
+ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS
+
+
+def register(registry: CollectorRegistry, defs: tuple[MetricDef, ...]) -> dict[MetricDef, object]:
+    """Creates each metric of `defs` on `registry`; returns them keyed by their definition."""
+    made = {}
+    for d in defs:
+        kwargs = {"buckets": d.buckets} if d.buckets is not None else {}
+        made[d] = d.kind(d.name, d.help, labelnames=d.labels, registry=registry, **kwargs)
+    return made
+
+
+def code_name(code: grpc.StatusCode) -> str:
+    return code.name  # "OK", "INVALID_ARGUMENT", ...
+
+
+# ---- What the recorders read: duck types of the engine's StepStats and RequestOutput. ----
+class StepStatsLike(Protocol):
+    num_seqs: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    token_budget: int
+    num_preempted: int
+    forward_s: float
+    step_s: float
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class TimingsLike(Protocol):
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+
+
+class OutputLike(Protocol):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: object  # an enum whose .value is "length"/"stop"/"eos"/"cancelled", or None
+    prompt_tokens: int
+    generated_tokens: int
+    time: float
+    timings: TimingsLike
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class ReplicaMetrics:
+    """Turns a replica's engine steps, request outputs and RPC results into metrics.
+
+    `on_step` and `on_output` are meant to be called from the one engine thread; prometheus_client's metrics
+    themselves are thread safe, so `on_rpc` may be called from the gRPC handlers."""
+
+    def __init__(self, registry: CollectorRegistry, replica_id: str, model: str):
+        self._replica_labels = {"replica": replica_id, "model": model}
+        metrics = register(registry, REPLICA_METRICS)
+        # Bind the constant labels once; per-event label values (reason, code) are bound when they occur.
+        self._bound = {d: m.labels(**self._replica_labels) for d, m in metrics.items() if d.labels == REPLICA_LABELS}
+        self._by_reason = metrics[REQUESTS_FINISHED]
+        self._by_code = metrics[REQUESTS]
+        for reason in FINISH_REASONS:  # present from the start, so rates over them are defined before any finish
+            self._by_reason.labels(**self._replica_labels, reason=reason)
+        # request_id -> time of its latest token; an id is here from its first token until it finishes.
+        self._last_token_time: dict[str, float] = {}
+
+    def on_step(self, stats: StepStatsLike) -> None:
+        m = self._bound
+        m[QUEUE_LENGTH].set(stats.num_waiting)
+        m[RUNNING_SEQUENCES].set(stats.num_running)
+        m[KV_BLOCKS_USED].set(stats.kv_blocks_used)
+        m[KV_BLOCKS_TOTAL].set(stats.kv_blocks_total)
+        m[KV_USAGE].set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        if stats.num_preempted:
+            m[PREEMPTIONS].inc(stats.num_preempted)
+        if stats.num_tokens:
+            m[TOKENS_PER_FORWARD].observe(stats.num_tokens)
+            if stats.token_budget:
+                m[BUDGET_FILL].observe(stats.num_tokens / stats.token_budget)
+            m[FORWARD_TIME].observe(stats.forward_s)
+            m[STEP_TIME].observe(stats.step_s)
+
+    def on_output(self, out: OutputLike) -> None:
+        if out.new_token_ids:
+            self._record_tokens(out)
+        if out.finished:
+            self._record_finish(out)
+
+    def on_rpc(self, method: str, code: grpc.StatusCode) -> None:
+        self._by_code.labels(**self._replica_labels, method=method, code=code_name(code)).inc()
+
+    def _record_tokens(self, out: OutputLike) -> None:
+        m = self._bound
+        n = len(out.new_token_ids)
+        m[GENERATED_TOKENS].inc(n)
+        last = self._last_token_time.get(out.request_id)
+        if last is None:
+            first = out.timings.first_token if out.timings.first_token is not None else out.time
+            m[TIME_TO_FIRST_TOKEN].observe(max(0.0, first - out.timings.arrival))
+            m[PROMPT_TOKENS].inc(out.prompt_tokens)
+            n -= 1  # the first token has no predecessor to measure from
+            last = first
+        # Tokens that arrive together share the gap evenly, so the histogram counts every token once.
+        if n > 0:
+            gap = max(0.0, out.time - last) / n
+            for _ in range(n):
+                m[INTER_TOKEN_LATENCY].observe(gap)
+        self._last_token_time[out.request_id] = out.time
+
+    def _record_finish(self, out: OutputLike) -> None:
+        m = self._bound
+        if self._last_token_time.pop(out.request_id, None) is None:
+            m[PROMPT_TOKENS].inc(out.prompt_tokens)  # finished without a token (cancelled): count its prompt now
+        t = out.timings
+        finished = t.finished if t.finished is not None else out.time
+        m[E2E_LATENCY].observe(max(0.0, finished - t.arrival))
+        if t.first_scheduled is not None:
+            m[QUEUE_TIME].observe(max(0.0, t.first_scheduled - t.arrival))
+        reason = getattr(out.finish_reason, "value", out.finish_reason)
+        self._by_reason.labels(**self._replica_labels, reason=str(reason)).inc()
+
+
+class BalancerMetrics:
+    """The balancer's view: calls per replica, in flight, health, retries and routing decisions."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._m = register(registry, BALANCER_METRICS)
+
+    def on_rpc(self, method: str, code: grpc.StatusCode) -> None:
+        """A client-facing RPC finished with `code`."""
+        self._m[BALANCER_REQUESTS].labels(method=method, code=code_name(code)).inc()
+
+    def on_replica_call(self, replica: str, code: grpc.StatusCode) -> None:
+        """An upstream call to `replica` finished with `code`."""
+        self._m[BALANCER_REPLICA_REQUESTS].labels(replica=replica, code=code_name(code)).inc()
+
+    def set_in_flight(self, replica: str, n: int) -> None:
+        self._m[BALANCER_IN_FLIGHT].labels(replica=replica).set(n)
+
+    def set_healthy(self, replica: str, healthy: bool) -> None:
+        self._m[BALANCER_REPLICA_HEALTHY].labels(replica=replica).set(1 if healthy else 0)
+
+    def on_retry(self, failed_replica: str, code: grpc.StatusCode) -> None:
+        self._m[BALANCER_RETRIES].labels(replica=failed_replica, code=code_name(code)).inc()
+
+    def on_route(self, policy: str, replica: str) -> None:
+        self._m[BALANCER_ROUTING].labels(policy=policy, replica=replica).inc()
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Serves `registry` at http://host:port/metrics on a daemon thread; port 0 picks a free port. Returns the
+    bound port."""
+    try:
+        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise PortInUseError(f"cannot serve metrics on {host}:{port} ({e}): is the port in use? choose another") from e
+    return httpd.server_port

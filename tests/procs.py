@@ -1,0 +1,166 @@
+"""Start FastGen processes (replicas, balancers) for end-to-end tests and wait until they serve.
+
+    replica = start_replica(tiny_model_dir, "r0", log_dir=tmp_path)
+    try:
+        wait_serving(replica)
+        ...
+    finally:
+        replica.kill()
+
+Output goes to a log file per process (a pipe nobody reads would block the process once full); failures quote its
+tail. Every process runs with one torch/BLAS thread: test machines have two cores.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Enough KV blocks for 40 concurrent short requests at block size 16 on the tiny model.
+REPLICA_DEFAULTS = (
+    "--dtype", "float32", "--max-batch-tokens", "256", "--max-seqs", "32", "--block-size", "16",
+    "--num-blocks", "512", "--scheduler", "splitfuse", "--threads", "1", "--max-queue-requests", "256",
+)  # fmt: skip
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the OS picks it; a tiny race with other processes remains)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    port: int
+    metrics_port: int
+    log_path: Path
+    host: str = "127.0.0.1"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code (kills after `timeout`)."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL (idempotent): for teardown and crash tests."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait(10)
+
+
+def spawn(name: str, args: list[str], port: int, metrics_port: int, log_dir: Path) -> Proc:
+    log_path = Path(log_dir) / f"{name}.log"
+    env = {**os.environ, **SINGLE_THREAD_ENV}
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(
+            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+    return Proc(name, popen, port, metrics_port, log_path)
+
+
+def start_replica(
+    model: str | Path,
+    replica_id: str,
+    log_dir: Path,
+    port: int | None = None,
+    extra_args: Iterable[str] = (),
+) -> Proc:
+    """`python -m fastgen.replica` on a free port (or `port`, to restart one where it was)."""
+    port = port or free_port()
+    metrics_port = free_port()
+    args = [
+        "-m", "fastgen.replica", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+        "--replica-id", replica_id, "--model", str(model), *REPLICA_DEFAULTS, *extra_args,
+    ]  # fmt: skip
+    return spawn(replica_id, args, port, metrics_port, log_dir)
+
+
+def start_balancer(
+    replicas: Mapping[str, str],
+    log_dir: Path,
+    policy: str = "round_robin",
+    port: int | None = None,
+    extra_args: Iterable[str] = (),
+    name: str = "balancer",
+) -> Proc:
+    """`python -m fastgen.balancer` over `replicas` (id -> host:port)."""
+    port = port or free_port()
+    metrics_port = free_port()
+    args = ["-m", "fastgen.balancer", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)]
+    for rid, address in replicas.items():
+        args += ["--replica", f"{rid}={address}"]
+    args += ["--policy", policy, "--health-interval", "0.2", *extra_args]
+    return spawn(name, args, port, metrics_port, log_dir)
+
+
+def health(address: str, timeout: float = 1.0) -> str:
+    """'SERVING', 'NOT_SERVING', ... or the gRPC error code's name when the check itself fails."""
+    # A private subchannel: a shared one may sit in reconnect backoff long after the process came up.
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_health(proc: Proc, want: str = "SERVING", timeout: float = 120.0) -> None:
+    """Waits until `proc` answers health `want`; fails early (with its log) if it exits."""
+    deadline = time.monotonic() + timeout
+    last = "not checked"
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before {want}:\n{proc.log_tail()}")
+        last = health(proc.address)
+        if last == want:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{proc.name} at {proc.address} not {want} after {timeout} s (last: {last}):\n{proc.log_tail()}")
+
+
+def wait_serving(proc: Proc, timeout: float = 120.0) -> None:
+    wait_health(proc, "SERVING", timeout)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout} s")

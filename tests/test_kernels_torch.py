@@ -1,0 +1,127 @@
+"""The torch kernels against plain dense computations, on random ragged batches over a paged cache."""
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastgen.kernels import AttentionMetadata, add_rms_norm, paged_attention, rms_norm, rotary_write_kv
+from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
+
+
+def make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=torch.float32):
+    """seqs: [(cached, new)] with decodes (new == 1) first. Returns q, caches, meta and dense K/V per sequence."""
+    heads = kv_heads * rng.choice([1, 2, 3])
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 8
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, slots, starts, lens, dense = [], [], [0], [], []
+    for cached, new in seqs:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(table)
+        pos = range(cached, total)
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        starts.append(starts[-1] + new)
+        lens.append(total)
+        idx = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(total)])
+        dense.append(idx)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        query_start=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decodes=0,  # set by the caller
+        max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(lens),
+        query_start_host=starts,
+        seq_lens_host=lens,
+    )
+    q = torch.randn(starts[-1], heads, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, meta, dense
+
+
+def dense_attention(q, k_cache, v_cache, meta, dense, scale):
+    kf = k_cache.flatten(0, 1)
+    vf = v_cache.flatten(0, 1)
+    outs = []
+    for i, idx in enumerate(dense):
+        lo, hi = meta.query_start_host[i], meta.query_start_host[i + 1]
+        k, v = kf[idx].float(), vf[idx].float()  # (len, kv_heads, d)
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[lo:hi].float()  # (new, heads, d)
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        total, new = len(idx), hi - lo
+        mask = torch.arange(total)[None, :] > torch.arange(total - new, total)[:, None]
+        scores = scores.masked_fill(mask, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_paged_attention_matches_dense(block_size, kind):
+    rng = random.Random()
+    seed = rng.randrange(10**6)
+    rng.seed(seed)
+    torch.manual_seed(seed)
+    decodes = [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 6))] if kind != "prefill" else []
+    prefills = [(rng.choice([0, rng.randrange(1, 200)]), rng.randrange(2, 70)) for _ in range(3)] if kind != "decode" else []
+    seqs = decodes + prefills
+    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads=2, head_dim=16)
+    meta.num_decodes = len(decodes)
+    scale = 1 / math.sqrt(16)
+    out = paged_attention(q, k_cache, v_cache, meta, scale)
+    ref = dense_attention(q, k_cache, v_cache, meta, dense, scale)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), f"seed {seed}"
+
+
+def test_rotary_write_kv_rotates_and_writes_only_its_slots():
+    tokens, heads, kv_heads, d = 5, 4, 2, 8
+    q, k, v = torch.randn(tokens, heads, d), torch.randn(tokens, kv_heads, d), torch.randn(tokens, kv_heads, d)
+    positions = torch.tensor([0, 3, 7, 8, 100])
+    cos_sin = rope_cos_sin(rope_inv_freq(d, 10000.0), 128)
+    k_cache, v_cache = torch.zeros(4, 4, kv_heads, d), torch.zeros(4, 4, kv_heads, d)
+    slots = torch.tensor([1, 6, 9, 14, 15])
+    q_rot = rotary_write_kv(q.clone(), k, v, cos_sin, positions, k_cache, v_cache, slots)
+
+    def rotate(x, pos):  # complex-number form of rotate-half rope
+        half = d // 2
+        angle = pos[:, None] * rope_inv_freq(d, 10000.0)[None, :]
+        c = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)[:, None, :]
+        return torch.cat([c.real, c.imag], dim=-1)
+
+    assert torch.allclose(q_rot, rotate(q, positions.float()), atol=1e-5)
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    assert torch.allclose(flat_k[slots], rotate(k, positions.float()), atol=1e-5)
+    assert torch.equal(flat_v[slots], v)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat_k[untouched].abs().sum() == 0 and flat_v[untouched].abs().sum() == 0
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0, rope_scaling=scaling)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = rope_inv_freq(16, 500000.0, (8.0, 1.0, 4.0, 64))
+    assert torch.allclose(ours, ref.float())
+
+
+def test_rms_norm_and_fused_residual():
+    x, r, w = torch.randn(7, 32), torch.randn(7, 32), torch.randn(32)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.allclose(rms_norm(x, w, 1e-5), ref, atol=1e-6)
+    out, res = add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(res, x + r)
+    assert torch.allclose(out, rms_norm(x + r, w, 1e-5))

@@ -1,0 +1,375 @@
+"""fastgen-deploy without a model: settings, sizes, ports, state files, backoff, and the supervisor's mechanics with a
+stand-in child (a few-line gRPC health server). Fast: no torch in any process started here."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fastgen.launch import cli, config as cfg, deployment, probe, state, supervisor
+from fastgen.launch.config import DeployConfig, ProcessSpec
+
+STAND_IN = textwrap.dedent(
+    """
+    # A stand-in server: NOT_SERVING for --delay s, then SERVING; exits 0 on SIGTERM after --drain s.
+    import argparse, signal, sys, time
+    from concurrent import futures
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int); p.add_argument("--delay", type=float, default=0)
+    p.add_argument("--drain", type=float, default=0); p.add_argument("--marker", default="")
+    a = p.parse_args()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    h = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(h, server)
+    server.add_insecure_port(f"127.0.0.1:{a.port}")
+    h.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.start()
+    def bye(*_):
+        time.sleep(a.drain)
+        if a.marker:
+            open(a.marker, "a").write(f"{time.time()}\\n")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, bye)
+    time.sleep(a.delay)
+    h.set("", health_pb2.HealthCheckResponse.SERVING)
+    print("serving", flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- settings ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1073741824", 1 << 30), ("1.5g", 3 << 29), ("64KiB", 65536),
+     ("1GB", 10**9), (" 16 mib ", 16 << 20), ("100b", 100)],
+)  # fmt: skip
+def test_parse_size(text, expected):
+    assert cfg.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12XB", "-1GiB", "0", "1.5.2M", "MiB"])
+def test_parse_size_rejects_with_a_hint(text):
+    with pytest.raises(ValueError, match="512MiB"):
+        cfg.parse_size(text)
+
+
+def test_format_size_round_trips():
+    for n in (512 << 20, 2 << 30, 1000, 3 << 10):
+        assert cfg.parse_size(cfg.format_size(n)) == n
+
+
+def test_defaults_are_valid():
+    assert cfg.validate(DeployConfig()) == []
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        (dict(replicas=0), "--replicas"), (dict(tp=0), "--tp"), (dict(threads=0), "--threads"),
+        (dict(name="a b"), "--name"), (dict(name="../x"), "--name"), (dict(name=""), "--name"),
+        (dict(port=0), "--port"), (dict(port=65535), "--port"), (dict(metrics_port=70000), "--metrics-port"),
+        (dict(port=9400, metrics_port=9401), "overlap"), (dict(policy="random"), "--policy"),
+        (dict(dtype="int8"), "--dtype"), (dict(scheduler="fifo"), "--scheduler"),
+        (dict(max_seqs=1000), "--max-seqs"), (dict(block_size=0), "--block-size"), (dict(num_blocks=0), "--num-blocks"),
+        (dict(max_model_len=1), "--max-model-len"), (dict(timeout=0), "--timeout"),
+        (dict(model="/no/such/model"), "--model"), (dict(model="missing.gguf"), "--model"),
+    ],
+)  # fmt: skip
+def test_validate_names_the_flag(change, flag):
+    problems = cfg.validate(replace(DeployConfig(), **change))
+    assert len(problems) == 1 and flag in problems[0], problems
+
+
+def test_validate_reports_every_problem():
+    assert len(cfg.validate(DeployConfig(replicas=0, tp=0, name="?"))) == 3
+
+
+def test_default_threads():
+    assert cfg.default_threads(16, 2) == 8
+    assert cfg.default_threads(2, 4) == 1
+    assert cfg.default_threads(1, 1) == 1
+
+
+def test_port_layout_and_commands():
+    c = DeployConfig(replicas=3, port=7000, metrics_port=8000, dtype="float32", num_blocks=64, max_model_len=256,
+                     kv_cache_memory=1 << 20, threads=2)  # fmt: skip
+    specs = cfg.plan(c, python="PY")
+    assert [(s.id, s.role, s.port, s.metrics_port) for s in specs] == [
+        ("balancer", "balancer", 7000, 8000), ("replica-0", "replica", 7001, 8001),
+        ("replica-1", "replica", 7002, 8002), ("replica-2", "replica", 7003, 8003),
+    ]  # fmt: skip
+    bal = specs[0].argv
+    assert bal[:3] == ["PY", "-m", "fastgen.balancer"]
+    assert [bal[i + 1] for i, a in enumerate(bal) if a == "--replica"] == [
+        "replica-0=127.0.0.1:7001", "replica-1=127.0.0.1:7002", "replica-2=127.0.0.1:7003",
+    ]  # fmt: skip
+    assert bal[bal.index("--policy") + 1] == "round_robin"
+    rep = specs[2].argv
+    flags = dict(zip(rep[3::2], rep[4::2]))
+    assert rep[:3] == ["PY", "-m", "fastgen.replica"]
+    assert flags == {
+        "--host": "127.0.0.1", "--port": "7002", "--metrics-port": "8002", "--replica-id": "replica-1",
+        "--model": "smollm2-135m", "--dtype": "float32", "--max-batch-tokens": "512", "--max-seqs": "64",
+        "--block-size": "16", "--num-blocks": "64", "--kv-cache-memory": str(1 << 20), "--scheduler": "splitfuse",
+        "--max-model-len": "256", "--threads": "2",
+    }  # fmt: skip
+
+
+def test_optional_flags_left_out_and_tp_passed_through():
+    rep = cfg.plan(DeployConfig(replicas=1), "PY")[1].argv
+    assert "--dtype" not in rep and "--num-blocks" not in rep and "--max-model-len" not in rep and "--tp" not in rep
+    rep = cfg.plan(DeployConfig(replicas=1, tp=2), "PY")[1].argv
+    assert rep[rep.index("--tp") + 1] == "2"
+
+
+def test_wildcard_host_is_reached_on_loopback():
+    bal = cfg.plan(DeployConfig(host="0.0.0.0", replicas=1), "PY")[0].argv
+    assert "replica-0=127.0.0.1:50051" in bal and bal[bal.index("--host") + 1] == "0.0.0.0"
+    assert cfg.address("::", 5) == "[::1]:5"
+
+
+def test_cli_builds_the_config():
+    args = cli.build_parser().parse_args(["start", "--replicas", "4", "--kv-cache-memory", "1GiB", "--name", "x"])
+    c = cli.config_from(args)
+    assert (c.name, c.replicas, c.kv_cache_memory, c.port) == ("x", 4, 1 << 30, 50050)
+    assert c.threads == cfg.default_threads(cli.cpu_count(), 4)
+    assert cli.config_from(cli.build_parser().parse_args(["start"])).kv_cache_memory == 512 << 20
+
+
+def test_cli_rejects_a_bad_size(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["start", "--kv-cache-memory", "lots"])
+    assert e.value.code == 2 and "512MiB" in capsys.readouterr().err
+
+
+def test_cli_imports_neither_torch_nor_the_replica():
+    code = "import sys, fastgen.launch.cli, fastgen.launch.supervisor; print(sorted(m for m in sys.modules " \
+           "if m.split('.')[0] in ('torch', 'transformers') or m.startswith('fastgen.replica')))"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- state and ports --------------------------------------------------------------------------------------------
+
+
+def test_atomic_json(tmp_path):
+    path = tmp_path / "d" / "state.json"
+    state.write_json_atomic(path, {"a": 1})
+    state.write_json_atomic(path, {"a": 2})
+    assert state.read_json(path) == {"a": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["state.json"]  # no temporary files left
+    assert state.read_json(tmp_path / "missing.json") is None
+
+
+def test_config_round_trip_and_names(tmp_path):
+    paths = state.paths_for(tmp_path, "one")
+    state.save_config(paths, DeployConfig(name="one", replicas=3))
+    assert state.load_config(paths) == DeployConfig(name="one", replicas=3)
+    (tmp_path / "stray").mkdir()
+    assert state.deployment_names(tmp_path) == ["one"]
+    assert state.deployment_names(tmp_path / "nothing") == []
+    state.remove_live_state(paths)
+    assert state.deployment_names(tmp_path) == []
+
+
+def test_lock_marks_a_live_deployment(tmp_path):
+    paths = state.paths_for(tmp_path, "x")
+    assert not state.is_live(paths)
+    fd = state.try_lock(paths)
+    assert fd is not None and state.is_live(paths) and state.try_lock(paths) is None
+    os.close(fd)
+    assert not state.is_live(paths)
+
+
+def test_port_free():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert not probe.port_free("127.0.0.1", port)
+    assert probe.port_free("127.0.0.1", port)
+
+
+def test_port_problems_name_the_flag(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port())
+        problems = deployment.port_problems(c, tmp_path)
+    assert len(problems) == 1 and str(port) in problems[0] and "replica-0" in problems[0] and "--port" in problems[0]
+
+
+def test_ports_of_other_live_deployments_are_taken(tmp_path):
+    other = DeployConfig(name="other", replicas=1, port=free_port(), metrics_port=free_port())
+    paths = state.paths_for(tmp_path, "other")
+    state.save_config(paths, other)
+    fd = state.try_lock(paths)  # stands for its supervisor
+    try:
+        problems = deployment.port_problems(replace(other, name="mine"), tmp_path)
+        assert problems and all("deployment 'other'" in p for p in problems)
+    finally:
+        os.close(fd)
+    assert deployment.port_problems(replace(other, name="mine"), tmp_path) == []
+
+
+def test_health_of_nothing_is_down():
+    assert probe.check_health(f"127.0.0.1:{free_port()}", timeout=0.5) == probe.DOWN
+    assert probe.get_status(f"127.0.0.1:{free_port()}", timeout=0.5) is None
+
+
+# ---- CLI on missing deployments ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["status"], ["status", "--json"], ["stop"], ["logs"], ["generate", "hi"]])
+def test_missing_deployment_is_a_clear_error(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTGEN_HOME", str(tmp_path))
+    assert cli.main(argv + ["--name", "nope"]) == 1
+    assert "'nope'" in capsys.readouterr().err
+
+
+def test_list_empty(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTGEN_HOME", str(tmp_path))
+    assert cli.main(["list"]) == 0 and "no deployments" in capsys.readouterr().out
+    assert cli.main(["list", "--json"]) == 0 and json.loads(capsys.readouterr().out) == []
+
+
+def test_start_validates_before_launching(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTGEN_HOME", str(tmp_path))
+    assert cli.main(["start", "--replicas", "0"]) == 1
+    assert "--replicas must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "default").exists()
+
+
+def test_start_refuses_a_used_port(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTGEN_HOME", str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert cli.main(["start", "--port", str(port), "--replicas", "1", "--metrics-port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} (balancer gRPC)" in err and "choose another --port" in err
+    assert state.deployment_names(tmp_path) == []
+
+
+def test_logs_tail_and_unknown(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTGEN_HOME", str(tmp_path))
+    logs = state.paths_for(tmp_path, "default").logs
+    logs.mkdir(parents=True)
+    (logs / "replica-1.log").write_text("".join(f"line {i}\n" for i in range(100)))
+    assert cli.main(["logs", "1", "-n", "3"]) == 0
+    assert capsys.readouterr().out == "line 97\nline 98\nline 99\n"
+    assert cli.main(["logs", "replica-7"]) == 1
+    assert "choose one of replica-1" in capsys.readouterr().err
+
+
+# ---- supervision mechanics with a stand-in child ----------------------------------------------------------------
+
+
+def test_backoff_schedule():
+    b = supervisor.Backoff()
+    assert [b.delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+    assert b.failures_after_exit(5, uptime=1.0) == 6
+    assert b.failures_after_exit(5, uptime=b.reset_after) == 1  # a long healthy run starts over
+
+
+def stand_in(tmp_path: Path, pid: str, role: str, port: int, *extra: str) -> supervisor.Child:
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    spec = ProcessSpec(id=pid, role=role, port=port, metrics_port=0,
+                       argv=[sys.executable, str(script), "--port", str(port), *extra])  # fmt: skip
+    return supervisor.Child(spec, tmp_path / "logs" / f"{pid}.log")
+
+
+def test_wait_until_serving_then_restart_then_drain_in_order(tmp_path):
+    marker = tmp_path / "order"
+    children = [
+        stand_in(tmp_path, "balancer", "balancer", free_port(), "--drain", "0.5", "--marker", str(marker)),
+        stand_in(tmp_path, "replica-0", "replica", free_port(), "--delay", "0.5", "--marker", str(marker)),
+    ]
+    env = dict(os.environ)
+    try:
+        for c in children:
+            supervisor.launch(c, env, first=True)
+        assert supervisor.wait_until_serving(children, "127.0.0.1", 30, supervisor.StopFlag()) is None
+        replica = children[1]
+        old_pid = replica.proc.pid
+        replica.proc.kill()
+        replica.proc.wait()
+        backoff = supervisor.Backoff(initial=0.2)
+        assert supervisor.reap(replica, backoff, time.monotonic())
+        assert replica.restart_at is not None and replica.failures == 1
+        assert supervisor.process_record(replica)["state"] == "restarting"
+        time.sleep(0.2)
+        supervisor.launch(replica, env, first=False)
+        assert replica.proc.pid != old_pid
+        assert supervisor.wait_until_serving([replica], "127.0.0.1", 30, supervisor.StopFlag()) is None
+        assert replica.log_path.read_text().count("==== fastgen-deploy: starting") == 2
+        pids = [c.proc.pid for c in children]
+        supervisor.terminate(children, timeout=20)
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        # The balancer drained (0.5 s) before the replica got SIGTERM.
+        assert len(marker.read_text().split()) == 2
+        assert [c.proc.returncode for c in children] == [0, 0]
+    finally:
+        for c in children:
+            if c.proc and c.proc.poll() is None:
+                c.proc.kill()
+
+
+def test_start_up_fails_with_the_log_tail_when_a_child_exits(tmp_path):
+    child = stand_in(tmp_path, "replica-0", "replica", free_port())
+    child = supervisor.Child(replace(child.spec, argv=[sys.executable, "-c", "raise SystemExit('model not found')"]),
+                             child.log_path)  # fmt: skip
+    supervisor.launch(child, dict(os.environ), first=True)
+    error = supervisor.wait_until_serving([child], "127.0.0.1", 30, supervisor.StopFlag())
+    assert "replica-0 exited with code 1 during start-up" in error and "model not found" in error
+
+
+def test_start_up_times_out_with_the_health(tmp_path):
+    child = stand_in(tmp_path, "replica-0", "replica", free_port(), "--delay", "60")
+    supervisor.launch(child, dict(os.environ), first=True)
+    try:
+        error = supervisor.wait_until_serving([child], "127.0.0.1", 1.5, supervisor.StopFlag())
+        assert "not SERVING after 1.5 s" in error and "--timeout" in error
+    finally:
+        supervisor.terminate([child], timeout=5)
+
+
+def test_terminate_kills_what_ignores_sigterm(tmp_path):
+    child = stand_in(tmp_path, "replica-0", "replica", free_port())
+    child = supervisor.Child(
+        replace(child.spec, argv=[sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"]),
+        child.log_path,
+    )  # fmt: skip
+    supervisor.launch(child, dict(os.environ), first=True)
+    deadline = time.monotonic() + 10
+    while "\nup\n" not in child.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    supervisor.terminate([child], timeout=1.0)
+    assert child.proc.returncode == -signal.SIGKILL and time.monotonic() - started < 5

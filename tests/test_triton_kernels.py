@@ -1,0 +1,370 @@
+"""Triton kernels against the torch references, on CPU tensors under the Triton interpreter.
+
+Inputs are random on every run; the seed is printed on failure and FASTGEN_TEST_SEED=<seed> replays it.
+Outputs are allocated NaN-filled (see `poisoned_empty`) so an element the kernel forgets to write fails the test,
+and cache slots no sequence owns hold NaN so a read past a sequence's end poisons the result.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+# Triton is imported *before* TRITON_INTERPRET is set, on purpose: triton decorates its own library functions
+# (tl.sum, tl.max, ...) when first imported, and if the flag were on then, every kernel compiled later in this
+# pytest session, by any test module, would fail. The flag only matters when a kernel is decorated, so it is set
+# just while a private copy of triton_kernels is imported (see `_import_interpreted`).
+import triton  # noqa: E402
+
+import fastgen.kernels as K  # noqa: E402
+from fastgen.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq  # noqa: E402
+
+MODULE = "fastgen.kernels.triton_kernels"
+
+
+def _import_interpreted():
+    """A copy of triton_kernels whose kernels run in the interpreter. sys.modules, the package attribute and the
+    environment are restored afterwards, so other test modules importing triton_kernels get compiled kernels."""
+    saved_module, saved_attr = sys.modules.pop(MODULE, None), K.__dict__.pop("triton_kernels", None)
+    saved_flag = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return importlib.import_module(MODULE)
+    finally:
+        if saved_flag is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_flag
+        sys.modules.pop(MODULE, None)
+        K.__dict__.pop("triton_kernels", None)
+        if saved_module is not None:
+            sys.modules[MODULE] = saved_module
+        if saved_attr is not None:
+            K.triton_kernels = saved_attr
+
+
+tk = _import_interpreted()
+REF = K.TORCH_KERNELS
+
+
+@pytest.fixture(autouse=True)
+def interpreting(monkeypatch):
+    # Triton imports some modules lazily on the first launch and checks the flag then, so keep it on while the
+    # interpreted kernels run.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed():
+    """Seeds torch and random with a fresh seed; the test's assertion messages carry it."""
+    value = int(os.environ.get("FASTGEN_TEST_SEED", random.randrange(2**31)))
+    torch.manual_seed(value)
+    random.seed(value)
+    return value
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Makes torch.empty return NaN-filled floating tensors while a kernel wrapper runs."""
+    real_empty = torch.empty
+
+    def empty_nan(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", empty_nan)
+            return fn(*args)
+
+    return run
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # bf16 is not tested: the interpreter gets it wrong on CPU
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_batch(q_lens, seq_lens, kv_heads, heads, head_dim, block_size, dtype):
+    """A paged cache holding seq_lens[i] tokens of sequence i in randomly scattered blocks, the queries of the
+    new tokens and their metadata. Slots no sequence owns hold NaN; returns (q, k_cache, v_cache, meta)."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # spare blocks stay poisoned
+    order = torch.randperm(num_blocks)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    used = 0
+    for i, (n, length) in enumerate(zip(blocks_per_seq, seq_lens)):
+        block_tables[i, :n] = order[used : used + n]
+        owned.view(-1)[_slots(block_tables[i], 0, length, block_size)] = True
+        used += n
+
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape).to(dtype).masked_fill(~owned[..., None, None], float("nan")) for _ in "kv")
+    query_start = [0]
+    for n in q_lens:
+        query_start.append(query_start[-1] + n)
+    slots = [_slots(block_tables[i], s - n, s, block_size) for i, (n, s) in enumerate(zip(q_lens, seq_lens))]
+    meta = AttentionMetadata(
+        query_start=torch.tensor(query_start, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        slot_mapping=torch.cat(slots),
+        num_decodes=sum(1 for n in q_lens if n == 1),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_host=query_start,
+        seq_lens_host=list(seq_lens),
+    )
+    q = torch.randn(query_start[-1], heads, head_dim).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def _slots(table_row: torch.Tensor, lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions lo..hi-1 of a sequence."""
+    pos = torch.arange(lo, hi)
+    return table_row[pos // block_size].long() * block_size + pos % block_size
+
+
+def draw_lengths(kind: str, block_size: int, long: bool = False) -> tuple[list[int], list[int]]:
+    """(q_lens, seq_lens) with decodes first. Prompts include a whole prompt in one chunk and a chunk that starts
+    mid-block and (for block sizes up to 32) spans several blocks; most last blocks are partly filled."""
+    q_lens, seq_lens = [], []
+    if kind in ("decode", "mixed"):
+        contexts = [1, block_size] + [random.randint(2, 3 * block_size) for _ in range(2)]
+        if long:
+            contexts.append(random.randint(300, 500))
+        q_lens += [1] * len(contexts)
+        seq_lens += contexts
+    if kind in ("prefill", "mixed"):
+        prompt = random.randint(2, 40)
+        start = block_size * random.randint(0, 2) + random.randint(1, block_size - 1)  # mid-block
+        chunk = random.randint(2 * block_size + 1, 3 * block_size) if block_size <= 32 else random.randint(20, 40)
+        q_lens += [prompt, chunk]
+        seq_lens += [prompt, start + chunk]
+        if long:
+            q_lens.append(random.randint(10, 30))
+            seq_lens.append(random.randint(300, 500))
+    return q_lens, seq_lens
+
+
+def check_attention(kind, kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty, long=False):
+    q_lens, seq_lens = draw_lengths(kind, block_size, long)
+    q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, kv_heads, heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    out = poisoned_empty(tk.paged_attention, q, k_cache, v_cache, meta, scale)
+    # The reference gathers whole blocks and masks afterwards, so it needs finite values in unowned slots.
+    ref = REF.paged_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), meta, scale)
+    context = f"seed={seed} q_lens={q_lens} seq_lens={seq_lens}"
+    assert out.shape == ref.shape and out.dtype == ref.dtype, context
+    assert not out.isnan().any(), f"unwritten or poisoned outputs: {context}"
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}: {context}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------------------------
+
+GQA = [(2, 2), (2, 4), (3, 9), (1, 4), (1, 8)]  # (kv_heads, heads): ratios 1, 2, 3, 4, 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("kv_heads,heads", GQA, ids=[f"gqa{h // kv}" for kv, h in GQA])
+def test_attention_gqa_and_head_dims(kv_heads, heads, head_dim, dtype, seed, poisoned_empty):
+    block_size = 16 if (head_dim // 16 + heads // kv_heads) % 2 else 32  # alternate so both sizes meet every shape
+    check_attention("mixed", kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+def test_attention_batch_kinds(kind, block_size, dtype, seed, poisoned_empty):
+    check_attention(kind, 2, 8, 128, block_size, dtype, seed, poisoned_empty)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_attention_long_contexts(dtype, seed, poisoned_empty):
+    check_attention("mixed", 1, 3, 80, 16, dtype, seed, poisoned_empty, long=True)
+
+
+def test_attention_chunk_mid_block_over_several_blocks(seed, poisoned_empty):
+    # Positions 35..74 with 16-token blocks: starts 3 tokens into block 2, ends 11 tokens into block 4.
+    q, k_cache, v_cache, meta = make_batch([1, 40], [9, 75], 2, 4, 64, 16, torch.float32)
+    out = poisoned_empty(tk.paged_attention, q, k_cache, v_cache, meta, 0.125)
+    ref = REF.paged_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), meta, 0.125)
+    assert rel_err(out, ref) < 1e-5, f"seed={seed}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary + cache write
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kv_heads,heads,head_dim,block_size", [(2, 4, 64, 16), (3, 9, 80, 32), (1, 8, 128, 16)])
+def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty):
+    q_lens, seq_lens = draw_lengths("mixed", block_size)
+    q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, kv_heads, heads, head_dim, block_size, dtype)
+    tokens = q.shape[0]
+    k, v = (torch.randn(tokens, kv_heads, head_dim).to(dtype) for _ in "kv")
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 512)
+    positions = torch.cat([torch.arange(s - n, s) for n, s in zip(q_lens, seq_lens)])
+    k_cache, v_cache = k_cache.nan_to_num(-7.0), v_cache.nan_to_num(-7.0)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    k_before, v_before, q_before = k_cache.clone(), v_cache.clone(), q.clone()
+
+    out = poisoned_empty(tk.rotary_write_kv, q, k, v, cos_sin, positions, k_cache, v_cache, meta.slot_mapping)
+    ref = REF.rotary_write_kv(q, k, v, cos_sin, positions, ref_k, ref_v, meta.slot_mapping)
+
+    context = f"seed={seed} q_lens={q_lens} seq_lens={seq_lens}"
+    # The kernel rounds after every op as torch does, so results agree bit for bit on CPU.
+    assert torch.equal(out, ref), context
+    assert torch.equal(q, q_before), f"q was modified: {context}"
+    written = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    for cache, expected, before in ((k_cache, ref_k, k_before), (v_cache, ref_v, v_before)):
+        cache, expected, before = (c.flatten(0, 1) for c in (cache, expected, before))  # (slots, kv_heads, head_dim)
+        assert torch.equal(cache[written], expected[written]), context
+        assert torch.equal(cache[~written], before[~written]), f"unwritten slots changed: {context}"
+
+
+def test_rotary_write_kv_skips_negative_slots(seed):
+    q, k, v = torch.randn(3, 2, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64)
+    cos_sin = rope_cos_sin(rope_inv_freq(64, 10000.0), 16)
+    k_cache, v_cache = torch.zeros(2, 16, 1, 64), torch.zeros(2, 16, 1, 64)
+    tk.rotary_write_kv(q, k, v, cos_sin, torch.tensor([0, 1, 2]), k_cache, v_cache, torch.tensor([5, -1, 17]))
+    assert torch.count_nonzero(k_cache.flatten(0, 1).abs().sum(-1)) == 2
+    assert torch.equal(v_cache[0, 5], v[0]) and torch.equal(v_cache[1, 1], v[2])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------------------------
+
+NORM_TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3}  # fp16: differences are single roundings
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [64, 96, 1000])
+def test_rms_norm(hidden, dtype, seed, poisoned_empty):
+    x = (torch.randn(7, hidden) * 3).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    out = poisoned_empty(tk.rms_norm, x, weight, 1e-6)
+    ref = REF.rms_norm(x, weight, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < NORM_TOLERANCE[dtype], f"seed={seed}"
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float16, torch.float32], ids=["w_fp16", "w_fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_add_rms_norm(hidden, dtype, weight_dtype, seed, poisoned_empty):
+    x, residual = (torch.randn(5, hidden).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden).to(weight_dtype)
+    out, new_residual = poisoned_empty(tk.add_rms_norm, x, residual, weight, 1e-5)
+    ref, ref_residual = REF.add_rms_norm(x, residual, weight, 1e-5)
+    assert out.dtype == ref.dtype and new_residual.dtype == ref_residual.dtype
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    assert rel_err(out, ref) < NORM_TOLERANCE[dtype], f"seed={seed}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interface
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_same_signatures_as_torch():
+    assert tk.TRITON_KERNELS.name == "triton"
+    for name in ("rotary_write_kv", "paged_attention", "rms_norm", "add_rms_norm"):
+        ours, theirs = getattr(tk.TRITON_KERNELS, name), getattr(REF, name)
+        assert inspect.signature(ours) == inspect.signature(theirs), name
+
+
+def test_tile_map():
+    # query_start [0, 1, 2, 12, 13]: two decodes, a 10-token chunk over 4-token tiles, a decode.
+    tiles = tk._tile_map((0, 1, 2, 12, 13), 4, torch.device("cpu"))
+    assert tiles.tolist() == [[0, 1, 2, 2, 2, 3], [0, 0, 0, 4, 8, 0]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real compiler: the interpreter accepts code that would not compile, so lower every kernel to a cubin for
+# sm_90 (no GPU needed), with the argument types and specialisations a launch would give it.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def _compile_for_sm90(kernel, args, kwargs):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+
+    names = kernel.arg_names
+    values = list(args) + [kwargs[n] for n in names[len(args) :]]
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names, values)):
+        if name in kwargs:
+            signature[name], constexprs[(i,)] = "constexpr", value
+            continue
+        # as a launch would: pointer/int types, ints of 1 folded, 16-divisible values and pointers marked
+        ty, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = value
+        elif isinstance(key, str):
+            attrs[(i,)] = BaseBackend.parse_attr(key)
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
+    src = triton.compiler.ASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def test_kernels_compile_for_sm90(monkeypatch):
+    if not isinstance(triton.language.standard.sum, triton.runtime.JITFunction):
+        pytest.skip("triton was first imported with TRITON_INTERPRET=1 in this session, so it cannot compile")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    compiled = importlib.import_module(MODULE)
+    recorders = {}
+    for name in ("_paged_attention_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel"):
+        recorders[name] = _Recorder(getattr(compiled, name))
+        monkeypatch.setattr(compiled, name, recorders[name])
+
+    for dtype, q_lens, (kv_heads, heads, head_dim) in [
+        (torch.float16, [1, 1], (8, 32, 128)),  # decode-only tile
+        (torch.bfloat16, [1, 40], (3, 9, 80)),  # prefill tile
+        (torch.float32, [1, 40], (2, 16, 96)),  # float32 tile
+    ]:
+        q, k_cache, v_cache, meta = make_batch(q_lens, [50, 60], kv_heads, heads, head_dim, 16, dtype)
+        compiled.paged_attention(q, k_cache, v_cache, meta, 0.1)
+        k = torch.zeros(q.shape[0], kv_heads, head_dim, dtype=dtype)
+        compiled.rotary_write_kv(q, k, k, torch.zeros(64, head_dim), torch.zeros(q.shape[0], dtype=torch.long),
+                                 k_cache, v_cache, meta.slot_mapping)
+        x = torch.zeros(4, 4096, dtype=dtype)
+        compiled.rms_norm(x, x[0], 1e-6)
+        compiled.add_rms_norm(x, x, x[0], 1e-6)
+
+    for name, recorder in recorders.items():
+        assert recorder.launches, name
+        for args, kwargs in recorder.launches:
+            assert _compile_for_sm90(recorder.kernel, args, kwargs).asm["cubin"], name
