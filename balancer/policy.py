@@ -17,17 +17,24 @@ CHAT_TOKENS_PER_MESSAGE = 4  # role markers added by chat templates
 class ReplicaLoad:
     # The balancer's own accounting: exact for its requests, blind to traffic sent to the replica directly.
     in_flight: int = 0
-    unreported_prompt_tokens: int = 0  # estimated prompt tokens sent since the last GetStatus answer
-    # The replica's last GetStatus answer: covers all traffic, but is up to one poll interval old.
+    unreported_prompt_tokens: int = 0  # estimated prompt tokens of live requests sent since the last report
+    # The replica's last GetStatus report: covers all traffic, but is up to one poll interval old.
     pending_prompt_tokens: int = 0
     running_requests: int = 0
     queued_requests: int = 0
+    in_flight_at_report: int = 0  # how many of the reported requests may be the balancer's own
 
 
 def outstanding_work(load: ReplicaLoad) -> int:
     """Tokens the replica still has to process before a new request gets going: prompt tokens not prefilled yet
-    plus one per live sequence (each costs a token of every forward pass while it decodes)."""
-    sequences = max(load.in_flight, load.running_requests + load.queued_requests)
+    plus one per live sequence (each costs a token of every forward pass while it decodes).
+
+    The balancer's own requests count from its live accounting; the report adds only the others' ("foreign")
+    requests, so a request that finished since the report no longer weighs on the replica."""
+    foreign = max(0, load.running_requests + load.queued_requests - load.in_flight_at_report)
+    sequences = load.in_flight + foreign
+    if not sequences:
+        return 0  # prompt tokens left can only belong to live requests: the report predates their end
     return load.pending_prompt_tokens + load.unreported_prompt_tokens + sequences
 
 

@@ -60,7 +60,10 @@ class Replica:
     status: fastgen_pb2.ReplicaStatus = field(default_factory=fastgen_pb2.ReplicaStatus)
     model: str = ""
     in_flight: int = 0
-    unreported_prompt_tokens: int = 0
+    unreported_prompt_tokens: int = 0  # see ReplicaLoad
+    in_flight_at_report: int = 0
+    reports: int = 0  # GetStatus answers received: tells a lease whether its tokens are in a report yet
+    dispatched: int = 0  # requests ever sent
 
     @property
     def id(self) -> str:
@@ -74,7 +77,7 @@ class Replica:
         return ReplicaLoad(
             in_flight=self.in_flight, unreported_prompt_tokens=self.unreported_prompt_tokens,
             pending_prompt_tokens=self.status.pending_prompt_tokens, running_requests=self.status.running_requests,
-            queued_requests=self.status.queued_requests,
+            queued_requests=self.status.queued_requests, in_flight_at_report=self.in_flight_at_report,
         )  # fmt: skip
 
     def health_enum(self) -> int:
@@ -131,6 +134,8 @@ class ReplicaPool:
     @contextlib.asynccontextmanager
     async def lease(self, replica: Replica, prompt_tokens: int) -> AsyncIterator[Replica]:
         """Counts a request as in flight on `replica` for the duration of the block."""
+        reports_before = replica.reports
+        replica.dispatched += 1
         replica.in_flight += 1
         replica.unreported_prompt_tokens += prompt_tokens
         self._publish_in_flight(replica)
@@ -138,6 +143,8 @@ class ReplicaPool:
             yield replica
         finally:
             replica.in_flight -= 1
+            if replica.reports == reports_before:  # no report has counted its prompt yet: take it back
+                replica.unreported_prompt_tokens = max(0, replica.unreported_prompt_tokens - prompt_tokens)
             self._publish_in_flight(replica)
 
     async def mark_failed(self, replica: Replica, reason: str) -> None:
@@ -173,13 +180,17 @@ class ReplicaPool:
         await self._set_health(replica, False, reason)
 
     async def _poll_status(self, replica: Replica) -> None:
-        sent_tokens = replica.unreported_prompt_tokens  # what the answer will already include
+        # What the report will already include: the prompts sent so far; and which of the requests it counts
+        # can be ours: those live now or sent while it is under way.
+        sent_tokens, in_flight, dispatched = replica.unreported_prompt_tokens, replica.in_flight, replica.dispatched
         try:
             resp = await replica.stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=self.health_timeout)
         except grpc.aio.AioRpcError as e:
             log.debug("GetStatus of %s failed: %s", replica.id, e.details())
             return  # load stays at its last value; health is the Check's business
         replica.unreported_prompt_tokens = max(0, replica.unreported_prompt_tokens - sent_tokens)
+        replica.in_flight_at_report = in_flight + replica.dispatched - dispatched
+        replica.reports += 1
         replica.model = resp.model
         if resp.replicas:
             replica.status = resp.replicas[0]
@@ -195,6 +206,7 @@ class ReplicaPool:
         else:
             log.warning("replica %s at %s is unhealthy (%s): out of rotation", replica.id, replica.address, reason)
             replica.status = fastgen_pb2.ReplicaStatus()  # its last load no longer means anything
+            replica.in_flight_at_report = 0
         if self._metrics:
             self._metrics.set_healthy(replica.id, healthy)
         if self._on_health_change:

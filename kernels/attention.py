@@ -37,11 +37,12 @@ def write_kv(
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """Cached tokens of several sequences: (seqs, kv_heads, length, head_dim)."""
-    block_size = cache.shape[1]
+    seqs, block_size = block_tables.shape[0], cache.shape[1]
     blocks = -(-length // block_size)
-    x = cache[block_tables[:, :blocks]]  # (seqs, blocks, block_size, kv_heads, head_dim)
-    x = x.flatten(1, 2)[:, :length]  # (seqs, length, kv_heads, head_dim)
-    return x.transpose(1, 2)
+    # index_select on the flattened table is several times faster on CPU than advanced indexing.
+    ids = block_tables[:, :blocks].reshape(-1).long()
+    x = cache.index_select(0, ids).view(seqs, blocks * block_size, *cache.shape[2:])  # (seqs, tokens, kv_heads, hd)
+    return x[:, :length].transpose(1, 2)
 
 
 def paged_attention(

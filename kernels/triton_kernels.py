@@ -288,6 +288,7 @@ def _rms_norm_kernel(
 def _launch_rms_norm(x, residual, weight, eps):
     hidden = x.shape[-1]
     x2 = _last_dim_contiguous(x.reshape(-1, hidden))  # (rows, hidden)
+    weight = weight.contiguous()
     if residual is None:
         r2 = res_out = x2  # unused: HAS_RESIDUAL is off
         in_dtype = x.dtype

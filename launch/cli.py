@@ -57,12 +57,14 @@ def add_start(sub) -> None:
     d = DeployConfig()
     p = sub.add_parser("start", help="launch a deployment and wait until it serves", epilog=PORTS_HELP)
     add_name(p)
-    p.add_argument("--model", default=d.model, help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)")
+    p.add_argument("--model", default=d.model,
+                   help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)")  # fmt: skip
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks per replica (default: %(default)s)")
     p.add_argument("--policy", choices=POLICIES, default=d.policy, help="default: %(default)s")
     p.add_argument("--host", default=d.host, help="address every process binds to (default: %(default)s)")
-    p.add_argument("--port", type=int, default=d.port, help="balancer gRPC port; replica i: port+1+i (default: %(default)s)")
+    p.add_argument("--port", type=int, default=d.port,
+                   help="balancer gRPC port; replica i: port+1+i (default: %(default)s)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help="balancer metrics port; replica i: metrics-port+1+i (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
@@ -119,11 +121,14 @@ def config_from(args: argparse.Namespace) -> DeployConfig:
     return DeployConfig(**values, threads=threads)
 
 
+def announce(config: DeployConfig) -> None:
+    print(f"starting deployment {config.name!r}: {config.replicas} replica(s) of {config.model}; waiting until all "
+          f"serve (up to {config.timeout:g} s) …", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def cmd_start(args: argparse.Namespace, home: Path) -> int:
-    config = deployment.prepare(config_from(args))
-    print(f"starting deployment {config.name!r}: {config.replicas} replica(s) of {config.model}, waiting until "
-          f"all serve (up to {config.timeout:g} s) …", file=sys.stderr, flush=True)  # fmt: skip
-    state = deployment.start(config, home)
+    config = config_from(args)
+    state = deployment.start(config, home, on_launch=announce)
     print(f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
           f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
     for rec in state["processes"]:
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastgen-deploy {args.command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command == "start":
+            print(f"fastgen-deploy start: interrupted; deployment {args.name!r} stopped", file=sys.stderr)
         return 130
 
 

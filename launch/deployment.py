@@ -10,16 +10,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
+from ..proto import fastgen_pb2
 from . import probe
 from .config import DEFAULT_MODEL, DeployConfig, address, grpc_ports, looks_like_path, metrics_ports, plan, validate
 from .state import (
     Paths, deployment_names, is_live, load_config, paths_for, read_json, remove_live_state, save_config, try_lock,
     write_json_atomic,
 )  # fmt: skip
-from .supervisor import log_tail
+from .supervisor import FAILED_START_DRAIN_S, log_tail
 
 # Beyond --timeout, how long `start` waits for the supervisor to give up and clean up by itself.
 START_GRACE_S = 30.0
@@ -44,8 +46,10 @@ def prepare(config: DeployConfig) -> DeployConfig:
     return config
 
 
-def start(config: DeployConfig, home: Path, python: str = sys.executable) -> dict:
-    """Launches the deployment and waits until every process is SERVING; returns the supervisor's state."""
+def start(config: DeployConfig, home: Path, python: str = sys.executable,
+          on_launch: Callable[[DeployConfig], None] | None = None) -> dict:  # fmt: skip
+    """Launches the deployment and waits until every process is SERVING; returns the supervisor's state.
+    on_launch runs once the checks have passed and the supervisor is on its way (to tell the user to wait)."""
     config = prepare(config)
     paths = paths_for(home, config.name)
     lock_fd = try_lock(paths)
@@ -64,6 +68,8 @@ def start(config: DeployConfig, home: Path, python: str = sys.executable) -> dic
         supervisor = spawn_supervisor(paths, lock_fd, python)
     finally:
         os.close(lock_fd)  # the supervisor holds the lock from now on (inherited fd)
+    if on_launch is not None:
+        on_launch(config)
     try:
         return wait_for_start(paths, supervisor, config.timeout + START_GRACE_S)
     except BaseException:  # a failure or Ctrl-C: leave nothing running
@@ -79,10 +85,13 @@ def port_problems(config: DeployConfig, home: Path) -> list[str]:
     owners = ports_of_live_deployments(home, exclude=config.name)
     problems = []
     roles = [spec.id for spec in plan(config, python="python")]
-    for kind, flag, ports in (("gRPC", "--port", grpc_ports(config)), ("metrics", "--metrics-port", metrics_ports(config))):
+    layout = (("gRPC", "--port", grpc_ports(config)), ("metrics", "--metrics-port", metrics_ports(config)))
+    for kind, flag, ports in layout:
         for role, port in zip(roles, ports):
             if port in owners:
-                problems.append(f"port {port} ({role} {kind}) belongs to deployment {owners[port]!r}: choose another {flag}")
+                problems.append(
+                    f"port {port} ({role} {kind}) belongs to deployment {owners[port]!r}: choose another {flag}"
+                )
             elif not probe.port_free(config.host, port):
                 problems.append(f"port {port} ({role} {kind}) on {config.host} is in use: choose another {flag}")
     return problems
@@ -119,7 +128,10 @@ def wait_for_start(paths: Paths, supervisor: subprocess.Popen, timeout: float) -
         if status == "running":
             return state
         if status in ("stopping", "failed", "stopped"):
-            supervisor.wait()  # it stops its children itself, within its drain timeout
+            try:
+                supervisor.wait(FAILED_START_DRAIN_S + 30)  # it stops its children itself
+            except subprocess.TimeoutExpired:
+                pass  # start()'s clean-up stops what is left
             raise DeployError((read_json(paths.state) or state).get("error") or "stopped during start-up")
         if supervisor.poll() is not None:
             raise DeployError(
@@ -145,14 +157,18 @@ def stop(home: Path, name: str, timeout: float = 60.0) -> StopReport:
     state = wait_for_state(paths) if is_live(paths) else read_json(paths.state) or {}
     supervisor = supervisor_ref(state)
     sup_proc = supervisor.process() if supervisor else None
-    victims = recorded_processes(state)
-    if sup_proc is not None:
-        victims += probe.tree(sup_proc)
+    victims = recorded_processes(state) + (probe.tree(sup_proc) if sup_proc else [])
+    if sup_proc is not None:  # it drains its children in order, and SIGKILLs them at the timeout
         write_json_atomic(paths.stop_request, {"timeout": timeout})
         probe.kill_all([sup_proc], signal.SIGTERM)
         probe.wait_gone([sup_proc], timeout + STOP_GRACE_S)
+    elif supervisor is not None:  # it died: drain its orphans ourselves, all at once
+        victims += supervisor_group(supervisor)
+        probe.kill_all(victims, signal.SIGTERM)
+        probe.wait_gone(victims, timeout)
     if supervisor is not None:
-        victims += probe.group_members(supervisor.pid)  # orphans of a supervisor that died
+        victims += supervisor_group(supervisor)  # anything it started that we did not know of
+    victims = list({p.pid: p for p in victims}.values())
     stopped = sorted({p.pid for p in victims})
     forced = probe.alive(victims)
     probe.kill_all(forced, signal.SIGKILL)
@@ -176,6 +192,23 @@ def supervisor_ref(state: dict) -> probe.ProcessRef | None:
     return probe.ProcessRef(sup["pid"], sup["create_time"]) if sup else None
 
 
+def supervisor_group(supervisor: probe.ProcessRef) -> list[psutil.Process]:
+    """The live members of the supervisor's process group (it is the group leader: `start` runs it in a new
+    session), even orphaned ones. Linux never reuses a pid still naming a process group, so a different process
+    holding the supervisor's pid means the group is gone and its number is someone else's."""
+    holder = probe.ProcessRef.of(supervisor.pid)
+    if holder is not None and abs(holder.create_time - supervisor.create_time) > 0.01:
+        return []
+    return [p for p in probe.group_members(supervisor.pid) if started_after(p, supervisor.create_time)]
+
+
+def started_after(p: psutil.Process, t: float) -> bool:
+    try:
+        return p.create_time() >= t - 0.01
+    except psutil.Error:
+        return False
+
+
 def recorded_processes(state: dict) -> list[psutil.Process]:
     """The live processes the state records, with their descendants (TP ranks, helpers)."""
     found = []
@@ -194,7 +227,7 @@ def clear_leftovers(paths: Paths) -> None:
     if state is None:
         return
     supervisor = supervisor_ref(state)
-    leftovers = recorded_processes(state) + (probe.group_members(supervisor.pid) if supervisor else [])
+    leftovers = recorded_processes(state) + (supervisor_group(supervisor) if supervisor else [])
     probe.kill_all(leftovers, signal.SIGKILL)
     probe.wait_gone(leftovers, 5.0)
 
@@ -236,10 +269,10 @@ def process_status(rec: dict, host: str, timeout: float) -> dict:
     return row
 
 
-def load_of(reply) -> dict:
+def load_of(reply: fastgen_pb2.StatusResponse) -> dict:
     if reply.role == "balancer":
         return {"in_flight": sum(r.in_flight for r in reply.replicas),
-                "replicas_serving": sum(r.health == 1 for r in reply.replicas)}  # fmt: skip
+                "replicas_serving": sum(r.health == fastgen_pb2.HEALTH_SERVING for r in reply.replicas)}  # fmt: skip
     if not reply.replicas:
         return {}
     r = reply.replicas[0]
@@ -256,7 +289,8 @@ def list_deployments(home: Path) -> list[dict]:
         rows.append({
             "name": name, "status": state.get("status", "starting") if live else "dead",
             "model": config.model, "replicas": config.replicas, "tp": config.tp,
-            "address": address(config.host, config.port), "metrics_ports": f"{config.metrics_port}..{config.metrics_port + config.replicas}",
+            "address": address(config.host, config.port),
+            "metrics_ports": f"{config.metrics_port}..{config.metrics_port + config.replicas}",
             "supervisor_pid": (state.get("supervisor") or {}).get("pid") if live else None,
         })  # fmt: skip
     return rows
@@ -267,7 +301,7 @@ def log_path(home: Path, name: str, which: str | None) -> Path:
     paths = paths_for(home, name)
     process_id = "supervisor" if which is None else (f"replica-{which}" if which.isdigit() else which)
     path = paths.log(process_id)
-    if path.is_file():
+    if "/" not in process_id and path.is_file():
         return path
     known = sorted(p.stem for p in paths.logs.glob("*.log")) if paths.logs.is_dir() else []
     if not known:

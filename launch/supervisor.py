@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import probe
@@ -26,6 +26,7 @@ log = logging.getLogger("fastgen.supervisor")
 
 POLL_S = 0.25
 DEFAULT_DRAIN_S = 60.0
+FAILED_START_DRAIN_S = 10.0  # nothing is in flight yet when start-up fails
 LOG_TAIL_LINES = 30
 
 
@@ -239,7 +240,9 @@ def run(paths: Paths, backoff: Backoff = Backoff()) -> int:
         terminate(children, DEFAULT_DRAIN_S / 4)  # never leave orphans behind, even on a bug of ours
         raise
     write_state(paths, config, children, "stopping", error)
-    terminate(children, drain_timeout(paths))
+    timeout = drain_timeout(paths) if error is None else FAILED_START_DRAIN_S
+    log.info("stopping: draining the balancer, then the replicas (SIGKILL after %g s)", timeout)
+    terminate(children, timeout)
     write_state(paths, config, children, "failed" if error else "stopped", error)
     log.info("stopped")
     return 1 if error else 0

@@ -9,6 +9,7 @@ single replica alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import numbers
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -137,6 +138,13 @@ def build_request(prompt: object, request_id: str | None, kwargs: Mapping[str, o
     return req
 
 
+def build_stream_request(prompt: object, kwargs: Mapping[str, object]) -> fastgen_pb2.GenerateRequest:
+    check_kwargs(kwargs)
+    if not is_single_prompt(prompt):
+        raise TypeError("stream takes one prompt; call it once per prompt")
+    return build_request(prompt, kwargs.get("request_id"), kwargs)
+
+
 def batch_requests(prompts: Sequence, kwargs: Mapping[str, object]) -> list[fastgen_pb2.GenerateRequest]:
     base_id = kwargs.get("request_id")
     return [build_request(p, f"{base_id}-{i}" if base_id else None, kwargs) for i, p in enumerate(prompts)]
@@ -197,16 +205,23 @@ class Client:
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Yields the new text of each chunk (empty chunks are skipped)."""
-        for chunk in self.stream_chunks(prompt, **kwargs):
-            if chunk.text:
-                yield chunk.text
+        return self._texts(self.stream_chunks(prompt, **kwargs))
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[GenerationChunk]:
-        check_kwargs(kwargs)
-        if not is_single_prompt(prompt):
-            raise TypeError("stream takes one prompt; call it once per prompt")
-        req = build_request(prompt, kwargs.get("request_id"), kwargs)
-        call = self._stub.GenerateStream(req, timeout=kwargs.get("timeout", self.timeout))
+        """Yields each chunk; closing the iterator early cancels the request. Arguments are checked now, the call
+        starts at the first `next`."""
+        req = build_stream_request(prompt, kwargs)
+        return self._stream(req, kwargs.get("timeout", self.timeout))
+
+    @staticmethod
+    def _texts(chunks: Iterator[GenerationChunk]) -> Iterator[str]:
+        with contextlib.closing(chunks):  # closing the texts closes (cancels) the call
+            for chunk in chunks:
+                if chunk.text:
+                    yield chunk.text
+
+    def _stream(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> Iterator[GenerationChunk]:
+        call = self._stub.GenerateStream(req, timeout=timeout)
         try:
             for chunk in call:
                 yield to_chunk(chunk)
@@ -287,17 +302,25 @@ class AsyncClient:
             for t in tasks:
                 t.cancel()  # the first failure ends the batch: cancel the rest
 
-    async def stream(self, prompt, **kwargs) -> AsyncIterator[str]:
-        async for chunk in self.stream_chunks(prompt, **kwargs):
-            if chunk.text:
-                yield chunk.text
+    def stream(self, prompt, **kwargs) -> AsyncIterator[str]:
+        """`async for text in client.stream(...)`: the new text of each chunk (empty chunks are skipped)."""
+        return self._texts(self.stream_chunks(prompt, **kwargs))
 
-    async def stream_chunks(self, prompt, **kwargs) -> AsyncIterator[GenerationChunk]:
-        check_kwargs(kwargs)
-        if not is_single_prompt(prompt):
-            raise TypeError("stream takes one prompt; call it once per prompt")
-        req = build_request(prompt, kwargs.get("request_id"), kwargs)
-        call = self._stub.GenerateStream(req, timeout=kwargs.get("timeout", self.timeout))
+    def stream_chunks(self, prompt, **kwargs) -> AsyncIterator[GenerationChunk]:
+        """`async for chunk in client.stream_chunks(...)`; arguments are checked now, the call starts with the
+        iteration."""
+        req = build_stream_request(prompt, kwargs)
+        return self._stream(req, kwargs.get("timeout", self.timeout))
+
+    @staticmethod
+    async def _texts(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if chunk.text:
+                    yield chunk.text
+
+    async def _stream(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> AsyncIterator:
+        call = self._stub.GenerateStream(req, timeout=timeout)
         try:
             async for chunk in call:
                 yield to_chunk(chunk)

@@ -164,3 +164,19 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
             return
         time.sleep(interval)
     raise TimeoutError(f"{what} not reached within {timeout} s")
+
+
+def balancer_health_of_replicas(balancer: Proc) -> dict[str, str]:
+    """Replica id -> health as the balancer sees it ("serving", "not_serving", "unknown")."""
+    from fastgen.server import Client
+
+    with Client(balancer.address, timeout=5) as client:
+        return {r.replica: r.health for r in client.status().replicas}
+
+
+def wait_balancer_sees(balancer: Proc, want: dict[str, str], timeout: float = 30.0) -> None:
+    """Waits until the balancer reports each replica id in `want` with that health."""
+    wait_until(
+        lambda: all(balancer_health_of_replicas(balancer).get(rid) == h for rid, h in want.items()),
+        timeout, interval=0.1, what=f"balancer seeing {want}",
+    )  # fmt: skip

@@ -41,6 +41,7 @@ class FakeReplica(fastgen_pb2_grpc.GenerationServicer):
     calls: int = 0
     cancelled: int = 0
     time_remaining: list = field(default_factory=list)
+    running: int = 0  # what GetStatus reports: traffic the balancer did not send
 
     def _next(self, context):
         self.calls += 1
@@ -79,7 +80,8 @@ class FakeReplica(fastgen_pb2_grpc.GenerationServicer):
         yield pb.GenerateChunk(request_id=request.request_id, finish_reason=pb.FINISH_REASON_LENGTH, replica=self.id)
 
     async def GetStatus(self, request, context):
-        return pb.StatusResponse(model="fake", role="replica", replicas=[pb.ReplicaStatus(replica=self.id)])
+        status = pb.ReplicaStatus(replica=self.id, running_requests=self.running, pending_prompt_tokens=self.running)
+        return pb.StatusResponse(model="fake", role="replica", replicas=[status])
 
 
 @dataclass
@@ -95,7 +97,8 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def balancer_over(fakes: list[FakeReplica], max_retries: int = 2, healthy: bool = True):
+async def balancer_over(fakes: list[FakeReplica], max_retries: int = 2, healthy: bool = True,
+                        policy: str = "round_robin"):
     servers, health, specs = [], {}, []
     for fake in fakes:
         port = free_port()
@@ -107,7 +110,7 @@ async def balancer_over(fakes: list[FakeReplica], max_retries: int = 2, healthy:
     registry = CollectorRegistry()
     metrics = BalancerMetrics(registry)
     pool = ReplicaPool(specs, health_interval=0.05, health_timeout=1.0, metrics=metrics)
-    service = BalancerService(pool, Router("round_robin", len(fakes)), metrics, max_retries)
+    service = BalancerService(pool, Router(policy, len(fakes)), metrics, max_retries)
     port = free_port()
     server, _ = create_server(service, "127.0.0.1", port)
     await server.start()
@@ -229,7 +232,7 @@ def test_client_deadline_reaches_the_replica():
 
     run(main())
     with_deadline, without = a.time_remaining
-    assert 0 < with_deadline < 5
+    assert 0 < with_deadline < 5.1  # gRPC rounds timeouts on the wire up a little
     assert without is None or without > 1e6  # gRPC's "no deadline"
 
 
@@ -295,6 +298,20 @@ def test_replica_leaves_and_rejoins_rotation_with_its_health():
             await set_serving(h.replica_health["a"], True)
             await _wait_for(lambda: h.pool.replicas[0].healthy)
             assert {(await h.client.generate("x")).replica for _ in range(4)} == {"a", "b"}
+
+    run(main())
+
+
+def test_least_loaded_follows_the_replicas_reports():
+    a, b = FakeReplica("a", running=5), FakeReplica("b")
+
+    async def main():
+        async with balancer_over([a, b], policy="least_loaded") as h:
+            await _wait_for(lambda: h.pool.replicas[0].status.running_requests == 5)
+            assert {(await h.client.generate("x")).replica for _ in range(6)} == {"b"}
+            a.running = 0
+            await _wait_for(lambda: h.pool.replicas[0].status.running_requests == 0)
+            assert {(await h.client.generate("x")).replica for _ in range(6)} == {"a", "b"}
 
     run(main())
 

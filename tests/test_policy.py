@@ -44,15 +44,22 @@ def test_unknown_policy_is_refused_with_the_choices():
 
 def test_outstanding_work_counts_unprefilled_prompt_tokens_and_sequences():
     load = ReplicaLoad(in_flight=2, unreported_prompt_tokens=30, pending_prompt_tokens=100, running_requests=3,
-                       queued_requests=1)  # fmt: skip
-    assert outstanding_work(load) == 100 + 30 + 4
+                       queued_requests=1, in_flight_at_report=2)  # fmt: skip
+    assert outstanding_work(load) == 100 + 30 + 2 + 2  # 2 of ours live now, 2 others' in the report
 
 
-def test_outstanding_work_trusts_the_balancer_count_between_status_polls():
-    # Sent since the last GetStatus: the replica's report does not show them yet.
-    assert outstanding_work(ReplicaLoad(in_flight=3)) == 3
-    # Traffic sent to the replica directly shows only in its report.
-    assert outstanding_work(ReplicaLoad(in_flight=0, running_requests=5)) == 5
+def test_outstanding_work_counts_requests_sent_since_the_last_report():
+    assert outstanding_work(ReplicaLoad(in_flight=3, unreported_prompt_tokens=12)) == 15
+
+
+def test_outstanding_work_counts_traffic_sent_to_the_replica_directly():
+    assert outstanding_work(ReplicaLoad(running_requests=5, pending_prompt_tokens=40)) == 45
+
+
+def test_outstanding_work_forgets_reported_requests_that_have_finished():
+    # The report saw our one request prefilling; it has finished since.
+    stale = ReplicaLoad(in_flight=0, pending_prompt_tokens=7, running_requests=1, in_flight_at_report=1)
+    assert outstanding_work(stale) == 0
 
 
 def test_least_loaded_picks_the_replica_with_less_work():

@@ -19,10 +19,10 @@ import torch
 # (tl.sum, tl.max, ...) when first imported, and if the flag were on then, every kernel compiled later in this
 # pytest session, by any test module, would fail. The flag only matters when a kernel is decorated, so it is set
 # just while a private copy of triton_kernels is imported (see `_import_interpreted`).
-import triton  # noqa: E402
+import triton
 
-import fastgen.kernels as K  # noqa: E402
-from fastgen.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq  # noqa: E402
+import fastgen.kernels as K
+from fastgen.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq
 
 MODULE = "fastgen.kernels.triton_kernels"
 
@@ -54,15 +54,16 @@ REF = K.TORCH_KERNELS
 
 @pytest.fixture(autouse=True)
 def interpreting(monkeypatch):
-    # Triton imports some modules lazily on the first launch and checks the flag then, so keep it on while the
-    # interpreted kernels run.
+    # On the first launch triton lazily imports a module that asserts its library is compiled-mode unless the flag
+    # is on; the flag being on while these tests run keeps that working if triton was first imported with it.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
 def seed():
-    """Seeds torch and random with a fresh seed; the test's assertion messages carry it."""
+    """Seeds torch and random with a fresh seed, printed (pytest shows it on failure) and in assertion messages."""
     value = int(os.environ.get("FASTGEN_TEST_SEED", random.randrange(2**31)))
+    print(f"FASTGEN_TEST_SEED={value}")
     torch.manual_seed(value)
     random.seed(value)
     return value
@@ -151,7 +152,7 @@ def draw_lengths(kind: str, block_size: int, long: bool = False) -> tuple[list[i
         seq_lens += contexts
     if kind in ("prefill", "mixed"):
         prompt = random.randint(2, 40)
-        start = block_size * random.randint(0, 2) + random.randint(1, block_size - 1)  # mid-block
+        start = block_size * random.randint(0, 2) + random.randint(1, max(1, block_size - 1))  # mid-block
         chunk = random.randint(2 * block_size + 1, 3 * block_size) if block_size <= 32 else random.randint(20, 40)
         q_lens += [prompt, chunk]
         seq_lens += [prompt, start + chunk]
@@ -186,12 +187,12 @@ GQA = [(2, 2), (2, 4), (3, 9), (1, 4), (1, 8)]  # (kv_heads, heads): ratios 1, 2
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("kv_heads,heads", GQA, ids=[f"gqa{h // kv}" for kv, h in GQA])
 def test_attention_gqa_and_head_dims(kv_heads, heads, head_dim, dtype, seed, poisoned_empty):
-    block_size = 16 if (head_dim // 16 + heads // kv_heads) % 2 else 32  # alternate so both sizes meet every shape
+    block_size = 16 if (head_dim // 16 + heads // kv_heads) % 2 else 32  # every ratio and head dim meets both
     check_attention("mixed", kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32, 128])  # 1: the engine accepts any size
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_attention_batch_kinds(kind, block_size, dtype, seed, poisoned_empty):
     check_attention(kind, 2, 8, 128, block_size, dtype, seed, poisoned_empty)
@@ -200,6 +201,19 @@ def test_attention_batch_kinds(kind, block_size, dtype, seed, poisoned_empty):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_attention_long_contexts(dtype, seed, poisoned_empty):
     check_attention("mixed", 1, 3, 80, 16, dtype, seed, poisoned_empty, long=True)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_attention_strided_q_and_group_32(kind, seed, poisoned_empty):
+    # q as the model makes it: a view into a fused qkv projection; 32 query heads share one kv head.
+    q_lens, seq_lens = draw_lengths(kind, 16)
+    q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, 1, 32, 64, 16, torch.float32)
+    qkv = torch.randn(q.shape[0], 34 * 64)
+    qkv[:, : 32 * 64] = q.flatten(1)
+    q_view = qkv[:, : 32 * 64].view(-1, 32, 64)  # (tokens, heads, head_dim), token stride 34 * 64
+    out = poisoned_empty(tk.paged_attention, q_view, k_cache, v_cache, meta, 0.125)
+    ref = REF.paged_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), meta, 0.125)
+    assert rel_err(out, ref) < 1e-5, f"seed={seed} q_lens={q_lens} seq_lens={seq_lens}"
 
 
 def test_attention_chunk_mid_block_over_several_blocks(seed, poisoned_empty):
@@ -241,6 +255,20 @@ def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poi
         cache, expected, before = (c.flatten(0, 1) for c in (cache, expected, before))  # (slots, kv_heads, head_dim)
         assert torch.equal(cache[written], expected[written]), context
         assert torch.equal(cache[~written], before[~written]), f"unwritten slots changed: {context}"
+
+
+def test_rotary_write_kv_strided_inputs(seed):
+    tokens, heads, kv_heads, head_dim = 9, 4, 2, 96
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, v = qkv.view(tokens, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)  # views, token stride 768
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 64)
+    positions = torch.randint(0, 64, (tokens,))
+    slots = torch.randperm(4 * 16)[:tokens]
+    caches = [(torch.zeros(4, 16, kv_heads, head_dim), torch.zeros(4, 16, kv_heads, head_dim)) for _ in range(2)]
+    out = tk.rotary_write_kv(q, k, v, cos_sin, positions, *caches[0], slots)
+    ref = REF.rotary_write_kv(q, k, v, cos_sin, positions, *caches[1], slots)
+    assert torch.equal(out, ref) and torch.equal(caches[0][0], caches[1][0]), f"seed={seed}"
+    assert torch.equal(caches[0][1], caches[1][1]), f"seed={seed}"
 
 
 def test_rotary_write_kv_skips_negative_slots(seed):

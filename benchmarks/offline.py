@@ -1,0 +1,133 @@
+"""Offline throughput: FastGen's pipeline against transformers `generate` (static batches of 16, left padding,
+min_new_tokens = max_new_tokens) on SmolLM2-135M, same dtype, same prompts, same thread count, one run.
+
+    python -m fastgen.benchmarks.offline --dtype bfloat16 --threads 1 --repeats 3
+
+W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
+W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
+Also reports model FLOP/s of a 512-token prefill against a large matmul's FLOP/s measured in the same run."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+WORKLOADS = {"W1": dict(n=64, prompt=(128, 512), gen=128), "W2": dict(n=16, prompt=(1024, 1024), gen=64)}
+
+
+def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts sliced from the real-text corpus at random offsets (wrapping around)."""
+    ids = tokenizer.encode(CORPUS.read_text(), add_special_tokens=False)
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        length, start = rng.randint(lo, hi), rng.randrange(len(ids))
+        prompts.append([ids[(start + j) % len(ids)] for j in range(length)])
+    return prompts
+
+
+def run_fastgen(pipe, prompts, gen) -> float:
+    start = time.perf_counter()
+    outs = pipe(prompts, max_new_tokens=gen, min_new_tokens=gen, ignore_eos=True)
+    elapsed = time.perf_counter() - start
+    assert all(o.generated_tokens == gen for o in outs)
+    return elapsed
+
+
+def run_transformers(model, prompts, gen, batch=16) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen,
+                                 do_sample=False, pad_token_id=0)  # fmt: skip
+        assert out.shape[1] == width + gen
+    return time.perf_counter() - start
+
+
+def prefill_flops(pipe, dtype) -> tuple[float, float]:
+    """(model FLOP/s of one 512-token prefill, FLOP/s of a 4096^2 x 512 matmul) in the same dtype."""
+    engine = pipe.engine
+    params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
+    params += engine.model_config.vocab_size * engine.model_config.hidden_size / 512  # one LM-head row
+    prompt = list(range(100, 612))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        pipe([prompt], max_new_tokens=1)
+        times.append(time.perf_counter() - start)
+    model_flops = 2 * params * 512 / min(times)
+    a, b = torch.randn(512, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    matmul_flops = 2 * 512 * 4096 * 4096 * 5 / (time.perf_counter() - start)
+    return model_flops, matmul_flops
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hf-repeats", type=int, default=None, help="repeats for transformers (default --repeats)")
+    p.add_argument("--workloads", default="W1,W2")
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--scale", type=float, default=1.0, help="shrink request counts (smoke runs)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from fastgen.replica import pipeline
+
+    dtype = getattr(torch, args.dtype)
+    pipe = pipeline("smollm2-135m", dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, progress=False)
+    pipe([[1, 2, 3]], max_new_tokens=2)  # warm-up
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        from fastgen.replica.weights import resolve_model
+
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=dtype).eval()
+    load = os.getloadavg()
+    results = {}
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        n = max(1, int(w["n"] * args.scale))
+        prompts = make_prompts(pipe.tokenizer, n, *w["prompt"])
+        tokens = n * w["gen"]
+        ours = [run_fastgen(pipe, prompts, w["gen"]) for _ in range(args.repeats)]
+        theirs = [] if hf is None else [run_transformers(hf, prompts, w["gen"]) for _ in range(args.hf_repeats or args.repeats)]
+        results[name] = dict(requests=n, generated_tokens=tokens, fastgen_s=ours, transformers_s=theirs)
+        line = f"{name}: FastGen median {statistics.median(ours):.1f} s ({tokens / statistics.median(ours):.0f} tok/s)"
+        if theirs:
+            ratio = statistics.median(theirs) / statistics.median(ours)
+            line += f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x"
+            results[name]["speedup"] = ratio
+        print(line, flush=True)
+    model_flops, matmul_flops = prefill_flops(pipe, dtype)
+    results["prefill_512"] = dict(model_flops=model_flops, matmul_flops=matmul_flops)
+    print(f"prefill 512: {model_flops / 1e9:.1f} GFLOP/s vs matmul {matmul_flops / 1e9:.1f} GFLOP/s "
+          f"({model_flops / matmul_flops:.0%})")  # fmt: skip
+    results["meta"] = dict(dtype=args.dtype, threads=args.threads, load_before=load, load_after=os.getloadavg(),
+                           machine=platform.processor() or platform.machine(), torch=torch.__version__)  # fmt: skip
+    print(json.dumps(results["meta"]))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""fastgen-deploy end to end with real processes (balancer + 2 replicas of a tiny random model, 127.0.0.1):
+start → status → generate → kill -9 a replica (the supervisor restarts it) → a clashing start fails → stop leaves
+nothing behind."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fastgen.launch.probe import port_free
+
+pytestmark = pytest.mark.slow
+
+
+def free_port_range(count: int, avoid: set[int] = frozenset()) -> int:
+    """A base port such that base..base+count-1 are all free."""
+    for _ in range(200):
+        base = random.randint(20000, 30000)
+        ports = range(base, base + count)
+        if not avoid & set(ports) and all(port_free("127.0.0.1", p) for p in ports):
+            return base
+    raise RuntimeError("no free port range")
+
+
+class Deploy:
+    """Runs the CLI as a user would (its own process) against a private FASTGEN_HOME."""
+
+    def __init__(self, home: Path):
+        # One BLAS thread per process: the test machine has two cores.
+        self.env = dict(os.environ, FASTGEN_HOME=str(home), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                        TOKENIZERS_PARALLELISM="false")  # fmt: skip
+        self.seen_pids: set[int] = set()
+
+    def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fastgen.launch", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+
+    def status(self, name: str = "e2e") -> list[dict]:
+        done = self("status", "--name", name, "--json")
+        assert done.returncode == 0, done.stderr
+        rows = json.loads(done.stdout)
+        self.seen_pids |= {r["pid"] for r in rows if r["pid"]}
+        return rows
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def deploy(tmp_path):
+    d = Deploy(tmp_path / "home")
+    yield d
+    d("stop", "--name", "e2e", "--timeout", "10")
+    state = tmp_path / "home" / "e2e" / "state.json"
+    if state.exists():
+        d.seen_pids.add(json.loads(state.read_text())["supervisor"]["pid"])
+    for pid in d.seen_pids:  # whatever stop missed
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_deployment_lifecycle(deploy, tiny_model_dir):
+    port = free_port_range(3)
+    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
+    start = ["start", "--name", "e2e", "--model", str(tiny_model_dir), "--replicas", "2", "--port", str(port),
+             "--metrics-port", str(metrics), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--threads", "1",
+             "--timeout", "120"]  # fmt: skip
+    done = deploy(*start, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"127.0.0.1:{port}" in done.stdout and f"http://127.0.0.1:{metrics + 2}/metrics" in done.stdout
+
+    rows = deploy.status()
+    assert [(r["role"], r.get("replica"), r["port"], r["metrics_port"], r["health"]) for r in rows] == [
+        ("balancer", None, port, metrics, "SERVING"),
+        ("replica", "replica-0", port + 1, metrics + 1, "SERVING"),
+        ("replica", "replica-1", port + 2, metrics + 2, "SERVING"),
+    ]  # fmt: skip
+    assert all(alive(r["pid"]) for r in rows)
+    assert rows[1]["kv_blocks_total"] > 0 and rows[1]["queued"] == 0
+
+    done = deploy("generate", "Hello, my name is", "--name", "e2e", "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and "served by replica-" in done.stderr
+
+    # A replica killed outright comes back on the same port under a new pid.
+    old_pid = rows[1]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    def replica_back():
+        r = deploy.status()[1]
+        return r["pid"] not in (None, old_pid) and r["health"] == "SERVING" and r
+    back = wait_for(replica_back, 60, "replica-0 to be restarted and SERVING")
+    assert back["restarts"] == 1 and not alive(old_pid)
+    wait_for(lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0, 20,
+             "the balancer to route again")  # fmt: skip
+
+    done = deploy(*start)
+    assert done.returncode != 0 and "already running" in done.stderr
+    other = ["start", "--name", "other", "--model", str(tiny_model_dir), "--replicas", "1", "--port", str(port)]
+    done = deploy(*other, "--metrics-port", str(free_port_range(2)))
+    assert done.returncode != 0 and f"port {port} (balancer gRPC)" in done.stderr
+
+    pids = {r["pid"] for r in deploy.status()} | deploy.seen_pids
+    supervisor = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())["supervisor"]
+    family = [psutil.Process(supervisor["pid"])] + psutil.Process(supervisor["pid"]).children(recursive=True)
+    done = deploy("stop", "--name", "e2e", "--timeout", "30")
+    assert done.returncode == 0, done.stderr
+    assert not [p for p in pids | {q.pid for q in family} if alive(p)]
+    assert not (Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").exists()
+    done = deploy("status", "--name", "e2e")
+    assert done.returncode != 0 and "no deployment named 'e2e'" in done.stderr
+    assert "no deployments" in deploy("list").stdout
+    assert deploy("logs", "--name", "e2e", "balancer").stdout  # logs outlive the deployment
+
+
+def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    port = free_port_range(2)
+    done = deploy("start", "--name", "e2e", "--model", str(not_a_model), "--replicas", "1", "--port", str(port),
+                  "--metrics-port", str(free_port_range(2, avoid={port, port + 1})), "--threads", "1",
+                  "--timeout", "120", timeout=180)  # fmt: skip
+    assert done.returncode != 0
+    assert "replica-0 exited with code" in done.stderr and "not a Hugging Face model folder" in done.stderr
+    assert "no deployments" in deploy("list").stdout
+    assert port_free("127.0.0.1", port) and port_free("127.0.0.1", port + 1)
+
+
+def test_stop_cleans_up_after_a_killed_supervisor(deploy, tiny_model_dir):
+    port = free_port_range(2)
+    done = deploy("start", "--name", "e2e", "--model", str(tiny_model_dir), "--replicas", "1", "--port", str(port),
+                  "--metrics-port", str(free_port_range(2, avoid={port, port + 1})), "--dtype", "float32",
+                  "--kv-cache-memory", "8MiB", "--threads", "1", "--timeout", "120", timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pids = [r["pid"] for r in deploy.status()]
+    state = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())
+    os.kill(state["supervisor"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not alive(state["supervisor"]["pid"]), 10, "the supervisor to die")
+    done = deploy("status", "--name", "e2e")
+    assert done.returncode != 0 and "is not running" in done.stderr
+    assert "dead" in deploy("list").stdout
+    assert all(alive(p) for p in pids)  # orphans still serving
+    done = deploy("stop", "--name", "e2e", "--timeout", "20")
+    assert done.returncode == 0, done.stderr
+    assert not [p for p in pids if alive(p)]
