@@ -1,6 +1,7 @@
-"""Kernels behind one interface: torch references that run anywhere, Triton versions for CUDA.
+"""Kernels behind one interface: torch references that run anywhere, Triton versions for CUDA, and on CPUs the
+torch kernels with a compiled C decode attention.
 
-`select_kernels("auto" | "torch" | "triton", device)` returns a `Kernels` table; the model calls only it.
+`select_kernels("auto" | "torch" | "cpu" | "triton", device)` returns a `Kernels` table; the model calls only it.
 """
 from __future__ import annotations
 
@@ -41,15 +42,20 @@ class Kernels:
 
 
 TORCH_KERNELS = Kernels("torch", rotary_write_kv, paged_attention, rms_norm, add_rms_norm)
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def select_kernels(backend: str, device: torch.device | str) -> Kernels:
-    """"auto" picks Triton on CUDA and torch elsewhere; "triton" on CPU needs TRITON_INTERPRET=1."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown kernel backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    """"auto" picks Triton on CUDA and the CPU kernels elsewhere; "triton" on CPU needs TRITON_INTERPRET=1."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
     device = torch.device(device)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+    if backend == "torch":
         return TORCH_KERNELS
+    if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
+        from .cpu import paged_attention_cpu
+
+        return Kernels("cpu", rotary_write_kv, paged_attention_cpu, rms_norm, add_rms_norm)
     from .triton_kernels import TRITON_KERNELS  # imported lazily: triton is only needed here
 
     return TRITON_KERNELS

@@ -7,7 +7,7 @@ Cache layout per layer: (num_blocks, block_size, kv_heads, head_dim).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_host: list[int]  # query_start as a list: the torch path slices without a device sync
     seq_lens_host: list[int]
+    # Per-step values a backend derives once and reuses in every layer (e.g. the Triton tile map).
+    workspace: dict = field(default_factory=dict)
 
 
 def write_kv(
@@ -39,10 +41,25 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
     """Cached tokens of several sequences: (seqs, kv_heads, length, head_dim)."""
     seqs, block_size = block_tables.shape[0], cache.shape[1]
     blocks = -(-length // block_size)
-    # index_select on the flattened table is several times faster on CPU than advanced indexing.
     ids = block_tables[:, :blocks].reshape(-1).long()
-    x = cache.index_select(0, ids).view(seqs, blocks * block_size, *cache.shape[2:])  # (seqs, tokens, kv_heads, hd)
+    # On CPU, index_select into a given buffer runs ~2.5x faster than advanced indexing or the allocating form.
+    x = torch.empty((seqs * blocks, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    torch.index_select(cache, 0, ids, out=x)
+    x = x.view(seqs, blocks * block_size, *cache.shape[2:])  # (seqs, tokens, kv_heads, head_dim)
     return x[:, :length].transpose(1, 2)
+
+
+DECODE_GROUP = 16  # decodes per gather: large enough to batch well, small enough to pad little
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, length: int, scale: float) -> torch.Tensor:
+    """One query token per sequence: q (seqs, heads, head_dim) -> (seqs, heads, head_dim)."""
+    k = _gather(k_cache, block_tables, length)  # (seqs, kv_heads, length, head_dim)
+    v = _gather(v_cache, block_tables, length)
+    mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # (seqs, length)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)  # fmt: skip
+    return o.squeeze(2)
 
 
 def paged_attention(
@@ -52,16 +69,21 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        length = max(meta.seq_lens_host[:nd])
-        k = _gather(k_cache, meta.block_tables[:nd], length)  # (decodes, kv_heads, length, head_dim)
-        v = _gather(v_cache, meta.block_tables[:nd], length)
-        positions = torch.arange(length, device=q.device)
-        mask = positions[None, :] < meta.seq_lens[:nd, None]  # (decodes, length)
-        qd = q[:nd].unsqueeze(2)  # (decodes, heads, 1, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        # Decodes are gathered to a common length; grouping similar lengths keeps that padding small.
+        order = sorted(range(nd), key=meta.seq_lens_host.__getitem__)
+        for lo in range(0, nd, DECODE_GROUP):
+            rows = order[lo : lo + DECODE_GROUP]
+            idx = torch.tensor(rows, device=q.device)
+            out[idx] = _decode_attention(q[idx], k_cache, v_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                                         meta.seq_lens_host[rows[-1]], scale)  # fmt: skip
+    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The prompt chunks of the batch (every sequence after the decodes), written into out."""
     starts, lens = meta.query_start_host, meta.seq_lens_host
-    for i in range(nd, len(lens)):
+    for i in range(meta.num_decodes, len(lens)):
         lo, hi, length = starts[i], starts[i + 1], lens[i]
         k = _gather(k_cache, meta.block_tables[i : i + 1], length)  # (1, kv_heads, length, head_dim)
         v = _gather(v_cache, meta.block_tables[i : i + 1], length)
@@ -75,4 +97,3 @@ def paged_attention(
             mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # (chunk, length)
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[lo:hi] = o[0].transpose(0, 1)
-    return out

@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import select_kernels
 from .batch import Batch
+from .batch_broadcast import BatchBroadcast
 from .block_allocator import BlockAllocator
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -242,15 +243,13 @@ def _find_stop(text: str, stops: tuple[str, ...], previous: int) -> int | None:
     return best
 
 
-def build_engine(config: EngineConfig, tp: TPGroup = TPGroup()) -> Engine:
-    """Loads the model and tokenizer, sizes the KV pool and wires up the engine."""
-    device = torch.device(config.device)
-    dtype = weights.parse_dtype(config.dtype, device)
+def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None) -> Engine:
+    """Loads the model and tokenizer, sizes the KV pool and wires up the engine. With tensor parallelism this is
+    rank 0's part: it sends every batch through `broadcast` to the other ranks (which run `build_runner` only)."""
     folder = weights.resolve_model(config.model)
     hf_config = weights.load_hf_config(folder)
     model_config = ModelConfig.from_hf(hf_config)
     tokenizer = weights.load_tokenizer(folder)
-    kernels = select_kernels(config.kernels, device)
 
     max_len = config.max_model_len or model_config.max_position_embeddings
     if model_config.sliding_window:
@@ -261,6 +260,21 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup()) -> Engine:
         )
     sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
 
+    runner, num_blocks = build_runner(config, tp, broadcast)
+    scheduler = Scheduler(sched_config, BlockAllocator(num_blocks, config.cache.block_size))
+    eos = weights.eos_token_ids(folder, hf_config, tokenizer)
+    return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
+
+
+def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None):
+    """This rank's shards of the weights and its KV cache (for its KV heads), in a model runner; returns the runner
+    and the number of KV blocks, the same on every rank."""
+    device = torch.device(config.device)
+    dtype = weights.parse_dtype(config.dtype, device)
+    folder = weights.resolve_model(config.model)
+    model_config = ModelConfig.from_hf(weights.load_hf_config(folder))
+    kernels = select_kernels(config.kernels, device)
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -268,15 +282,15 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup()) -> Engine:
             model = LlamaModel(model_config, tp, kernels)
     finally:
         torch.set_default_dtype(previous)
+    # Tensors are memory-mapped: each rank reads only the pages of its own shards.
     model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
     model.eval()
+    model.pack_weights()
 
     attn = model.layers[0].self_attn
     block_size = config.cache.block_size
+    # The memory budget is per rank; each block holds only this rank's KV heads.
     per_block = bytes_per_block(model_config.num_layers, block_size, attn.kv_heads, attn.head_dim, dtype)
-    num_blocks = config.cache.num_blocks or max(1, config.cache.memory_bytes // per_block)
+    num_blocks = tp.agree_min(config.cache.num_blocks or max(1, config.cache.memory_bytes // per_block), device)
     kv = allocate_kv_cache(model_config.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype, device)
-    runner = ModelRunner(model, kv, block_size, device)
-    scheduler = Scheduler(sched_config, BlockAllocator(num_blocks, block_size))
-    eos = weights.eos_token_ids(folder, hf_config, tokenizer)
-    return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
+    return ModelRunner(model, kv, block_size, device, broadcast), num_blocks

@@ -33,6 +33,32 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
+    def agree_min(self, n: int, device: torch.device) -> int:
+        """The smallest n over all ranks: what every rank can hold (e.g. KV blocks, sized from each rank's memory)."""
+        if self.size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    """x W^T + b, through the weight pre-packed for oneDNN when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_weight(weight: torch.Tensor):
+    """A oneDNN-packed copy of a CPU bfloat16 weight, or None where packing does not apply.
+
+    F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packing once makes CPU linear
+    layers about 1.5x faster with identical results. Float32 keeps the plain path (bit-exact with transformers)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512)
+
 
 def _divide(n: int, parts: int, what: str) -> int:
     if n % parts:
@@ -53,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.local_parts)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.packed = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         size = self.local_parts[part]
@@ -60,8 +87,11 @@ class ColumnParallelLinear(nn.Module):
         shard = tensor.narrow(0, self.tp.rank * size, size)
         getattr(self, name).data[start : start + size].copy_(shard)
 
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class QKVParallelLinear(nn.Module):
@@ -83,6 +113,7 @@ class QKVParallelLinear(nn.Module):
         out = sum(self.local_parts)
         self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.packed = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         size = self.local_parts[part]
@@ -90,8 +121,11 @@ class QKVParallelLinear(nn.Module):
         start = sum(self.local_parts[:part])
         getattr(self, name).data[start : start + size].copy_(tensor.narrow(0, first, size))
 
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -103,6 +137,7 @@ class RowParallelLinear(nn.Module):
         self.local_in = _divide(in_features, tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         if name == "bias":
@@ -110,8 +145,11 @@ class RowParallelLinear(nn.Module):
         else:
             self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -151,11 +189,15 @@ class ParallelLMHead(nn.Module):
         self.vocab_start = embedding.vocab_start
         self.local_vocab = embedding.local_vocab
         self.weight = embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
+        self.packed = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.vocab_start)
         self.weight.data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
 
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(x, self.weight))  # (rows, local_vocab * tp)
+        logits = self.tp.all_gather_last(linear(x, self.weight, None, self.packed))  # (rows, local_vocab * tp)
         return logits[:, : self.vocab_size]

@@ -163,6 +163,12 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, positions, self.cos_sin, meta, k_cache, v_cache)
         return self.norm(x, residual)[0]
 
+    def pack_weights(self) -> None:
+        """Packs every linear layer's weight once for the CPU's matrix engine, where that applies."""
+        for module in self.modules():
+            if hasattr(module, "pack"):
+                module.pack()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (rows, vocab)
 
