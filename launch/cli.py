@@ -13,10 +13,10 @@ from collections import deque
 from dataclasses import fields
 from pathlib import Path
 
-from . import deployment
+from . import deployment, prometheus
 from .config import DTYPES, POLICIES, SCHEDULERS, DeployConfig, address, default_threads, format_size, parse_size
 from .deployment import DeployError
-from .state import fastgen_home
+from .state import fastgen_home, paths_for
 
 PORTS_HELP = """ports: the balancer listens on --port and replica i on --port+1+i; metrics (Prometheus, /metrics) of the
 balancer are on --metrics-port and those of replica i on --metrics-port+1+i. State and logs live in
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list deployments").add_argument("--json", action="store_true")
     add_logs(sub)
     add_generate(sub)
+    add_prometheus_config(sub)
     return parser
 
 
@@ -60,7 +61,8 @@ def add_start(sub) -> None:
     p.add_argument("--model", default=d.model,
                    help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)")  # fmt: skip
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks per replica (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=d.tp,
+                   help="tensor-parallel ranks per replica, one process each (default: %(default)s)")  # fmt: skip
     p.add_argument("--policy", choices=POLICIES, default=d.policy, help="default: %(default)s")
     p.add_argument("--host", default=d.host, help="address every process binds to (default: %(default)s)")
     p.add_argument("--port", type=int, default=d.port,
@@ -74,12 +76,19 @@ def add_start(sub) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="exact KV pool size; overrides --kv-cache-memory")
     p.add_argument("--kv-cache-memory", type=size_arg, default=format_size(d.kv_cache_memory),
-                   help="KV pool per replica: 512MiB, 2GiB or bytes (default: %(default)s)")
+                   help="KV pool per replica (per rank with --tp): 512MiB, 2GiB or bytes (default: %(default)s)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="default: %(default)s")
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores // replicas)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per replica process, so per rank with --tp "
+                   "(default: cores // (replicas * tp))")  # fmt: skip
     p.add_argument("--timeout", type=float, default=d.timeout,
                    help="seconds to wait for every process to serve (default: %(default)s)")
+    p.add_argument("--sla-prompt-rate", type=float, default=d.sla_prompt_rate, metavar="P",
+                   help="SLA scored by every replica: first token within prompt_tokens / P s (default: %(default)g)")
+    p.add_argument("--sla-token-rate", dest="sla_token_rates", type=float, nargs="+", default=d.sla_token_rates,
+                   metavar="R", help="SLA: inter-token moving average at most 1 / R s; each R is exported as a "
+                   "token_rate label (default: 1 2 4)")  # fmt: skip
 
 
 def add_status(sub) -> None:
@@ -98,7 +107,8 @@ def add_logs(sub) -> None:
     p = sub.add_parser("logs", help="show a process's log")
     add_name(p)
     p.add_argument("process", nargs="?", default=None, metavar="ROLE_OR_ID",
-                   help="supervisor (default), balancer, replica-N or N")  # fmt: skip
+                   help="supervisor (default), balancer, replica-N (rank 0 with --tp), replica-N-rank-R, "
+                   "or N")  # fmt: skip
     p.add_argument("-n", "--lines", type=int, default=50, help="lines from the end (default: 50)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
 
@@ -115,15 +125,23 @@ def add_generate(sub) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (default: 120)")
 
 
+def add_prometheus_config(sub) -> None:
+    p = sub.add_parser("prometheus-config", help="print a prometheus.yml that scrapes the deployments")
+    p.add_argument("--name", default=None, help="only this deployment (default: every deployment)")
+    p.add_argument("--scrape-interval", default="5s", help="Prometheus duration (default: %(default)s)")
+
+
 def config_from(args: argparse.Namespace) -> DeployConfig:
     values = {f.name: getattr(args, f.name) for f in fields(DeployConfig) if f.name != "threads"}
-    threads = args.threads if args.threads is not None else default_threads(cpu_count(), max(1, args.replicas))
+    processes = max(1, args.replicas) * max(1, args.tp)
+    threads = args.threads if args.threads is not None else default_threads(cpu_count(), processes)
     return DeployConfig(**values, threads=threads)
 
 
 def announce(config: DeployConfig) -> None:
-    print(f"starting deployment {config.name!r}: {config.replicas} replica(s) of {config.model}; waiting until all "
-          f"serve (up to {config.timeout:g} s) …", file=sys.stderr, flush=True)  # fmt: skip
+    ranks = f" ({config.tp} ranks each)" if config.tp > 1 else ""
+    print(f"starting deployment {config.name!r}: {config.replicas} replica(s){ranks} of {config.model}; waiting until "
+          f"all serve (up to {config.timeout:g} s) …", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def cmd_start(args: argparse.Namespace, home: Path) -> int:
@@ -132,10 +150,15 @@ def cmd_start(args: argparse.Namespace, home: Path) -> int:
     print(f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
           f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
     for rec in state["processes"]:
-        print(f"  {rec['id']:<12} grpc {address(state['host'], rec['port']):<22} "
+        if rec["port"] is None:  # a TP rank > 0 serves through its rank 0
+            print(f"  {rec['id']:<18} tp rank {rec['rank']} of {rec['replica']}  pid {rec['pid']}")
+            continue
+        print(f"  {rec['id']:<18} grpc {address(state['host'], rec['port']):<22} "
               f"metrics http://{address(state['host'], rec['metrics_port'])}/metrics  pid {rec['pid']}")  # fmt: skip
     print(f"send requests to {address(state['host'], state['processes'][0]['port'])}; "
           f"logs: {home / config.name / 'logs'}")  # fmt: skip
+    print(f"Prometheus targets: {paths_for(home, config.name).prometheus_targets} "
+          "(fastgen-deploy prometheus-config prints a prometheus.yml that reads them)")  # fmt: skip
     return 0
 
 
@@ -147,10 +170,10 @@ def cmd_status(args: argparse.Namespace, home: Path) -> int:
         return 0
     print(f"deployment {args.name!r}: {state['status']}, model {state['model']}, policy {state['policy']}, "
           f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
-    print(f"{'PROCESS':<12} {'PID':>7} {'PORT':>6} {'METRICS':>7} {'HEALTH':<12} {'RESTARTS':>8}  LOAD")
+    print(f"{'PROCESS':<18} {'PID':>7} {'PORT':>6} {'METRICS':>7} {'HEALTH':<12} {'RESTARTS':>8}  LOAD")
     for r in rows:
-        print(f"{r['id']:<12} {r['pid'] or '-':>7} {r['port']:>6} {r['metrics_port']:>7} {r['health']:<12} "
-              f"{r['restarts']:>8}  {load_text(r)}")  # fmt: skip
+        print(f"{r['id']:<18} {r['pid'] or '-':>7} {r['port'] or '-':>6} {r['metrics_port'] or '-':>7} "
+              f"{r['health']:<12} {r['restarts']:>8}  {load_text(r)}")  # fmt: skip
     return 0
 
 
@@ -160,6 +183,8 @@ def load_text(row: dict) -> str:
     if "queued" in row:
         return (f"queued {row['queued']}, running {row['running']}, "
                 f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}")  # fmt: skip
+    if row["role"] == "tp_rank":
+        return f"tp rank {row['rank']} of {row['replica']}"
     return "-"
 
 
@@ -228,9 +253,14 @@ def cmd_generate(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
+def cmd_prometheus_config(args: argparse.Namespace, home: Path) -> int:
+    print(prometheus.scrape_config(home.resolve(), args.name, args.scrape_interval), end="")
+    return 0
+
+
 COMMANDS = {
     "start": cmd_start, "status": cmd_status, "stop": cmd_stop, "list": cmd_list, "logs": cmd_logs,
-    "generate": cmd_generate,
+    "generate": cmd_generate, "prometheus-config": cmd_prometheus_config,
 }  # fmt: skip
 
 

@@ -5,12 +5,16 @@ Pure: no sockets, no processes, no imports of torch or of fastgen.replica (the C
 Port layout of a deployment with N replicas (documented in the CLI's help):
     balancer   gRPC --port          metrics --metrics-port
     replica i  gRPC --port + 1 + i  metrics --metrics-port + 1 + i
+With --tp K, rank 0 of replica i holds these ports; its other ranks listen on none, and meet rank 0 on a free
+MASTER_PORT that the supervisor picks at every (re)start of the group.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
 
 POLICIES = ("round_robin", "least_loaded")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,19 +51,25 @@ class DeployConfig:
     kv_cache_memory: int = 512 << 20  # bytes
     scheduler: str = "splitfuse"
     max_model_len: int | None = None
-    threads: int = 1  # per replica
+    threads: int = 1  # torch threads per process: per replica, or per rank with --tp
     timeout: float = 600.0  # seconds for every process to become SERVING
+    sla_prompt_rate: float = DEFAULT_PROMPT_RATE  # P, prompt tokens/s
+    sla_token_rates: tuple[float, ...] = DEFAULT_TOKEN_RATES  # every R, tokens/s
+
+    def __post_init__(self):
+        # config.json stores it as a JSON list
+        object.__setattr__(self, "sla_token_rates", tuple(self.sla_token_rates))
 
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One process of a deployment. A replica is one process today; with tensor parallelism it becomes a group of
-    `tp` processes that share `replica` and differ in `rank`."""
+    """One process of a deployment. A replica is one process, or with tensor parallelism a group of `tp` processes
+    that share `replica` and differ in `rank`: rank 0 ("replica") serves, the others ("tp_rank") listen on no port."""
 
-    id: str  # unique in the deployment; names the log file: "balancer", "replica-0", later "replica-0-rank-1"
-    role: str  # "balancer" | "replica"
-    port: int
-    metrics_port: int
+    id: str  # unique in the deployment; names the log file: "balancer", "replica-0", "replica-0-rank-1"
+    role: str  # "balancer" | "replica" | "tp_rank"
+    port: int | None
+    metrics_port: int | None
     argv: list[str] = field(default_factory=list)
     replica: str | None = None
     rank: int | None = None
@@ -104,7 +114,7 @@ def looks_like_path(model: str) -> bool:
 def validate(config: DeployConfig) -> list[str]:
     """Every problem with the settings, each saying what to change; empty when they are fine."""
     problems = _name_problems(config.name) + _count_problems(config) + _choice_problems(config)
-    problems += _engine_problems(config) + _port_problems(config)
+    problems += _engine_problems(config) + _port_problems(config) + _sla_problems(config)
     if looks_like_path(config.model) and not Path(config.model).expanduser().exists():
         problems.append(
             f"--model {config.model}: no such file or folder; pass {DEFAULT_MODEL!r}, a Hugging Face folder "
@@ -156,6 +166,13 @@ def _engine_problems(c: DeployConfig) -> list[str]:
     return problems
 
 
+def _sla_problems(c: DeployConfig) -> list[str]:
+    problems = [] if c.sla_prompt_rate > 0 else [f"--sla-prompt-rate must be positive, got {c.sla_prompt_rate}"]
+    if not c.sla_token_rates or min(c.sla_token_rates) <= 0:
+        problems.append(f"--sla-token-rate needs positive rates, got {' '.join(map(str, c.sla_token_rates))}")
+    return problems
+
+
 def _port_problems(c: DeployConfig) -> list[str]:
     n = max(1, c.replicas)
     problems = []
@@ -185,9 +202,26 @@ def address(host: str, port: int) -> str:
 
 
 def plan(config: DeployConfig, python: str) -> list[ProcessSpec]:
-    """The balancer followed by the replicas, with their commands."""
-    replicas = [replica_spec(config, python, i) for i in range(config.replicas)]
-    return [balancer_spec(config, python, replicas)] + replicas
+    """The balancer followed by the replicas (each rank of each, with --tp), with their commands."""
+    groups = [replica_group(config, python, i) for i in range(config.replicas)]
+    return [balancer_spec(config, python, [g[0] for g in groups])] + [spec for g in groups for spec in g]
+
+
+def replica_group(c: DeployConfig, python: str, index: int) -> list[ProcessSpec]:
+    """Replica i's processes: one, or with --tp K, K ranks with the same command (as torchrun runs them); rank 0
+    serves on the replica's ports, the others only compute."""
+    head = replica_spec(c, python, index)
+    if c.tp == 1:
+        return [head]
+    ranks = [replace(head, id=f"{head.id}-rank-{r}", role="tp_rank", port=None, metrics_port=None, rank=r)
+             for r in range(1, c.tp)]  # fmt: skip
+    return [replace(head, rank=0)] + ranks
+
+
+def rank_env(spec: ProcessSpec, tp: int, host: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for one rank of a replica on this host; rank 0 hosts the rendezvous on master_port."""
+    return {"RANK": str(spec.rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(spec.rank),
+            "MASTER_ADDR": connect_host(host), "MASTER_PORT": str(master_port)}  # fmt: skip
 
 
 def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
@@ -205,7 +239,8 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     if c.max_model_len is not None:
         argv += ["--max-model-len", str(c.max_model_len)]
     argv += ["--threads", str(c.threads)]
-    if c.tp > 1:  # the replica starts its own rank processes for now
+    argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
+    if c.tp > 1:
         argv += ["--tp", str(c.tp)]
     return ProcessSpec(id=rid, role="replica", port=port, metrics_port=metrics_port, argv=argv, replica=rid)
 

@@ -15,7 +15,7 @@ from typing import Callable
 import psutil
 
 from ..proto import fastgen_pb2
-from . import probe
+from . import probe, prometheus
 from .config import DEFAULT_MODEL, DeployConfig, address, grpc_ports, looks_like_path, metrics_ports, plan, validate
 from .state import (
     Paths, deployment_names, is_live, load_config, paths_for, read_json, remove_live_state, save_config, try_lock,
@@ -65,6 +65,7 @@ def start(config: DeployConfig, home: Path, python: str = sys.executable,
             raise DeployError("ports not available:\n  " + "\n  ".join(problems))
         remove_live_state(paths)
         save_config(paths, config)
+        write_json_atomic(paths.prometheus_targets, prometheus.targets(config))
         supervisor = spawn_supervisor(paths, lock_fd, python)
     finally:
         os.close(lock_fd)  # the supervisor holds the lock from now on (inherited fd)
@@ -84,7 +85,7 @@ def port_problems(config: DeployConfig, home: Path) -> list[str]:
     """Ports another live deployment holds (even while it is still loading) or that cannot be bound now."""
     owners = ports_of_live_deployments(home, exclude=config.name)
     problems = []
-    roles = [spec.id for spec in plan(config, python="python")]
+    roles = [spec.id for spec in plan(config, python="python") if spec.port is not None]
     layout = (("gRPC", "--port", grpc_ports(config)), ("metrics", "--metrics-port", metrics_ports(config)))
     for kind, flag, ports in layout:
         for role, port in zip(roles, ports):
@@ -251,7 +252,13 @@ def status(state: dict, timeout: float = 1.0) -> list[dict]:
     """One row per process of a live deployment's state, with live health (grpc.health.v1) and load (GetStatus)."""
     host = state["host"]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(lambda rec: process_status(rec, host, timeout), state["processes"]))
+        rows = list(pool.map(lambda rec: process_status(rec, host, timeout), state["processes"]))
+    # A TP rank serves only through its rank 0, so it is as healthy as its group (DOWN when not running itself).
+    group_health = {r["replica"]: r["health"] for r in rows if r["role"] == "replica"}
+    for r in rows:
+        if r["role"] == "tp_rank" and r["pid"]:
+            r["health"] = group_health.get(r["replica"], probe.DOWN)
+    return rows
 
 
 def process_status(rec: dict, host: str, timeout: float) -> dict:
@@ -261,6 +268,9 @@ def process_status(rec: dict, host: str, timeout: float) -> dict:
     if rec.get("rank") is not None:
         row["rank"] = rec["rank"]
     row["restarts"] = rec.get("restarts", 0)
+    if rec["port"] is None:  # a TP rank > 0: status() gives it its group's health
+        row["health"] = probe.DOWN
+        return row
     target = address(host, rec["port"])
     row["health"] = probe.check_health(target, timeout) if rec.get("pid") else probe.DOWN
     reply = probe.get_status(target, timeout) if row["health"] != probe.DOWN else None

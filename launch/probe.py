@@ -36,6 +36,19 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def free_port(host: str, avoid: frozenset[int] = frozenset()) -> int:
+    """A port the OS says is free on host now and not in avoid (ports others will bind soon); a process that binds
+    it later still races others for it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(100):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"no free port on {host} outside {sorted(avoid)}")
+
+
 def host_resolves(host: str) -> bool:
     try:
         socket.getaddrinfo(host, None)

@@ -6,6 +6,10 @@
     lock          flock-ed by the live supervisor for its whole life: the one source of truth for "is it running"
     logs/         one log per process, kept after `stop`
 
+and $FASTGEN_HOME/_prometheus/<name>.json holds the Prometheus file_sd targets of its /metrics endpoints, from
+`start` until `stop` (one folder for all deployments: Prometheus globs only a path's last element; no deployment
+name starts with "_").
+
 Every JSON file is written atomically (temporary file + rename), so readers never see half a file.
 """
 from __future__ import annotations
@@ -44,8 +48,16 @@ class Paths:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def prometheus_targets(self) -> Path:
+        return prometheus_targets_dir(self.root.parent) / f"{self.root.name}.json"
+
     def log(self, process_id: str) -> Path:
         return self.logs / f"{process_id}.log"
+
+
+def prometheus_targets_dir(home: Path) -> Path:
+    return home / "_prometheus"
 
 
 def fastgen_home() -> Path:
@@ -56,7 +68,7 @@ def paths_for(home: Path, name: str) -> Paths:
     return Paths(home / name)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict | list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -117,6 +129,6 @@ def deployment_names(home: Path) -> list[str]:
 
 
 def remove_live_state(paths: Paths) -> None:
-    """Forget a stopped deployment; its logs stay for `fastgen-deploy logs`."""
-    for path in (paths.state, paths.config, paths.stop_request):
+    """Forget a stopped deployment (Prometheus stops scraping it too); its logs stay for `fastgen-deploy logs`."""
+    for path in (paths.state, paths.config, paths.stop_request, paths.prometheus_targets):
         path.unlink(missing_ok=True)

@@ -2,8 +2,10 @@
 
 `fastgen-deploy start` launches it detached (own session, stdin closed, output to logs/supervisor.log) holding the
 deployment's lock. It starts the balancer and the replicas, waits until all are SERVING (any exit or the timeout
-during start-up fails the deployment), then restarts whatever dies, with exponential backoff. On SIGTERM it drains:
-balancer first (it finishes the requests in flight through it), then the replicas, then SIGKILL after the timeout.
+during start-up fails the deployment), then restarts whatever dies, with exponential backoff; the ranks of a
+tensor-parallel replica live and die together (when one exits, the others are killed and the group restarts). On
+SIGTERM it drains: balancer first (it finishes the requests in flight through it), then the replicas, then SIGKILL
+after the timeout.
 Only this process writes state.json.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import probe
-from .config import DeployConfig, ProcessSpec, address, plan
+from .config import DeployConfig, ProcessSpec, address, grpc_ports, metrics_ports, plan, rank_env
 from .state import Paths, load_config, read_json, write_json_atomic
 
 log = logging.getLogger("fastgen.supervisor")
@@ -57,6 +59,7 @@ class Child:
     restarts: int = 0
     restart_at: float | None = None  # monotonic; set while waiting out the backoff
     last_exit: int | None = None
+    master_port: int | None = None  # where a tensor-parallel group's ranks meet, fresh at every start
 
 
 @dataclass
@@ -99,7 +102,8 @@ def process_record(child: Child) -> dict:
     return {
         "id": spec.id, "role": spec.role, "replica": spec.replica, "rank": spec.rank,
         "pid": child.proc.pid if running else None, "create_time": child.create_time if running else None,
-        "port": spec.port, "metrics_port": spec.metrics_port, "log": str(child.log_path),
+        "port": spec.port, "metrics_port": spec.metrics_port, "master_port": child.master_port,
+        "log": str(child.log_path),
         "restarts": child.restarts, "last_exit": child.last_exit,
         "state": "running" if running else ("restarting" if child.restart_at is not None else "exited"),
     }  # fmt: skip
@@ -124,13 +128,14 @@ def exit_message(child: Child, phase: str) -> str:
 def wait_until_serving(children: list[Child], host: str, timeout: float, stop: StopFlag) -> str | None:
     """None once every child answers SERVING; otherwise why start-up failed."""
     deadline = time.monotonic() + timeout
-    health = {c.spec.id: probe.DOWN for c in children}
+    servers = [c for c in children if c.spec.port is not None]  # TP ranks > 0 serve through their rank 0
+    health = {c.spec.id: probe.DOWN for c in servers}
     while True:
         for c in children:
             if c.proc.poll() is not None:
                 c.last_exit = c.proc.returncode
                 return exit_message(c, "during start-up")
-        for c in children:
+        for c in servers:
             if health[c.spec.id] != probe.SERVING:
                 health[c.spec.id] = probe.check_health(address(host, c.spec.port), timeout=1.0)
         if all(h == probe.SERVING for h in health.values()):
@@ -138,7 +143,7 @@ def wait_until_serving(children: list[Child], host: str, timeout: float, stop: S
         if stop.requested:
             return "stopped by a signal during start-up"
         if time.monotonic() > deadline:
-            late = [c for c in children if health[c.spec.id] != probe.SERVING]
+            late = [c for c in servers if health[c.spec.id] != probe.SERVING]
             return "\n".join(
                 f"{c.spec.id} not SERVING after {timeout:g} s (health {health[c.spec.id]}); raise --timeout if it "
                 f"is still loading. The end of its log ({c.log_path}):\n{log_tail(c.log_path)}"
@@ -159,16 +164,56 @@ def reap(child: Child, backoff: Backoff, now: float) -> bool:
     return True
 
 
+def groups_of(children: list[Child]) -> list[list[Child]]:
+    """What starts, dies and restarts together: the ranks of one replica; any other process alone."""
+    groups: dict[str, list[Child]] = {}
+    for c in children:
+        groups.setdefault(c.spec.replica or c.spec.id, []).append(c)
+    return list(groups.values())
+
+
+def launch_group(group: list[Child], env: dict[str, str], config: DeployConfig, first: bool) -> None:
+    """Starts a group; the ranks of a tensor-parallel replica get torchrun's variables and a fresh MASTER_PORT (the
+    last one may linger in TIME_WAIT, or have been taken meanwhile)."""
+    reserved = frozenset(grpc_ports(config) + metrics_ports(config))  # not yet bound while the deployment starts
+    master_port = probe.free_port(config.host, reserved) if group[0].spec.rank is not None else None
+    for c in group:
+        c.master_port = master_port
+        ranks = rank_env(c.spec, config.tp, config.host, master_port) if master_port is not None else {}
+        launch(c, {**env, **ranks}, first)
+
+
+def reap_group(group: list[Child], backoff: Backoff, now: float) -> bool:
+    """Notices dead members and schedules the group's restart; True when something changed. A replica cannot run
+    short of a rank, so its surviving ranks are killed at once: the balancer stops routing to it (rank 0 is gone)
+    and the whole group restarts after one backoff."""
+    dead = [c for c in group if reap(c, backoff, now)]
+    if not dead or len(group) == 1:
+        return bool(dead)
+    for c in group:
+        if c.restart_at is None and c.proc is not None:
+            log.warning("stopping %s (pid %d): its group lost %s", c.spec.id, c.proc.pid, dead[0].spec.id)
+            c.proc.kill()
+            c.proc.wait(10)
+            c.last_exit = c.proc.returncode
+    failures, restart_at = max(c.failures for c in dead), max(c.restart_at for c in dead)
+    for c in group:
+        c.failures, c.restart_at = failures, restart_at
+    return True
+
+
 def supervise(paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag,
               backoff: Backoff) -> None:  # fmt: skip
     """Keeps every child running until a stop is requested."""
+    groups = groups_of(children)
     while not stop.requested:
         now = time.monotonic()
-        changed = [reap(c, backoff, now) for c in children]
-        for c in children:
-            if c.restart_at is not None and now >= c.restart_at:
-                c.restarts += 1
-                launch(c, env, first=False)
+        changed = [reap_group(g, backoff, now) for g in groups]
+        for g in groups:
+            if g[0].restart_at is not None and now >= g[0].restart_at:
+                for c in g:
+                    c.restarts += 1
+                launch_group(g, env, config, first=False)
                 changed.append(True)
         if any(changed):
             write_state(paths, config, children, "running")
@@ -209,8 +254,8 @@ def live_process(child: Child):
 def start_and_supervise(paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str],
                         stop: StopFlag, backoff: Backoff) -> str | None:  # fmt: skip
     """Runs until a stop is requested; returns why start-up failed, or None."""
-    for c in children:
-        launch(c, env, first=True)
+    for g in groups_of(children):
+        launch_group(g, env, config, first=True)
     write_state(paths, config, children, "starting")
     error = wait_until_serving(children, config.host, config.timeout, stop)
     if error is not None:

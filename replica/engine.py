@@ -156,22 +156,23 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepResult()
+        forward_start = time.monotonic()
         logits = self.runner.run(batch)
         to_sample = [self._by_seq[s.seq_id] for s in batch.seqs if s.sample]
         tokens = sample(logits, [self._sampling_row(r) for r in to_sample])
-        forward_s = time.monotonic() - start
         now = time.monotonic()
-        for s in batch.seqs:
-            self._by_seq[s.seq_id].timings.first_scheduled = self._by_seq[s.seq_id].timings.first_scheduled or now
+        for s in batch.seqs:  # queue time ends when a request's first forward pass starts
+            timings = self._by_seq[s.seq_id].timings
+            timings.first_scheduled = timings.first_scheduled or forward_start
         outputs = [self._emit(req, token, now) for req, token in zip(to_sample, tokens)]
-        return StepResult([o for o in outputs if o is not None], self._stats(batch, forward_s, start))
+        return StepResult(outputs, self._stats(batch, now - forward_start, start))
 
     def _sampling_row(self, req: _Request) -> SamplingRow:
         p = req.params
         banned = self.eos_token_ids if req.seq.num_generated < p.min_new_tokens and not p.ignore_eos else []
         return SamplingRow(p.temperature, p.top_p, p.top_k, req.generator, banned)
 
-    def _emit(self, req: _Request, token: int, now: float) -> RequestOutput | None:
+    def _emit(self, req: _Request, token: int, now: float) -> RequestOutput:
         seq, params = req.seq, req.params
         seq.token_ids.append(token)
         req.timings.first_token = req.timings.first_token or now

@@ -13,7 +13,9 @@ from typing import Protocol
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .. import __version__
 from .grpc_server import PortInUseError
+from .sla import SlaConfig, meets_sla, rate_label
 
 # Latencies span GPU decode steps (a few ms) to CPU requests of many seconds.
 LATENCY_BUCKETS = (
@@ -79,6 +81,11 @@ FORWARD_TIME = _replica(
 STEP_TIME = _replica(
     "fastgen_step_seconds", Histogram, "One engine step, scheduling and detokenization included.",
     buckets=LATENCY_BUCKETS)
+SLA_REQUESTS = _replica(
+    "fastgen_sla_requests_total", Counter,
+    "Finished requests (not cancelled) scored against the SLA: first token within prompt_tokens / prompt_rate s, "
+    "every span-16 moving average of inter-token time at most 1 / token_rate s.",
+    ("prompt_rate", "token_rate", "result"))
 
 # Balancer process.
 BALANCER_REQUESTS = MetricDef(
@@ -98,16 +105,21 @@ BALANCER_RETRIES = MetricDef(
 BALANCER_ROUTING = MetricDef(
     "fastgen_balancer_routing_decisions_total", Counter, "Replica picks by routing policy.", ("policy", "replica"))
 
+# Every process.
+BUILD_INFO = MetricDef(
+    "fastgen_build_info", Gauge, "Always 1; the labels say what the process runs (empty where it does not apply).",
+    ("version", "role", "replica", "model", "dtype", "tp"))
+
 REPLICA_METRICS = (
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, QUEUE_TIME, PROMPT_TOKENS, GENERATED_TOKENS,
     REQUESTS_FINISHED, REQUESTS, QUEUE_LENGTH, RUNNING_SEQUENCES, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, KV_USAGE,
-    PREEMPTIONS, TOKENS_PER_FORWARD, BUDGET_FILL, FORWARD_TIME, STEP_TIME,
+    PREEMPTIONS, TOKENS_PER_FORWARD, BUDGET_FILL, FORWARD_TIME, STEP_TIME, SLA_REQUESTS,
 )  # fmt: skip
 BALANCER_METRICS = (
     BALANCER_REQUESTS, BALANCER_REPLICA_REQUESTS, BALANCER_IN_FLIGHT, BALANCER_REPLICA_HEALTHY, BALANCER_RETRIES,
     BALANCER_ROUTING,
 )  # fmt: skip
-ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS
+ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + (BUILD_INFO,)
 
 
 def register(registry: CollectorRegistry, defs: tuple[MetricDef, ...]) -> dict[MetricDef, object]:
@@ -121,6 +133,24 @@ def register(registry: CollectorRegistry, defs: tuple[MetricDef, ...]) -> dict[M
 
 def code_name(code: grpc.StatusCode) -> str:
     return code.name  # "OK", "INVALID_ARGUMENT", ...
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    role: str  # "replica" | "balancer"
+    replica: str = ""
+    model: str = ""
+    dtype: str = ""  # as resolved, e.g. "bfloat16", never "auto"
+    tp: int | None = None
+    version: str = __version__
+
+
+def record_build_info(registry: CollectorRegistry, info: BuildInfo) -> None:
+    """Exports fastgen_build_info{...} = 1. Nothing in it changes from one start of a process to the next (no pid,
+    no start time), so a restarted process continues the same series."""
+    gauge = register(registry, (BUILD_INFO,))[BUILD_INFO]
+    gauge.labels(version=info.version, role=info.role, replica=info.replica, model=info.model, dtype=info.dtype,
+                 tp="" if info.tp is None else str(info.tp)).set(1)  # fmt: skip
 
 
 # ---- What the recorders read: duck types of the engine's StepStats and RequestOutput. ----
@@ -162,13 +192,15 @@ class OutputLike(Protocol):
 
 
 class ReplicaMetrics:
-    """Turns a replica's engine steps, request outputs and RPC results into metrics.
+    """Turns a replica's engine steps, request outputs and RPC results into metrics, and scores every finished
+    request against the SLA (one result per token rate of `sla`).
 
     `on_step` and `on_output` are meant to be called from the one engine thread; prometheus_client's metrics
     themselves are thread safe, so `on_rpc` may be called from the gRPC handlers."""
 
-    def __init__(self, registry: CollectorRegistry, replica_id: str, model: str):
+    def __init__(self, registry: CollectorRegistry, replica_id: str, model: str, sla: SlaConfig = SlaConfig()):
         self._replica_labels = {"replica": replica_id, "model": model}
+        self._sla = sla
         metrics = register(registry, REPLICA_METRICS)
         # Bind the constant labels once; per-event label values (reason, code) are bound when they occur.
         self._bound = {d: m.labels(**self._replica_labels) for d, m in metrics.items() if d.labels == REPLICA_LABELS}
@@ -176,8 +208,15 @@ class ReplicaMetrics:
         self._by_code = metrics[REQUESTS]
         for reason in FINISH_REASONS:  # present from the start, so rates over them are defined before any finish
             self._by_reason.labels(**self._replica_labels, reason=reason)
-        # request_id -> time of its latest token; an id is here from its first token until it finishes.
-        self._last_token_time: dict[str, float] = {}
+        # (token rate, met?) -> its counter, every one present at 0 from the start for the same reason.
+        self._sla_counters = {
+            (rate, met): metrics[SLA_REQUESTS].labels(
+                **self._replica_labels, prompt_rate=rate_label(sla.prompt_rate), token_rate=rate_label(rate),
+                result="met" if met else "missed")
+            for rate in sla.token_rates for met in (True, False)
+        }  # fmt: skip
+        # request_id -> arrival times (time.monotonic()) of its tokens; present from its first token to its finish.
+        self._token_times: dict[str, list[float]] = {}
 
     def on_step(self, stats: StepStatsLike) -> None:
         m = self._bound
@@ -208,31 +247,41 @@ class ReplicaMetrics:
         m = self._bound
         n = len(out.new_token_ids)
         m[GENERATED_TOKENS].inc(n)
-        last = self._last_token_time.get(out.request_id)
-        if last is None:
+        times = self._token_times.get(out.request_id)
+        if times is None:
             first = out.timings.first_token if out.timings.first_token is not None else out.time
             m[TIME_TO_FIRST_TOKEN].observe(max(0.0, first - out.timings.arrival))
             m[PROMPT_TOKENS].inc(out.prompt_tokens)
+            times = self._token_times[out.request_id] = [first]
             n -= 1  # the first token has no predecessor to measure from
-            last = first
         # Tokens that arrive together share the gap evenly, so the histogram counts every token once.
         if n > 0:
-            gap = max(0.0, out.time - last) / n
+            gap = max(0.0, out.time - times[-1]) / n
             for _ in range(n):
                 m[INTER_TOKEN_LATENCY].observe(gap)
-        self._last_token_time[out.request_id] = out.time
+        # A client sees the tokens of one output together, so the SLA scores them at the output's time.
+        times.extend([out.time] * n)
 
     def _record_finish(self, out: OutputLike) -> None:
         m = self._bound
-        if self._last_token_time.pop(out.request_id, None) is None:
+        times = self._token_times.pop(out.request_id, None)
+        if times is None:
             m[PROMPT_TOKENS].inc(out.prompt_tokens)  # finished without a token (cancelled): count its prompt now
         t = out.timings
         finished = t.finished if t.finished is not None else out.time
         m[E2E_LATENCY].observe(max(0.0, finished - t.arrival))
         if t.first_scheduled is not None:
             m[QUEUE_TIME].observe(max(0.0, t.first_scheduled - t.arrival))
-        reason = getattr(out.finish_reason, "value", out.finish_reason)
-        self._by_reason.labels(**self._replica_labels, reason=str(reason)).inc()
+        reason = str(getattr(out.finish_reason, "value", out.finish_reason))
+        self._by_reason.labels(**self._replica_labels, reason=reason).inc()
+        if reason != "cancelled":  # the client gave up: neither a success nor the server's miss
+            self._score(out, times or [])
+
+    def _score(self, out: OutputLike, times: list[float]) -> None:
+        ttft = max(0.0, times[0] - out.timings.arrival) if times else None
+        for rate in self._sla.token_rates:
+            met = meets_sla(out.prompt_tokens, ttft, times, self._sla.prompt_rate, rate)
+            self._sla_counters[rate, met].inc()
 
 
 class BalancerMetrics:

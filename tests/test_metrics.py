@@ -9,7 +9,11 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fastgen.server.metrics import ALL_METRICS, BalancerMetrics, ReplicaMetrics, start_metrics_server
+import fastgen
+from fastgen.server.metrics import (
+    ALL_METRICS, BalancerMetrics, BuildInfo, ReplicaMetrics, record_build_info, start_metrics_server,
+)  # fmt: skip
+from fastgen.server.sla import SlaConfig
 
 LABELS = {"replica": "r0", "model": "tiny"}
 
@@ -81,7 +85,7 @@ def test_request_lifecycle_observes_latencies_once_per_token(registry):
     assert value(registry, "fastgen_generated_tokens_total", **LABELS) == 4
     assert value(registry, "fastgen_requests_finished_total", reason="length", **LABELS) == 1
     assert value(registry, "fastgen_requests_finished_total", reason="eos", **LABELS) == 0  # present at 0
-    assert m._last_token_time == {}  # finished requests leave no state behind
+    assert m._token_times == {}  # finished requests leave no state behind
 
 
 def test_request_cancelled_before_its_first_token(registry):
@@ -137,3 +141,62 @@ def test_metrics_and_balancer_do_not_import_torch():
     code = ("import sys, fastgen.server.metrics, fastgen.server, fastgen.balancer.__main__; "
             "bad = [m for m in ('torch', 'fastgen.replica') if m in sys.modules]; assert not bad, bad")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- SLA scoring, build info, restarts ------------------------------------------------------------------------
+def sla_value(registry, rate, result):
+    return value(registry, "fastgen_sla_requests_total", prompt_rate="100", token_rate=rate, result=result, **LABELS)
+
+
+def test_every_finished_request_is_scored_for_every_token_rate(registry):
+    m = ReplicaMetrics(registry, "r0", "tiny", SlaConfig(prompt_rate=100, token_rates=(1.0, 2.0, 4.0)))
+    assert sla_value(registry, "2", "met") == 0 and sla_value(registry, "2", "missed") == 0  # present from the start
+    # 5 prompt tokens: first token due within 0.05 s; then a token every 0.4 s (meets R = 1 and 2, not 4).
+    m.on_output(output("a", [1], 0.04, first_token=0.04))
+    for i in range(1, 6):
+        m.on_output(output("a", [1], 0.04 + 0.4 * i, reason=Reason.LENGTH if i == 5 else None))
+    assert [sla_value(registry, r, "met") for r in ("1", "2", "4")] == [1, 1, 0]
+    assert [sla_value(registry, r, "missed") for r in ("1", "2", "4")] == [0, 0, 1]
+    # A late first token misses every rate.
+    m.on_output(output("b", [1], 0.3, first_token=0.3))
+    m.on_output(output("b", [2], 0.4, reason=Reason.LENGTH))
+    assert [sla_value(registry, r, "missed") for r in ("1", "2", "4")] == [1, 1, 2]
+
+
+def test_cancelled_requests_are_not_scored(registry):
+    m = ReplicaMetrics(registry, "r0", "tiny")
+    m.on_output(output("a", [1], 0.01, first_token=0.01))
+    m.on_output(output("a", [], 0.02, reason=Reason.CANCELLED))
+    m.on_output(output("b", [], 0.02, reason=Reason.CANCELLED, first_scheduled=None))
+    assert all(sla_value(registry, r, res) == 0 for r in ("1", "2", "4") for res in ("met", "missed"))
+    assert m._token_times == {}
+
+
+def test_build_info(registry):
+    record_build_info(registry, BuildInfo(role="replica", replica="r0", model="tiny", dtype="float32", tp=2))
+    assert value(registry, "fastgen_build_info", version=fastgen.__version__, role="replica", replica="r0",
+                 model="tiny", dtype="float32", tp="2") == 1  # fmt: skip
+
+
+def series(registry) -> set[tuple]:
+    """What identifies each exported series: its name and labels (values aside)."""
+    return {(s.name, tuple(sorted(s.labels.items()))) for metric in registry.collect() for s in metric.samples
+            if not s.name.endswith("_created")}  # fmt: skip
+
+
+def test_a_restarted_replica_continues_the_same_series():
+    # A restart is a new process with the same flags: it must export exactly the same series (no pid, start time
+    # or other per-start label), so Prometheus sees one series whose counters reset, which rate() and increase()
+    # handle, instead of a second series that sums would count twice. (_created holds the start time as a value.)
+    def replica_process():
+        registry = CollectorRegistry()
+        m = ReplicaMetrics(registry, "replica-0", "tiny")
+        record_build_info(registry, BuildInfo(role="replica", replica="replica-0", model="tiny", dtype="float32", tp=1))
+        m.on_step(stats())
+        m.on_rpc("Generate", grpc.StatusCode.OK)
+        m.on_output(output("a", [1], 0.1, reason=Reason.LENGTH, first_token=0.1))
+        return registry
+
+    first, second = replica_process(), replica_process()
+    assert series(first) == series(second)
+    assert not {k for _, labels in series(first) for k, _ in labels} & {"pid", "instance", "job", "deployment"}
