@@ -17,7 +17,7 @@ import sys
 from prometheus_client import CollectorRegistry
 
 from ..server.grpc_server import PortInUseError, create_server, set_serving
-from ..server.metrics import BalancerMetrics, start_metrics_server
+from ..server.metrics import BalancerMetrics, BuildInfo, record_build_info, start_metrics_server
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
 from .service import BalancerService
@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     metrics = BalancerMetrics(registry)
+    record_build_info(registry, BuildInfo(role="balancer"))
 
     async def on_health_change() -> None:
         # `health` is bound below, before pool.start() lets any health change happen.

@@ -13,6 +13,7 @@ import sys
 import time
 
 from ..server.grpc_server import PortInUseError, create_server, set_serving
+from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
 from .config import SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig
 
 log = logging.getLogger("fastgen.replica")
@@ -34,6 +35,13 @@ def positive(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fastgen.replica", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -43,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
     p.add_argument("--max-batch-tokens", type=positive, default=512)
     p.add_argument("--max-seqs", type=positive, default=64)
     p.add_argument("--block-size", type=positive, default=16)
@@ -57,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue-requests", type=positive, default=256)
     p.add_argument("--max-queue-tokens", type=positive, default=262144)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--sla-prompt-rate", type=positive_float, default=DEFAULT_PROMPT_RATE, metavar="P",
+                   help="SLA: first token within prompt_tokens / P seconds (default: %(default)g)")
+    p.add_argument("--sla-token-rate", type=positive_float, nargs="+", default=list(DEFAULT_TOKEN_RATES),
+                   metavar="R", help="SLA: inter-token moving average at most 1 / R seconds; every R given is "
+                   "exported as its own token_rate label (default: 1 2 4)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -73,6 +86,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def build_info(args: argparse.Namespace):
+    """What fastgen_build_info says of this replica: the dtype as resolved, not "auto"."""
+    import torch
+
+    from ..server.metrics import BuildInfo
+    from .weights import parse_dtype
+
+    dtype = str(parse_dtype(args.dtype, torch.device(args.device)))
+    return BuildInfo(role="replica", replica=args.replica_id, model=args.model, dtype=dtype.removeprefix("torch."),
+                     tp=args.tp)  # fmt: skip
+
+
 def warm_up(engine) -> None:
     """One short request through every stage, so the first real request does not pay for lazy set-up."""
     from .request import SamplingParams
@@ -82,18 +107,22 @@ def warm_up(engine) -> None:
         engine.step()
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
+    """Serves until SIGTERM. With tensor parallelism this is rank 0, and tp/broadcast connect it to the other ranks."""
     import torch
     from prometheus_client import CollectorRegistry
 
-    from ..server.metrics import ReplicaMetrics, start_metrics_server
+    from ..server.metrics import ReplicaMetrics, record_build_info, start_metrics_server
     from .engine import build_engine
+    from .parallel import TPGroup
     from .service import EngineLoop, QueueLimits, ReplicaService
 
     torch.set_num_threads(args.threads)
     config = engine_config(args)  # flag errors surface before anything binds
     registry = CollectorRegistry()
-    metrics = ReplicaMetrics(registry, args.replica_id, args.model)
+    metrics = ReplicaMetrics(registry, args.replica_id, args.model,
+                             SlaConfig(args.sla_prompt_rate, tuple(args.sla_token_rate)))  # fmt: skip
+    record_build_info(registry, build_info(args))
     service = ReplicaService(args.replica_id, args.model, metrics)
     server, health = create_server(service, args.host, args.port)
     await server.start()
@@ -103,7 +132,7 @@ async def serve(args: argparse.Namespace) -> int:
              metrics_port, args.model)  # fmt: skip
 
     started = time.monotonic()
-    engine = await asyncio.to_thread(build_engine, config)
+    engine = await asyncio.to_thread(build_engine, config, tp or TPGroup(), broadcast)
     await asyncio.to_thread(warm_up, engine)
     loop = EngineLoop(engine, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens),
                       asyncio.get_running_loop())  # fmt: skip
@@ -135,9 +164,14 @@ def main(argv=None) -> int:
     if args.tp > 1:
         from .tp_worker import run_tensor_parallel
 
-        return run_tensor_parallel(args, serve)
+        return run_tensor_parallel(args, run_replica, engine_config)
+    return run_replica(args)
+
+
+def run_replica(args: argparse.Namespace, tp=None, broadcast=None) -> int:
+    """serve() to its end; exit status 2 for settings the replica cannot run with."""
     try:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, tp, broadcast))
     except PortInUseError as exc:
         print(f"fastgen.replica: {exc}", file=sys.stderr)
         return 2

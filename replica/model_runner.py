@@ -1,23 +1,46 @@
-"""Scheduled batch -> flat tensors -> one forward pass -> logits of the rows to sample."""
+"""Scheduled batch -> flat tensors -> one forward pass -> logits of the rows to sample.
+
+With tensor parallelism, rank 0's runner sends every batch to the other ranks before running it (`run`), and their
+runners run each batch they receive (`follow`): every rank then takes part in the same collectives."""
 from __future__ import annotations
 
 import torch
 
 from ..kernels import AttentionMetadata
 from .batch import Batch
+from .batch_broadcast import BatchBroadcast
 from .models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_caches, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: LlamaModel, kv_caches, block_size: int, device: torch.device,
+                 broadcast: BatchBroadcast | None = None) -> None:  # fmt: skip
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.broadcast = broadcast  # set on every rank of a tensor-parallel group
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Returns logits (sampled sequences, vocab) in float32, in batch order. On rank 0 of a tensor-parallel group
+        the other ranks get the batch first; a failure there leaves the ranks out of step and ends the process."""
+        if self.broadcast is None:
+            return self.forward(batch)
+        try:
+            self.broadcast.send(batch)
+            return self.forward(batch)
+        except Exception as exc:  # noqa: BLE001 - any failure between collectives breaks the group
+            self.broadcast.abandon(exc)
+            raise
+
+    def follow(self) -> None:
+        """Ranks > 0: runs every batch rank 0 sends until it says stop. Raises RuntimeError when rank 0 is gone."""
+        while (batch := self.broadcast.receive()) is not None:
+            self.forward(batch)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Returns logits (sampled sequences, vocab) in float32, in batch order."""
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """This rank's forward pass over the batch; every rank gets the gathered logits."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # (tokens, hidden)
         return self.model.logits(hidden[sample_rows])

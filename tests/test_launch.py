@@ -127,6 +127,9 @@ def test_port_layout_and_commands():
     ]  # fmt: skip
     assert bal[bal.index("--policy") + 1] == "round_robin"
     rep = specs[2].argv
+    sla = rep.index("--sla-prompt-rate")  # last, as --sla-token-rate takes several values
+    rep, sla = rep[:sla], rep[sla:]
+    assert sla == ["--sla-prompt-rate", "100", "--sla-token-rate", "1", "2", "4"]
     flags = dict(zip(rep[3::2], rep[4::2]))
     assert rep[:3] == ["PY", "-m", "fastgen.replica"]
     assert flags == {

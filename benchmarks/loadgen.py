@@ -1,0 +1,232 @@
+"""Load generator: one measured run against a running server, closed-loop (the paper's) or open-loop Poisson.
+
+    python -m fastgen.benchmarks.loadgen --target 127.0.0.1:50050 --workload C1 --clients 4 --json run.json
+    python -m fastgen.benchmarks.loadgen --target 127.0.0.1:50050 --workload C2 --rate 0.5 --requests 40
+    python -m fastgen.benchmarks.loadgen --openai http://127.0.0.1:8000 --openai-model /path/to/hf-folder ...
+
+Closed loop: N clients each send one warm-up request, wait at a barrier, then send their next request as soon as
+the previous one finished, until 4 x N + 16 requests (the CPU profile) have completed. Open loop: requests arrive
+as a Poisson process of the given rate, whatever is still in flight. Prompts are token ids, so the tokenizer of the
+served model must be given (`--tokenizer`, default: the embedded SmolLM2's folder).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .stats import SLA, RequestRecord, summarize
+from .workload import Workload, make_requests, parse_workload
+
+
+@dataclass
+class RunSpec:
+    workload: Workload
+    clients: int = 1  # closed loop: concurrent clients
+    rate: float | None = None  # open loop: requests per second (then `clients` is unused)
+    requests: int | None = None  # None: 4 x clients + 16
+    requests_scale: float = 1.0
+    seed: int = 0
+    tag: str = "run"  # names the prompts' headers: a new tag gives fresh prompts
+    max_prompt: int | None = None
+
+    def num_requests(self) -> int:
+        base = self.requests if self.requests is not None else 4 * self.clients + 16
+        return max(1, round(base * self.requests_scale))
+
+
+@dataclass
+class RunResult:
+    meta: dict
+    summary: dict
+    records: list[dict] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)  # a run killed half-way leaves no file, so resuming redoes it
+
+    @classmethod
+    def load(cls, path: Path) -> RunResult:
+        return cls(**json.loads(path.read_text()))
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+async def closed_loop(backend, requests, warmups, clients: int, bar=None) -> list[RequestRecord]:
+    """The paper's clients: one warm-up each, a barrier, then back-to-back requests from a shared queue."""
+    await asyncio.gather(*(backend.run(w, i) for i, w in enumerate(warmups[:clients])))
+    pending = deque(requests)
+    records: list[RequestRecord] = []
+
+    async def client(i: int) -> None:
+        while pending:
+            rec = await backend.run(pending.popleft(), i)
+            records.append(rec)
+            if bar is not None:
+                bar.update()
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return records
+
+
+async def open_loop(backend, requests, rate: float, seed: int = 0, bar=None) -> list[RequestRecord]:
+    """Poisson arrivals at `rate` per second (seeded gaps), each request sent on time whatever is in flight."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    records: list[RequestRecord] = []
+
+    async def one(req, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - loop.time()))
+        records.append(await backend.run(req, req.index))
+        if bar is not None:
+            bar.update()
+
+    t, tasks = loop.time(), []
+    for req in requests:
+        t += rng.expovariate(rate)
+        tasks.append(asyncio.ensure_future(one(req, t)))
+    await asyncio.gather(*tasks)
+    return records
+
+
+async def measure(backend, spec: RunSpec, tokenizer_dir: str, sla: SLA = SLA(), progress: bool = True,
+                  desc: str = "") -> RunResult:  # fmt: skip
+    n = spec.num_requests()
+    requests = make_requests(spec.workload, n, tokenizer_dir, spec.seed, spec.tag, 0, spec.max_prompt)
+    warmups = make_requests(spec.workload, spec.clients, tokenizer_dir, spec.seed, spec.tag, 10**6, spec.max_prompt)
+    bar = progress_bar(n, desc, progress)
+    load_before = os.getloadavg()
+    try:
+        if spec.rate is not None:
+            records = await open_loop(backend, requests, spec.rate, spec.seed, bar)
+        else:
+            records = await closed_loop(backend, requests, warmups, spec.clients, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    meta = run_meta(spec, n, load_before)
+    return RunResult(meta=meta, summary=asdict(summarize(records, sla)) | {"sla": asdict(sla)},
+                     records=[r.to_json() for r in records])  # fmt: skip
+
+
+def run_meta(spec: RunSpec, n: int, load_before) -> dict:
+    return {
+        "workload": asdict(spec.workload), "mode": "open" if spec.rate is not None else "closed",
+        "clients": spec.clients, "rate": spec.rate, "requests": n, "seed": spec.seed, "tag": spec.tag,
+        "load_before": list(load_before), "load_after": list(os.getloadavg()),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
+        "machine": machine_name(), "python": platform.python_version(),
+    }  # fmt: skip
+
+
+def git_commit() -> str:
+    """Short HEAD, '+dirty' when tracked files differ from it (the numbers are then not HEAD's alone)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=here).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5, cwd=here).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) or "unknown"
+
+
+def machine_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def default_tokenizer() -> str:
+    from ..replica.weights import resolve_model
+
+    return str(resolve_model("smollm2-135m"))
+
+
+def print_summary(result: RunResult, label: str = "") -> None:
+    s = result.summary
+    eff = ", ".join(f"R={r}: {v:.3f}" for r, v in s["effective"].items())
+    miss = ", ".join(f"R={r}: {v:.0%}" for r, v in s["sla_missed"].items())
+    print(f"{label} {s['requests']} requests ({s['failed']} failed) in {s['duration_s']:.1f} s: "
+          f"throughput {s['throughput']:.3f} req/s ({s['token_throughput']:.1f} tok/s); effective {eff}; "
+          f"missing SLA {miss}; TTFT p50/p95 {s['ttft']['p50']:.3f}/{s['ttft']['p95']:.3f} s; "
+          f"inter-token p50/p95/p99 {s['inter_token']['p50'] * 1e3:.0f}/{s['inter_token']['p95'] * 1e3:.0f}/"
+          f"{s['inter_token']['p99'] * 1e3:.0f} ms; e2e p50/p95 {s['latency']['p50']:.2f}/{s['latency']['p95']:.2f} s",
+          flush=True)  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastgen.benchmarks.loadgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target", help="host:port of a FastGen balancer or replica")
+    target.add_argument("--openai", help="base URL of an OpenAI-compatible server (vLLM)")
+    p.add_argument("--openai-model", default=None, help="model name the OpenAI server serves")
+    p.add_argument("--tokenizer", default=None, help="Hugging Face folder of the served model's tokenizer")
+    p.add_argument("--workload", default="C1", help="C1, C2, ... or PROMPTxGEN (default: C1)")
+    p.add_argument("--clients", type=int, default=1)
+    p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    p.add_argument("--requests", type=int, default=None, help="default: 4 x clients + 16")
+    p.add_argument("--requests-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default=None, help="prompt header tag (default: unique per run)")
+    p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P, prompt tokens/s (default 100)")
+    p.add_argument("--token-rates", default="1,2,4", help="SLA R values, tokens/s (default 1,2,4)")
+    p.add_argument("--json", type=Path, default=None, help="write raw results here")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def make_backend(args: argparse.Namespace):
+    from .backends import FastGenBackend, OpenAIBackend
+
+    if args.target:
+        return FastGenBackend(args.target)
+    return OpenAIBackend(args.openai, args.openai_model or args.tokenizer or default_tokenizer())
+
+
+async def main_async(args: argparse.Namespace) -> RunResult:
+    backend = make_backend(args)
+    spec = RunSpec(parse_workload(args.workload), args.clients, args.rate, args.requests, args.requests_scale,
+                   args.seed, args.tag or f"{os.getpid()}-{datetime.datetime.now():%H%M%S}")  # fmt: skip
+    sla = SLA(args.prompt_rate, tuple(float(r) for r in args.token_rates.split(",")))
+    await backend.open()
+    try:
+        return await measure(backend, spec, args.tokenizer or default_tokenizer(), sla, not args.no_progress)
+    finally:
+        await backend.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = asyncio.run(main_async(args))
+    print_summary(result, args.workload)
+    if args.json:
+        result.save(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

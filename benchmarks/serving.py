@@ -1,0 +1,357 @@
+"""The paper's serving comparison on this machine: FastGen's Dynamic SplitFuse against the prefill-first and static
+schedules of the same engine, transformers `generate`, and (when running) vLLM, on the same workloads.
+
+    python -m fastgen.benchmarks.serving run --workloads C1,C2 --clients 1,2,4,8 \\
+        --systems splitfuse,prefill_first,static,hf --out benchmarks/results/serving
+    python -m fastgen.benchmarks.serving run --workloads C1 --systems splitfuse,splitfuse-r2   # replica scaling
+    python -m fastgen.benchmarks.serving run --systems vllm --vllm-url http://127.0.0.1:8000  # vLLM baseline
+    python -m fastgen.benchmarks.serving report --out benchmarks/results/serving            # tables + PNGs
+
+Systems: a FastGen scheduler (`splitfuse`, `prefill_first`, `static`), optionally `-rK` for K replicas behind the
+balancer (threads per replica = cores / K); `hf` (transformers generate, static batches of up to N requests, in
+this process); `vllm` (an OpenAI-compatible server already running at --vllm-url). Each FastGen system is a
+`fastgen-deploy` deployment started for its runs and stopped after them; requests go through its balancer
+(`--direct`: straight to its replica).
+
+Every run (workload x system x clients) writes OUT/<workload>/<system>/c<N>.json as soon as it ends; `run` skips
+runs whose file exists (`--force` redoes them), so an interrupted comparison resumes where it stopped and a large
+one can be run piecewise. Before each run it waits until the CPUs are quiet (other processes' load below
+--quiet-cores) so a neighbour's job does not land in one system's numbers only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .loadgen import RunSpec, measure, print_summary
+from .stats import SLA
+from .workload import parse_workload
+
+SCHEDULERS = ("splitfuse", "prefill_first", "static")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serving"
+
+
+@dataclass(frozen=True)
+class System:
+    label: str  # names the result folder
+    kind: str  # "fastgen" | "hf" | "vllm"
+    scheduler: str | None = None
+    replicas: int = 1
+
+
+def parse_system(text: str) -> System:
+    if text in ("hf", "vllm"):
+        return System(text, text)
+    scheduler, _, replicas = text.partition("-r")
+    if scheduler not in SCHEDULERS or (replicas and not replicas.isdigit()):
+        raise ValueError(f"unknown system {text!r}: use {', '.join(SCHEDULERS)} (optionally -rK), hf or vllm")
+    return System(text, "fastgen", scheduler, int(replicas or 1))
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ---- waiting for a quiet machine ----
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_cores(window: float = 2.0) -> float:
+    """Cores in use over the last `window` seconds. Unlike the 1-minute load average this does not remember our own
+    previous run, so it tells whether someone else is busy now."""
+    b0, t0 = cpu_times()
+    time.sleep(window)
+    b1, t1 = cpu_times()
+    return cpu_count() * (b1 - b0) / max(t1 - t0, 1e-9)
+
+
+def wait_quiet(threshold: float, timeout: float) -> float:
+    """Waits (up to timeout s) until fewer than `threshold` cores are busy; returns the last reading."""
+    if threshold <= 0 or not Path("/proc/stat").exists():
+        return float("nan")
+    deadline = time.monotonic() + timeout
+    busy = busy_cores()
+    while busy >= threshold and time.monotonic() < deadline:
+        print(f"  waiting for a quiet machine: {busy:.2f} cores busy (load {os.getloadavg()[0]:.2f})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(5)
+        busy = busy_cores()
+    return busy
+
+
+class CpuMeter:
+    """CPU used during a run by everything on the machine and by our own processes (this one and the deployment's):
+    the difference is what neighbours took, recorded with every run so a disturbed run shows in its numbers."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = [os.getpid(), *pids]
+
+    def ours(self) -> float:
+        import psutil
+
+        total = 0.0
+        for pid in self.pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def __enter__(self) -> CpuMeter:
+        self.t0, self.busy0, self.ours0 = time.monotonic(), cpu_times()[0], self.ours()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        busy = (cpu_times()[0] - self.busy0) / os.sysconf("SC_CLK_TCK") / wall
+        ours = (self.ours() - self.ours0) / wall
+        self.result = {"busy_cores": busy, "our_cores": ours, "others_cores": max(0.0, busy - ours)}
+
+
+# ---- systems under test ----
+def free_base_port(count: int) -> int:
+    from ..launch.probe import port_free
+
+    for _ in range(200):
+        base = random.randint(21000, 39000)
+        if all(port_free("127.0.0.1", p) for p in range(base, base + count)):
+            return base
+    raise RuntimeError("no free range of ports")
+
+
+@contextlib.contextmanager
+def fastgen_deployment(system: System, args: argparse.Namespace):
+    """A fastgen-deploy deployment of `system`; yields the address to send requests to."""
+    from ..launch import deployment
+    from ..launch.config import DeployConfig, default_threads
+    from ..launch.state import fastgen_home
+
+    n = system.replicas
+    base = free_base_port(2 * (n + 1))
+    config = DeployConfig(
+        name=f"bench-{system.label}-{os.getpid()}", model=args.model, replicas=n, scheduler=system.scheduler,
+        dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_seqs=min(args.max_seqs, args.max_batch_tokens),
+        threads=args.threads or default_threads(cpu_count(), n), port=base, metrics_port=base + n + 1,
+        timeout=args.start_timeout,
+    )  # fmt: skip
+    home = fastgen_home()
+    started = time.monotonic()
+    state = deployment.start(config, home)
+    pids = [state["supervisor"]["pid"]] + [p["pid"] for p in state["processes"] if p.get("pid")]
+    print(f"[{system.label}] deployment up in {time.monotonic() - started:.0f} s ({n} replica(s), "
+          f"{config.threads} threads each)", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        yield f"127.0.0.1:{base + 1 if args.direct else base}", config, pids
+    finally:
+        deployment.stop(home, config.name, timeout=30)
+
+
+@contextlib.contextmanager
+def system_under_test(system: System, args: argparse.Namespace):
+    """Yields (make_backend, settings to record). Deployments live outside the event loop, so an interrupt (Ctrl-C,
+    SIGTERM) anywhere still stops them."""
+    from .backends import FastGenBackend, HFBackend, OpenAIBackend
+
+    if system.kind == "fastgen":
+        with fastgen_deployment(system, args) as (address, config, pids):
+            settings = {"scheduler": config.scheduler, "replicas": config.replicas, "threads": config.threads,
+                        "max_batch_tokens": config.max_batch_tokens, "max_seqs": config.max_seqs,
+                        "dtype": config.dtype, "model": args.model, "through": "replica" if args.direct else "balancer"}  # fmt: skip
+            yield (lambda: FastGenBackend(address)), settings | {"pids": pids}
+    elif system.kind == "hf":
+        threads = args.threads or cpu_count()
+        settings = {"threads": threads, "dtype": args.dtype, "model": args.model, "batching": "static"}
+        yield (lambda: HFBackend(tokenizer_dir(args), args.dtype, threads, max_batch=max(args.clients))), settings
+    else:
+        if not args.vllm_url:
+            raise SystemExit("system vllm needs --vllm-url of a running vLLM OpenAI server (see benchmarks/RESULTS.md)")
+        model = args.vllm_model or tokenizer_dir(args)
+        yield (lambda: OpenAIBackend(args.vllm_url, model, max_in_flight=max(args.clients))), {"url": args.vllm_url, "model": model}
+
+
+def tokenizer_dir(args: argparse.Namespace) -> str:
+    from ..replica.weights import resolve_model
+
+    return str(resolve_model(args.model))
+
+
+# ---- the comparison ----
+def run_path(out: Path, workload: str, system: str, clients: int) -> Path:
+    return out / workload / system / f"c{clients}.json"
+
+
+def pending_runs(args: argparse.Namespace, system: System) -> list[tuple[str, int]]:
+    return [
+        (w, n) for w in args.workloads for n in args.clients
+        if args.force or not run_path(args.out, w, system.label, n).exists()
+    ]  # fmt: skip
+
+
+async def one_run(system: System, backend, settings: dict, workload: str, clients: int, path: Path,
+                  args: argparse.Namespace) -> None:  # fmt: skip
+    busy = wait_quiet(args.quiet_cores, args.quiet_timeout)
+    # Fresh prompts for every run (a new tag): servers that cache prefixes get no free hits.
+    tag = f"{workload}-{system.label}-c{clients}-{args.seed}" + (f"-{time.time_ns()}" if system.kind == "vllm" else "")
+    spec = RunSpec(parse_workload(workload), clients, None, args.requests, args.requests_scale, args.seed, tag,
+                   args.max_prompt)  # fmt: skip
+    sla = SLA(args.prompt_rate, tuple(args.token_rates))
+    with CpuMeter(settings.get("pids", [])) as cpu:
+        result = await measure(backend, spec, tokenizer_dir(args), sla, not args.no_progress,
+                               desc=f"{workload} {system.label} c{clients}")  # fmt: skip
+    result.meta |= {"system": system.label, "kind": system.kind, "settings": settings, "busy_cores_before": busy,
+                    "cpu": cpu.result}  # fmt: skip
+    result.save(path)
+    print_summary(result, f"{workload} {system.label:<14} c{clients}:")
+    print(f"  cores busy during the run: {cpu.result['busy_cores']:.2f}, ours {cpu.result['our_cores']:.2f}, "
+          f"others {cpu.result['others_cores']:.2f}", flush=True)  # fmt: skip
+
+
+async def run_system(system: System, make_backend, settings: dict, runs: list[tuple[str, int]],
+                     args: argparse.Namespace) -> None:  # fmt: skip
+    backend = make_backend()
+    await backend.open()
+    try:
+        for workload, clients in runs:
+            await one_run(system, backend, settings, workload, clients,
+                          run_path(args.out, workload, system.label, clients), args)  # fmt: skip
+    finally:
+        await backend.close()
+
+
+def run_all(args: argparse.Namespace) -> None:
+    if args.repeats > 1:
+        return run_repeats(args)
+    for system in args.systems:
+        runs = pending_runs(args, system)
+        if not runs:
+            print(f"[{system.label}] all runs already in {args.out} (--force redoes them)", file=sys.stderr)
+            continue
+        with system_under_test(system, args) as (make_backend, settings):
+            asyncio.run(run_system(system, make_backend, settings, runs, args))
+
+
+def repeat_path(out: Path, workload: str, system: str, clients: int, k: int) -> Path:
+    return out / workload / system / "repeats" / f"c{clients}-{k}.json"
+
+
+def run_repeats(args: argparse.Namespace) -> None:
+    """Every system up at once; each repeat runs each system once, the order rotating, so slow drifts of a shared
+    machine (and of the tree under test) spread over all systems instead of landing on one."""
+    with contextlib.ExitStack() as stack:
+        up = [(s, *stack.enter_context(system_under_test(s, args))) for s in args.systems]
+        asyncio.run(interleaved(up, args))
+
+
+async def interleaved(up: list, args: argparse.Namespace) -> None:
+    backends = []
+    for system, make_backend, settings in up:
+        backends.append((system, make_backend(), settings))
+        await backends[-1][1].open()
+    try:
+        for k in range(args.repeats):
+            for workload in args.workloads:
+                for clients in args.clients:
+                    shift = k % len(backends)
+                    for system, backend, settings in backends[shift:] + backends[:shift]:
+                        path = repeat_path(args.out, workload, system.label, clients, k)
+                        if args.force or not path.exists():
+                            await one_run(system, backend, settings, workload, clients, path, args)
+    finally:
+        for _, backend, _ in backends:
+            await backend.close()
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt  # unwinds through the deployments' context managers, which stop them
+
+
+# ---- command line ----
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=["C1", "C2"], help="default: C1,C2")
+    p.add_argument("--systems", type=lambda s: [parse_system(x) for x in s.split(",")],
+                   default=[parse_system(x) for x in ("splitfuse", "prefill_first", "static", "hf")],
+                   help="default: splitfuse,prefill_first,static,hf")  # fmt: skip
+    p.add_argument("--clients", type=int_list, default=[1, 2, 4, 8], help="default: 1,2,4,8")
+    p.add_argument("--requests", type=int, default=None, help="requests per run (default: 4 x clients + 16)")
+    p.add_argument("--requests-scale", type=float, default=1.0, help="multiplies the request count (e.g. 0.5)")
+    p.add_argument("--max-prompt", type=int, default=None, help="cap prompt lengths (smoke runs on small models)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m", help="alias or Hugging Face folder (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget (default: 512)")
+    p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="threads per replica / for hf (default: cores / replicas)")
+    p.add_argument("--direct", action="store_true", help="send to the replica, not through the balancer")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--vllm-url", default=None, help="base URL of a running vLLM OpenAI server")
+    p.add_argument("--vllm-model", default=None, help="model name vLLM serves (default: the model's folder)")
+    p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P in prompt tokens/s (default: 100)")
+    p.add_argument("--token-rates", type=float_list, default=[1.0, 2.0, 4.0], help="SLA R values (default: 1,2,4)")
+    p.add_argument("--quiet-cores", type=float, default=0.7,
+                   help="before each run, wait until fewer cores than this are busy (0: don't wait; default 0.7)")
+    p.add_argument("--quiet-timeout", type=float, default=900.0,
+                   help="longest wait for quiet, seconds; the run then goes ahead and records the load (default 900)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="K > 1: all systems up together, runs interleaved K times (OUT/<workload>/<system>/repeats/)")
+    p.add_argument("--force", action="store_true", help="redo runs whose results exist")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-report", action="store_true", help="skip tables and plots at the end")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastgen.benchmarks.serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the comparison (resumable), then report")
+    add_run_args(run)
+    report = sub.add_parser("report", help="tables, checks and plots from the results folder")
+    for q in (run, report):
+        q.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default: %(default)s)")
+    report.add_argument("--headline", default="C1", help="workload of the SplitFuse vs prefill-first check")
+    report.add_argument("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from .report import report
+
+    args = parse_args(argv)
+    if args.command == "run":
+        print(f"load average before: {os.getloadavg()}", file=sys.stderr)
+        # Our own handlers: asyncio.run would only cancel its task on Ctrl-C; this unwinds to the deployments.
+        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGTERM, interrupt)
+        run_all(args)
+        if args.no_report:
+            return 0
+        args.headline, args.no_plots = args.workloads[0], False
+    print(report(args.out, args.headline, plots=not args.no_plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

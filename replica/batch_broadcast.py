@@ -1,0 +1,98 @@
+"""Rank 0's scheduled batch, sent to the other ranks of its tensor-parallel group before every forward pass.
+
+The batch travels as one flat int64 tensor (a length, then the payload) over a gloo group of its own, on the CPU
+even where the model's collectives run on NCCL: the other ranks rebuild the same `Batch` and run the same
+`ModelRunner.prepare`, so every rank builds identical input tensors without a device round trip. A length of -1
+says stop.
+
+The group waits without a deadline: an idle replica sends nothing for hours, and that is not a failure. A peer that
+dies closes its sockets, which ends any wait at once with an error.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .batch import Batch, ScheduledSeq
+
+log = logging.getLogger("fastgen.replica")
+
+STOP = -1
+IDLE_TIMEOUT = timedelta(days=365)
+# Exit status of a rank whose group broke (a peer died, or this rank failed between two collectives).
+EXIT_GROUP_BROKEN = 3
+_SEQ_HEADER = 5  # seq_id, start, sample, number of tokens, number of blocks
+
+
+def encode_batch(batch: Batch) -> list[int]:
+    """[seqs, decodes, preempted, *preempted ids, then per sequence: seq_id, start, sample, tokens, blocks,
+    *token_ids, *block_table]."""
+    flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), *batch.preempted]
+    for s in batch.seqs:
+        flat += (s.seq_id, s.start, int(s.sample), len(s.token_ids), len(s.block_table))
+        flat += s.token_ids
+        flat += s.block_table
+    return flat
+
+
+def decode_batch(flat: list[int]) -> Batch:
+    num_seqs, num_decodes, num_preempted = flat[:3]
+    i = 3 + num_preempted
+    preempted = flat[3:i]
+    seqs = []
+    for _ in range(num_seqs):
+        seq_id, start, sample, num_tokens, num_blocks = flat[i : i + _SEQ_HEADER]
+        i += _SEQ_HEADER
+        tokens, blocks = flat[i : i + num_tokens], flat[i + num_tokens : i + num_tokens + num_blocks]
+        i += num_tokens + num_blocks
+        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample)))
+    return Batch(seqs, num_decodes, preempted)
+
+
+class BatchBroadcast:
+    """Rank 0 sends each step's batch, the other ranks receive it. Every rank of the default process group must
+    construct it, in the same order as their other groups (it creates one)."""
+
+    def __init__(self, rank: int, timeout: timedelta = IDLE_TIMEOUT) -> None:
+        self.rank = rank
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def send(self, batch: Batch) -> None:
+        payload = torch.tensor(encode_batch(batch), dtype=torch.int64)
+        self._broadcast(torch.tensor([payload.numel()], dtype=torch.int64))
+        self._broadcast(payload)
+
+    def stop(self) -> None:
+        """Tells the other ranks to exit; a no-op when they are already gone."""
+        try:
+            self._broadcast(torch.tensor([STOP], dtype=torch.int64))
+        except RuntimeError as exc:
+            log.warning("could not tell the other ranks to stop (already gone?): %s", exc)
+
+    def receive(self) -> Batch | None:
+        """The next batch from rank 0, or None when it says stop. Raises RuntimeError when rank 0 is gone."""
+        header = torch.empty(1, dtype=torch.int64)
+        self._broadcast(header)
+        length = int(header.item())
+        if length == STOP:
+            return None
+        payload = torch.empty(length, dtype=torch.int64)
+        self._broadcast(payload)
+        return decode_batch(payload.tolist())
+
+    def abandon(self, exc: BaseException) -> None:
+        """Ends this process at once: its ranks are out of step (a peer died, or a step failed between two
+        collectives), so no later step can succeed, and the engine thread that noticed cannot unwind the server.
+        The launcher (fastgen-deploy's supervisor, torchrun) then restarts the whole group."""
+        log.critical("rank %d left its tensor-parallel group: %s: %s", self.rank, type(exc).__name__, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_GROUP_BROKEN)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=0, group=self.group)

@@ -1,0 +1,121 @@
+"""Tensor parallelism across processes: one replica runs as `--tp K` ranks under torch.distributed, NCCL between
+GPUs and gloo between CPU processes (chosen from --device).
+
+Every rank reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and gets the same
+command line, so the same replica runs under `fastgen-deploy start --tp K` on one host and under torchrun on one
+or several hosts:
+
+    torchrun --nproc-per-node 2 -m fastgen.replica --tp 2 --port 50051 --device cuda
+
+Rank 0 is the replica that the balancer and clients see: it serves gRPC, owns the scheduler and the sampler, and
+sends each step's batch to the other ranks (ModelRunner.run). Ranks > 0 hold their shards of the weights and the KV
+cache of their heads, and only run the model (ModelRunner.follow) until rank 0 says stop, which it does once it has
+drained. A rank that loses a peer exits non-zero, so the launcher restarts the whole group. Each rank runs
+--threads torch threads; a CUDA rank takes the GPU of its LOCAL_RANK.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .batch_broadcast import EXIT_GROUP_BROKEN, BatchBroadcast
+from .config import EngineConfig
+from .engine import build_runner
+from .parallel import TPGroup
+
+log = logging.getLogger("fastgen.replica")
+ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], tp: int) -> RankEnv:
+        """This process's place in its group, from torchrun's variables; ValueError says what is missing."""
+        missing = [name for name in ENV_NAMES if not environ.get(name)]
+        if missing:
+            raise ValueError(
+                f"--tp {tp} runs one process per rank, and this one lacks {', '.join(missing)}: start the ranks with "
+                f"`fastgen-deploy start --tp {tp}` or `torchrun --nproc-per-node {tp} -m fastgen.replica --tp {tp} ...`"
+            )
+        env = cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]))
+        if env.world_size != tp:
+            raise ValueError(f"WORLD_SIZE is {env.world_size} but --tp is {tp}: start exactly --tp ranks")
+        if not 0 <= env.rank < tp:
+            raise ValueError(f"RANK {env.rank} is outside 0..{tp - 1}")
+        return env
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """A CUDA rank takes the GPU of its local rank (whatever index --device names); CPU ranks share the CPU."""
+    d = torch.device(device)
+    return torch.device("cuda", local_rank) if d.type == "cuda" else d
+
+
+def init_process_group(env: RankEnv, device: torch.device) -> None:
+    """Joins the group at MASTER_ADDR:MASTER_PORT (rank 0 hosts the rendezvous)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=env.rank, world_size=env.world_size, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+
+
+def run_tensor_parallel(args: argparse.Namespace, run_replica: Callable[..., int],
+                        engine_config: Callable[[argparse.Namespace], EngineConfig]) -> int:  # fmt: skip
+    """Runs this process as its rank of the replica; returns the exit status. run_replica(args, tp, broadcast) is
+    the single-process replica's server, run by rank 0."""
+    try:
+        env = RankEnv.from_env(os.environ, args.tp)
+    except ValueError as exc:
+        print(f"fastgen.replica: {exc}", file=sys.stderr)
+        return 2
+    device = rank_device(args.device, env.local_rank)
+    args = argparse.Namespace(**{**vars(args), "device": str(device)})
+    torch.set_num_threads(args.threads)
+    init_process_group(env, device)
+    tp = TPGroup(env.rank, env.world_size)
+    broadcast = BatchBroadcast(env.rank)
+    log.info("rank %d of %d joined (%s, %s)", env.rank, env.world_size, dist.get_backend(), device)
+    if env.rank == 0:
+        code = run_replica(args, tp, broadcast)
+        if code == 0:  # it drained: the other ranks wait in follow() for this
+            broadcast.stop()
+    else:
+        code = follow(engine_config(args), tp, broadcast)
+    if code == 0:  # after a failure a peer may be gone, and tearing down could wait on it
+        dist.destroy_process_group()
+    return code
+
+
+def follow(config: EngineConfig, tp: TPGroup, broadcast: BatchBroadcast) -> int:
+    """Ranks > 0: loads this rank's shards, then runs every batch rank 0 sends until it says stop."""
+    try:
+        runner, num_blocks = build_runner(config, tp, broadcast)
+    except ValueError as exc:  # bad model or settings: rank 0 reports the same
+        print(f"fastgen.replica: {exc}", file=sys.stderr)
+        return 2
+    # From here rank 0 decides when the group ends, after draining its requests; a SIGTERM sent to every rank
+    # (fastgen-deploy stop, torchrun) must not cut them off.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log.info("rank %d of %d ready (%d KV blocks)", tp.rank, tp.size, num_blocks)
+    try:
+        runner.follow()
+    except RuntimeError as exc:
+        log.error("rank %d lost rank 0: %s", tp.rank, exc)
+        return EXIT_GROUP_BROKEN
+    log.info("rank %d stopped", tp.rank)
+    return 0

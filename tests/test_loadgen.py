@@ -1,0 +1,266 @@
+"""The serving benchmark's load generator: statistics and SLA on synthetic timings, closed- and open-loop drivers
+on a fake backend, the OpenAI streaming backend against a fake server, and a smoke run of the comparison
+command on the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastgen.benchmarks import balancer_overhead, report
+from fastgen.benchmarks.backends import OpenAIBackend
+from fastgen.benchmarks.loadgen import RunResult, closed_loop, open_loop
+from fastgen.benchmarks.serving import parse_system
+from fastgen.benchmarks.stats import SLA, RequestRecord, inter_token_times, meets_sla, percentile, summarize
+from fastgen.benchmarks.workload import BenchRequest, make_requests, parse_workload, sample_length
+
+
+def record(start: float, ttft: float, gaps: list[float], prompt: int = 100) -> RequestRecord:
+    times = [start + ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestRecord(start=start, token_times=times, prompt_tokens=prompt, end=times[-1])
+
+
+# ---- statistics ----
+def test_percentile_matches_numpy():
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 95, 99, 100):
+        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    assert math.isnan(percentile([], 50))
+
+
+def test_sla_first_token_deadline_is_prompt_over_p():
+    # P = 100 tokens/s: a 200-token prompt may take 2 s to its first token.
+    assert meets_sla(200, 1.99, [0, 0.1, 0.2], 100.0, 2.0)
+    assert not meets_sla(200, 2.01, [0, 0.1, 0.2], 100.0, 2.0)
+
+
+def test_sla_ema_tolerates_one_stall_but_not_a_slow_stream():
+    fast = [0.1] * 30
+    one_stall = fast[:15] + [1.5] + fast[15:]  # EMA 0.1 jumps by 2/17 * 1.4 to ≈ 0.26 s: under 0.5, over 0.25
+    times = np.cumsum([0.0] + one_stall).tolist()
+    assert meets_sla(10, 0.05, times, 100.0, 2.0)
+    assert not meets_sla(10, 0.05, times, 100.0, 4.0)  # limit 0.25 s
+    slow = np.cumsum([0.0] + [0.6] * 20).tolist()
+    assert not meets_sla(10, 0.05, slow, 100.0, 2.0)
+
+
+def test_benchmark_scores_with_the_servers_sla_definition():
+    from fastgen.server import sla
+
+    assert meets_sla is sla.meets_sla  # one definition for metrics and benchmark
+
+
+def test_sla_with_multi_token_chunks():
+    # Three tokens in one chunk at t = 1.0: gaps 0, 0 then a normal gap.
+    times = [1.0, 1.0, 1.0, 1.2, 1.4]
+    assert inter_token_times(times) == pytest.approx([0, 0, 0.2, 0.2])
+    assert meets_sla(10, 0.05, times, 100.0, 4.0)
+
+
+def test_summarize_throughput_effective_and_failures():
+    good = [record(i, 0.1, [0.1] * 9) for i in range(3)]  # starts 0, 1, 2; each lasts 1.0 s
+    slow = record(1.5, 0.1, [0.4] * 9)  # meets R = 2 (0.4 < 0.5), misses R = 4
+    failed = RequestRecord(start=0.5, token_times=[], prompt_tokens=100, error="UNAVAILABLE")
+    s = summarize(good + [slow, failed], SLA(100.0, (2.0, 4.0)))
+    duration = (1.5 + 0.1 + 3.6) - 0.0
+    assert s.requests == 5 and s.failed == 1
+    assert s.duration_s == pytest.approx(duration)
+    assert s.throughput == pytest.approx(4 / duration)
+    assert s.effective["2"] == pytest.approx(4 / duration * 4 / 5)  # failures count as missing the SLA
+    assert s.effective["4"] == pytest.approx(4 / duration * 3 / 5)
+    assert s.sla_missed["4"] == pytest.approx(0.4)
+    assert s.ttft["p50"] == pytest.approx(0.1)
+    assert s.inter_token["p99"] == pytest.approx(np.percentile([0.1] * 27 + [0.4] * 9, 99))
+    assert s.latency["p50"] == pytest.approx(1.0)
+
+
+# ---- workloads ----
+def test_lengths_are_normal_with_30_percent_sd():
+    import random
+
+    rng = random.Random(0)
+    xs = [sample_length(rng, 600) for _ in range(4000)]
+    assert np.mean(xs) == pytest.approx(600, rel=0.03)
+    assert np.std(xs) == pytest.approx(180, rel=0.08)
+    assert min(xs) >= 1 and max(xs) <= 1200
+
+
+def test_prompts_are_reproducible_real_text_of_the_drawn_length(tiny_model_dir):
+    w = parse_workload("64x8")
+    a = make_requests(w, 5, str(tiny_model_dir), seed=3, tag="t")
+    b = make_requests(w, 5, str(tiny_model_dir), seed=3, tag="t")
+    c = make_requests(w, 5, str(tiny_model_dir), seed=3, tag="other")
+    assert a == b
+    assert [len(r.prompt) for r in a] == [len(r.prompt) for r in c]  # the tag changes text, not lengths
+    assert a[0].prompt[:4] != c[0].prompt[:4]  # a new tag: fresh prefixes for servers that cache them
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(tiny_model_dir).decode(a[0].prompt)
+    assert text.startswith("[t #0]") and len(text.split()) > 10
+
+
+def test_parse_workload_and_system():
+    assert parse_workload("C1").prompt_mean == 600 and parse_workload("C2").gen_mean == 128
+    assert parse_workload("32x4").gen_mean == 4
+    with pytest.raises(ValueError):
+        parse_workload("C9")
+    s = parse_system("splitfuse-r2")
+    assert (s.scheduler, s.replicas, s.kind) == ("splitfuse", 2, "fastgen")
+    assert parse_system("hf").kind == "hf"
+    with pytest.raises(ValueError):
+        parse_system("fifo")
+
+
+# ---- drivers on a fake backend ----
+class FakeBackend:
+    """Each request takes `delay` seconds and yields one token at its end; remembers concurrency."""
+
+    def __init__(self, delay: float = 0.01):
+        self.delay = delay
+        self.in_flight = self.peak = 0
+        self.log: list[tuple[str, int]] = []
+
+    async def run(self, req: BenchRequest, client: int = 0) -> RequestRecord:
+        loop = asyncio.get_running_loop()
+        rec = RequestRecord(start=loop.time(), token_times=[], prompt_tokens=len(req.prompt), client=client)
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        self.log.append(("start", req.index))
+        await asyncio.sleep(self.delay)
+        self.in_flight -= 1
+        rec.token_times.append(loop.time())
+        rec.end = loop.time()
+        return rec
+
+
+def requests(n: int, first: int = 0) -> list[BenchRequest]:
+    return [BenchRequest(i, [1, 2, 3], 1) for i in range(first, first + n)]
+
+
+def test_closed_loop_warms_up_then_keeps_n_clients_busy():
+    backend = FakeBackend()
+    records = asyncio.run(closed_loop(backend, requests(10), requests(3, 100), clients=3))
+    assert len(records) == 10 and backend.peak == 3
+    started = [i for kind, i in backend.log]
+    assert sorted(started[:3]) == [100, 101, 102]  # warm-ups first, all of them before any measured request
+    assert started[3:] == list(range(10))
+    assert {r.client for r in records} == {0, 1, 2}
+
+
+def test_open_loop_sends_on_schedule_regardless_of_completions():
+    backend = FakeBackend(delay=0.2)
+    records = asyncio.run(open_loop(backend, requests(8), rate=100.0, seed=1))
+    assert len(records) == 8
+    assert backend.peak >= 6  # at 100/s, arrivals do not wait for the 0.2 s requests to finish
+
+
+# ---- the OpenAI streaming backend against a fake server ----
+class FakeOpenAI(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] and body["ignore_eos"] and isinstance(body["prompt"], list)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        events = [{"choices": [{"text": f" t{i}", "finish_reason": None}]} for i in range(n - 1)]
+        events.append({"choices": [{"text": "", "finish_reason": "length"}]})  # last token's text held back
+        events.append({"choices": [], "usage": {"completion_tokens": n}})
+        for e in events:
+            self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_openai_backend_times_every_streamed_token():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        backend = OpenAIBackend(f"http://127.0.0.1:{server.server_address[1]}", "m")
+        rec = backend.run_blocking(BenchRequest(0, [5, 6, 7], 6))
+    finally:
+        server.shutdown()
+    assert rec.ok, rec.error
+    assert len(rec.token_times) == 6 and rec.prompt_tokens == 3
+    assert rec.token_times == sorted(rec.token_times) and rec.end >= rec.token_times[-1]
+
+
+# ---- report and balancer-overhead arithmetic ----
+def fake_run(throughput: float, eff2: float, itl95: float) -> dict:
+    pct = {"p50": 0.1, "p95": itl95, "p99": itl95}
+    summary = {"requests": 10, "failed": 0, "duration_s": 10.0, "throughput": throughput, "token_throughput": 1.0,
+               "effective": {"1": throughput, "2": eff2, "4": 0.0}, "sla_missed": {"1": 0.0, "2": 0.5, "4": 1.0},
+               "ttft": pct, "inter_token": pct, "latency": {"p50": 1.0, "p95": 2.0, "p99": 2.0}}  # fmt: skip
+    return {"meta": {}, "summary": summary, "records": []}
+
+
+def test_report_finds_prefill_first_peak_and_checks_the_floor(tmp_path):
+    runs = {("splitfuse", 2): (0.5, 0.40, 0.2), ("splitfuse", 4): (0.6, 0.45, 0.25),
+            ("prefill_first", 2): (0.5, 0.30, 0.5), ("prefill_first", 4): (0.55, 0.2, 0.6)}  # fmt: skip
+    for (system, n), values in runs.items():
+        RunResult(**fake_run(*values)).save(tmp_path / "C1" / system / f"c{n}.json")
+    text = report.report(tmp_path, "C1", plots=True)
+    assert "prefill_first peaks (throughput) at 4 clients" in text
+    assert "2.25×" in text and "← peak MET" in text  # 0.45 / 0.2 and 0.25 / 0.6 at the peak
+    assert (tmp_path / "C1_latency_throughput.png").stat().st_size > 0
+    assert (tmp_path / "C1_effective_throughput.png").stat().st_size > 0
+
+
+def test_report_of_repeats_gives_medians_and_paired_ratios(tmp_path):
+    for k, (sf_eff, pf_eff) in enumerate([(0.6, 0.3), (0.5, 0.4), (0.7, 0.35)]):
+        for system, eff, itl in (("splitfuse", sf_eff, 0.2), ("prefill_first", pf_eff, 0.5)):
+            RunResult(**fake_run(0.7, eff, itl)).save(tmp_path / "C1" / system / "repeats" / f"c8-{k}.json")
+    text = report.report(tmp_path, "C1", plots=False)
+    assert "| splitfuse | 8 | 3 | 0.700 (0.700–0.700) | 0.600 (0.500–0.700) |" in text
+    assert "effective R=2 2.00 (1.25–2.00)×" in text  # per-repeat ratios 2.0, 1.25, 2.0
+    assert "P95 inter-token 0.40 (0.40–0.40)×" in text
+
+
+def test_balancer_overhead_verdict():
+    R = balancer_overhead.Round
+    rounds = [R("direct", i, 10.0 + i, 50.0, 80.0, 0) for i in range(3)]
+    rounds += [R("balancer", i, 9.8 + i, 51.5, 83.0, 0) for i in range(3)]
+    m = balancer_overhead.medians(rounds)
+    v = balancer_overhead.verdict(m, balancer_overhead.paired(rounds))
+    assert m["direct"]["throughput"] == 11.0 and m["balancer"]["throughput_min"] == 9.8
+    assert v["throughput_drop"] == pytest.approx(0.2 / 11) and v["throughput_floor_met"]
+    assert v["p50_added_ms"] == pytest.approx(1.5) and v["p50_floor_met"]
+    assert v["paired_p50_added_ms"] == pytest.approx(1.5)
+    assert v["paired_throughput_ratio"] == pytest.approx(10.8 / 11.0)
+
+
+# ---- smoke run of the comparison command ----
+@pytest.mark.slow
+def test_serving_comparison_smoke(tiny_model_dir, tmp_path):
+    """The one command, at a tiny size: a splitfuse deployment and the transformers baseline, one client, two
+    requests each; then a resumed run does nothing and the report has the table and the plots."""
+    out = tmp_path / "out"
+    env = dict(os.environ, FASTGEN_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "fastgen.benchmarks.serving", "run", "--model", str(tiny_model_dir), "--dtype",
+           "float32", "--workloads", "24x4", "--systems", "splitfuse,hf", "--clients", "1", "--requests", "2",
+           "--threads", "1", "--max-batch-tokens", "64", "--max-seqs", "8", "--quiet-cores", "0", "--no-progress",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for system in ("splitfuse", "hf"):
+        run = json.loads((out / "24x4" / system / "c1.json").read_text())
+        assert run["summary"]["requests"] == 2 and run["summary"]["failed"] == 0
+        assert all(len(r["token_times"]) >= 1 for r in run["records"])
+    assert "| splitfuse | 1 | 2/2 |" in done.stdout and (out / "24x4_latency_throughput.png").exists()
+    again = subprocess.run(cmd + ["--no-report"], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "all runs already in" in again.stderr
