@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -158,8 +159,11 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
           f"{config.threads} threads each)", file=sys.stderr, flush=True)  # fmt: skip
     try:
         yield f"127.0.0.1:{base + 1 if args.direct else base}", config, pids
-    finally:
-        deployment.stop(home, config.name, timeout=30)
+    except BaseException:
+        deployment.stop(home, config.name, timeout=30)  # its logs stay in FASTGEN_HOME/<name> for a look
+        raise
+    deployment.stop(home, config.name, timeout=30)
+    shutil.rmtree(home / config.name, ignore_errors=True)  # a clean run leaves no state behind
 
 
 @contextlib.contextmanager

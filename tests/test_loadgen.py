@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -262,5 +261,6 @@ def test_serving_comparison_smoke(tiny_model_dir, tmp_path):
         assert run["summary"]["requests"] == 2 and run["summary"]["failed"] == 0
         assert all(len(r["token_times"]) >= 1 for r in run["records"])
     assert "| splitfuse | 1 | 2/2 |" in done.stdout and (out / "24x4_latency_throughput.png").exists()
+    assert not list((tmp_path / "home").glob("bench-*"))  # stopped deployments leave no state behind
     again = subprocess.run(cmd + ["--no-report"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "all runs already in" in again.stderr
