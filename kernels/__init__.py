@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from .attention import AttentionMetadata, paged_attention, write_kv
-from .norm import add_rms_norm, rms_norm
+from .norm import add_rms_norm, rms_norm, silu_mul
 from .rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
 
@@ -39,9 +39,10 @@ class Kernels:
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
-TORCH_KERNELS = Kernels("torch", rotary_write_kv, paged_attention, rms_norm, add_rms_norm)
+TORCH_KERNELS = Kernels("torch", rotary_write_kv, paged_attention, rms_norm, add_rms_norm, silu_mul)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
@@ -53,9 +54,9 @@ def select_kernels(backend: str, device: torch.device | str) -> Kernels:
     if backend == "torch":
         return TORCH_KERNELS
     if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
-        from .cpu import paged_attention_cpu
+        from .cpu import CPU_KERNELS
 
-        return Kernels("cpu", rotary_write_kv, paged_attention_cpu, rms_norm, add_rms_norm)
+        return CPU_KERNELS
     from .triton_kernels import TRITON_KERNELS  # imported lazily: triton is only needed here
 
     return TRITON_KERNELS
@@ -71,6 +72,7 @@ __all__ = [
     "apply_rotary",
     "rms_norm",
     "add_rms_norm",
+    "silu_mul",
     "paged_attention",
     "write_kv",
     "rotary_write_kv",

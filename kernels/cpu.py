@@ -1,9 +1,13 @@
-"""CPU kernels: the torch kernels, with decode attention done by a small C kernel (csrc/decode_attention.c).
+"""CPU kernels: the torch kernels, with the hot paths done by small C kernels (csrc/).
 
-Pure torch must gather every decode's cache blocks into a padded copy before attending; the C kernel follows
-the block tables directly and reads each cached key and value once for all query heads of its group, which is
-what a memory-bound decode needs. It is compiled at first use with the machine's C compiler and cached under
-$FASTGEN_CACHE/kernels; without a compiler the torch path serves instead."""
+- Decode attention (csrc/decode_attention.c): pure torch must gather every decode's cache blocks into a padded copy
+  before attending; the C kernel follows the block tables directly and reads each cached key and value once for
+  all query heads of its group, which is what a memory-bound decode needs.
+- Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
+  SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several.
+
+The library is compiled at first use with the machine's C compiler and cached under $FASTGEN_CACHE/kernels;
+without a compiler, or for shapes and dtypes a kernel does not take, the torch kernels serve."""
 from __future__ import annotations
 
 import ctypes
@@ -17,15 +21,26 @@ from pathlib import Path
 
 import torch
 
+from . import Kernels
 from .attention import AttentionMetadata, paged_attention, prefill_attention
+from .norm import add_rms_norm, rms_norm, silu_mul
 
 log = logging.getLogger("fastgen.kernels")
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
-# Reassociation lets the compiler vectorise the dot-product reductions; no finite-math assumptions (the
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("decode_attention.c", "elementwise.c")]
+# Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
-_FUNCTIONS = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+_DECODE = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "decode_attention_bf16": [_P] * 6 + [_I] * 6 + [_F],
+    "decode_attention_f32": [_P] * 6 + [_I] * 6 + [_F],
+    "elementwise_available": [],
+    "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F],
+    "silu_mul_bf16": [_P, _P, _I, _I, _L],
+    "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 4,
+}
 
 
 def _cache_dir() -> Path:
@@ -33,29 +48,29 @@ def _cache_dir() -> Path:
 
 
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use; None where no C compiler is available."""
+    """The compiled kernels, building them on first use; None where no C compiler is available."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode attention falls back to torch")
+        log.warning("no C compiler found: the CPU kernels fall back to torch")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    target = _cache_dir() / f"fastgen_cpu-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                    text=True)  # fmt: skip
+            command = [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                log.warning("building %s failed, CPU decode attention falls back to torch:\n%s", SOURCE.name,
-                            result.stderr[-2000:])  # fmt: skip
+                log.warning("building the CPU kernels failed, torch serves instead:\n%s", result.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic: processes building at once all end with a whole library
     library = ctypes.CDLL(str(target))
-    for name in _FUNCTIONS.values():
+    for name, argtypes in _SIGNATURES.items():
         fn = getattr(library, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return library
 
 
@@ -69,10 +84,16 @@ def _get_library() -> ctypes.CDLL | None:
     return _library
 
 
+def _elementwise() -> ctypes.CDLL | None:
+    """The library where its bfloat16 elementwise kernels run on this CPU (AVX-512 with bf16), else None."""
+    library = _get_library()
+    return library if library is not None and library.elementwise_available() else None
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor | None:
     """q (seqs, heads, head_dim) over each sequence's cache, or None where the C kernel does not apply."""
     library = _get_library()
-    fn_name = _FUNCTIONS.get(q.dtype)
+    fn_name = _DECODE.get(q.dtype)
     if library is None or fn_name is None or q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     seqs, heads, head_dim = q.shape
@@ -101,3 +122,75 @@ def paged_attention_cpu(
         out[:nd] = decoded
     prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """x is a bfloat16 CPU matrix whose rows are contiguous (a row stride of its own is fine)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as norm.rms_norm."""
+    library = _elementwise()
+    if library is None or not _rows(x) or weight.dtype != torch.bfloat16:
+        return rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    rows, hidden = x.shape
+    library.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden, x.stride(0), eps)
+    return out
+
+
+def add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as norm.add_rms_norm."""
+    library = _elementwise()
+    if library is None or not _rows(x) or not (_rows(residual) and residual.is_contiguous()) or weight.dtype != torch.bfloat16:
+        return add_rms_norm(x, residual, weight, eps)
+    out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    rows, hidden = x.shape
+    library.add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
+                              rows, hidden, x.stride(0), eps)  # fmt: skip
+    return out, total
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as norm.silu_mul."""
+    library = _elementwise()
+    if library is None or not _rows(gate_up) or gate_up.shape[1] % 2:
+        return silu_mul(gate_up)
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    library.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0))
+    return out
+
+
+def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """Same contract as kernels.rotary_write_kv, for q, k, v that are views into one fused qkv row per token."""
+    library = _elementwise()
+    tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    same_rows = q.stride(0) == k.stride(0) == v.stride(0) and all(t.stride()[1:] == (head_dim, 1) for t in (q, k, v))
+    if (
+        library is None
+        or not same_rows
+        or not all(t.dtype == torch.bfloat16 for t in (q, k, v, k_cache, v_cache))
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or cos_sin.dtype != torch.float32
+        or not cos_sin.is_contiguous()
+        or head_dim % 2
+    ):
+        from . import rotary_write_kv
+
+        return rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+    library.rotary_write_kv_bf16(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), cos_sin.data_ptr(), positions.data_ptr(),
+        slots.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, head_dim,
+    )  # fmt: skip
+    return q_out
+
+
+CPU_KERNELS = Kernels("cpu", rotary_write_kv_cpu, paged_attention_cpu, rms_norm_cpu, add_rms_norm_cpu, silu_mul_cpu)

@@ -1,7 +1,8 @@
-"""RMSNorm, alone and fused with the residual add that precedes it."""
+"""RMSNorm, alone and fused with the residual add that precedes it; the MLP's gated activation."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,3 +18,9 @@ def add_rms_norm(
     """Returns (rms_norm(x + residual), x + residual): the normalised input of the next block and the new residual."""
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up (tokens, 2 * intermediate), gate in the first half: (tokens, intermediate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import Kernels
+from .norm import silu_mul
 from .attention import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
@@ -322,4 +323,4 @@ def add_rms_norm(
     return _launch_rms_norm(x, residual, weight, eps)
 
 
-TRITON_KERNELS = Kernels("triton", rotary_write_kv, paged_attention, rms_norm, add_rms_norm)
+TRITON_KERNELS = Kernels("triton", rotary_write_kv, paged_attention, rms_norm, add_rms_norm, silu_mul)

@@ -129,7 +129,8 @@ def test_rms_norm_and_fused_residual():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_cpu_decode_kernel_matches_torch(dtype, block_size):
+@pytest.mark.parametrize("kv_heads, head_dim", [(2, 64), (3, 128), (1, 32), (2, 80)])  # 80: the portable loop
+def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim):
     """The compiled C decode attention against the torch path, on a mixed batch (decodes + prompt chunks)."""
     from fastgen.kernels.cpu import load_library, paged_attention_cpu
 
@@ -139,11 +140,59 @@ def test_cpu_decode_kernel_matches_torch(dtype, block_size):
     seed = rng.randrange(10**6)
     rng.seed(seed)
     torch.manual_seed(seed)
-    decodes = [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 9))]
+    # Lengths around the kernel's 16-token tiles, plus random ones.
+    decodes = [(n, 1) for n in (0, 14, 15, 16, 31)] + [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 9))]
+    rng.shuffle(decodes)
     seqs = decodes + [(rng.randrange(0, 50), rng.randrange(2, 40))]
-    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads=2, head_dim=64, dtype=dtype)
+    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=dtype)
     meta.num_decodes = len(decodes)
     out = paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
     ref = dense_attention(q, k_cache, v_cache, meta, dense, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"seed {seed}"
+
+
+@pytest.mark.parametrize("hidden", [576, 40, 100])  # 40, 100: masked tails of the 16-wide vectors
+def test_cpu_elementwise_kernels_match_torch(hidden):
+    """The fused bf16 C kernels round where torch rounds: norms and SiLU*up bit for bit; rotary (computed in float32
+    once, where torch rounds each product) within one bf16 step; rows with a stride of their own (views into a
+    fused projection) read correctly."""
+    from fastgen.kernels import cpu, norm, rotary_write_kv
+    from fastgen.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+    if cpu._elementwise() is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512 bf16: the torch kernels serve there")
+    torch.manual_seed(hidden)
+    wide = torch.randn(37, hidden * 3, dtype=torch.bfloat16) * 3
+    x, r = wide[:, :hidden], torch.randn(37, hidden, dtype=torch.bfloat16)  # x: rows with a stride of 3 * hidden
+    w = torch.randn(hidden, dtype=torch.bfloat16)
+    out, total = cpu.add_rms_norm_cpu(x, r, w, 1e-5)
+    ref_out, ref_total = norm.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(out, ref_out) and torch.equal(total, ref_total)
+    assert torch.equal(cpu.rms_norm_cpu(x, w, 1e-5), norm.rms_norm(x, w, 1e-5))
+    gate_up = wide[:, : 2 * hidden]
+    assert torch.equal(cpu.silu_mul_cpu(gate_up), norm.silu_mul(gate_up))
+
+    head_dim, heads, kv_heads = hidden // 4 * 2, 4, 2
+    qkv = torch.randn(37, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = q.view(37, heads, head_dim), k.view(37, kv_heads, head_dim), v.view(37, kv_heads, head_dim)
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 4096)
+    positions, slots = torch.randint(0, 4096, (37,)), torch.randperm(8 * 16)[:37]
+    caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    q_out = cpu.rotary_write_kv_cpu(q, k, v, cos_sin, positions, caches[0], caches[1], slots)
+    rotary_write_kv(q, k, v, cos_sin, positions, caches[2], caches[3], slots)
+    exact_q = apply_rotary(q.double(), cos_sin.double()[positions])  # float64 from the same inputs
+    exact_k = apply_rotary(k.double(), cos_sin.double()[positions])
+
+    def within_one_step(got, exact):  # a bf16 step is 2^-7 of the value's binade
+        step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
+        return bool(((got.double() - exact).abs() <= step).all())
+
+    assert within_one_step(q_out, exact_q)
+    k_slots = caches[0].view(-1, kv_heads, head_dim)[slots]
+    assert within_one_step(k_slots, exact_k)
+    assert torch.equal(caches[1], caches[3])  # v copied as is, to the same slots as torch writes it
+    untouched = torch.ones(8 * 16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not caches[0].view(-1, kv_heads, head_dim)[untouched].any()  # nothing written outside the slots

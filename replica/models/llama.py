@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import AttentionMetadata, Kernels, rope_cos_sin, rope_inv_freq
@@ -120,14 +119,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (tokens, intermediate / tp) each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # (tokens, 2 * intermediate / tp): gate, then up
+        return self.down_proj(self.kernels.silu_mul(gate_up))  # (tokens, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, tp, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, kernels)
 
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
         x, residual = self.input_layernorm(x, residual)

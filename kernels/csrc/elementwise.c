@@ -1,0 +1,140 @@
+/* The elementwise work between the matrix multiplies, fused, for bfloat16 activations on CPUs with AVX-512
+ * (and its bfloat16 conversions): residual add + RMSNorm, SiLU(gate) * up, and rotary embedding with the KV
+ * cache write. Torch runs each of these as several passes over memory, with a conversion to float32 and back in
+ * each; here every element is read once, computed in float32, and rounded to bfloat16 where torch rounds, so
+ * results match the torch kernels to within a bfloat16 rounding step.
+ *
+ * Built with decode_attention.c by kernels/cpu.py; where the CPU lacks the instructions, elementwise_available()
+ * returns 0 and torch serves.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+int elementwise_available(void) { return 1; }
+
+static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* Up to 16 bfloat16 values from p (n of them; the rest read as 0) as float32. */
+static inline __m512 load_bf16(const uint16_t *p, int n) {
+    __m256i raw = _mm256_maskz_loadu_epi16(first(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* Rounds to bfloat16 (nearest even, as torch) and stores n of the 16 values at p. */
+static inline void store_bf16(uint16_t *p, __m512 x, int n) {
+    _mm256_mask_storeu_epi16(p, first(n), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* x rounded to bfloat16 and back: the value torch holds after a bfloat16 op. */
+static inline __m512 round_bf16(__m512 x) {
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+}
+
+/* out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = bf16(x + residual), stored to residual_out; without a
+ * residual (NULL), s = x and nothing is stored. Rows of x have x_stride elements; the other tensors are contiguous. */
+int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                      uint16_t *residual_out, int rows, int hidden, int64_t x_stride, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *s_row = x + r * x_stride; /* where s lies once the first pass is done */
+        __m512 squares = _mm512_setzero_ps();
+        if (residual) {
+            const uint16_t *xr = s_row, *rr = residual + (int64_t)r * hidden;
+            uint16_t *sr = residual_out + (int64_t)r * hidden;
+            for (int d = 0; d < hidden; d += 16) {
+                __m512 s = round_bf16(_mm512_add_ps(load_bf16(xr + d, hidden - d), load_bf16(rr + d, hidden - d)));
+                store_bf16(sr + d, s, hidden - d);
+                squares = _mm512_fmadd_ps(s, s, squares);
+            }
+            s_row = sr;
+        } else {
+            for (int d = 0; d < hidden; d += 16) {
+                __m512 s = load_bf16(s_row + d, hidden - d);
+                squares = _mm512_fmadd_ps(s, s, squares);
+            }
+        }
+        __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / hidden + eps));
+        uint16_t *o = out + (int64_t)r * hidden;
+        for (int d = 0; d < hidden; d += 16) {
+            __m512 y = round_bf16(_mm512_mul_ps(load_bf16(s_row + d, hidden - d), inv));
+            store_bf16(o + d, _mm512_mul_ps(load_bf16(weight + d, hidden - d), y), hidden - d);
+        }
+    }
+    return 0;
+}
+
+/* e^x for x <= 0 (as in decode_attention.c). */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out (rows, inter) = bf16(silu(gate)) * up, gate and up the two halves of each gate_up row (rows of
+ * in_stride elements). */
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * in_stride, *up = gate + inter;
+        uint16_t *o = out + (int64_t)r * inter;
+        for (int d = 0; d < inter; d += 16) {
+            int n = inter - d;
+            __m512 g = load_bf16(gate + d, n);
+            /* sigmoid from e = exp(-|g|), which cannot overflow: 1/(1+e) for g >= 0, e/(1+e) below */
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            sig = _mm512_mask_mul_ps(sig, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), sig, e);
+            __m512 silu = round_bf16(_mm512_mul_ps(g, sig));
+            store_bf16(o + d, _mm512_mul_ps(silu, load_bf16(up + d, n)), n);
+        }
+    }
+    return 0;
+}
+
+/* One head of one token rotated (rotate-half layout): out[i] = x1 cos - x2 sin, out[i + half] = x2 cos + x1 sin
+ * for i < half, with cos_sin = (cos[half], sin[half]) in float32. */
+static inline void rotate(const uint16_t *x, const float *cos_sin, int half, uint16_t *out) {
+    for (int i = 0; i < half; i += 16) {
+        int n = half - i;
+        __m512 c = _mm512_maskz_loadu_ps(first(n), cos_sin + i), s = _mm512_maskz_loadu_ps(first(n), cos_sin + half + i);
+        __m512 x1 = load_bf16(x + i, n), x2 = load_bf16(x + half + i, n);
+        store_bf16(out + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), n);
+        store_bf16(out + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), n);
+    }
+}
+
+/* q (tokens, heads, head_dim) and k, v (tokens, kv_heads, head_dim), each with rows of row_stride elements
+ * (views into the fused qkv projection), heads contiguous within a row. Rotated q goes to q_out (contiguous);
+ * rotated k and v go to their cache slots, caches (slots, kv_heads, head_dim). */
+int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
+                         const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
+                         uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim) {
+    const int half = head_dim / 2;
+    if (head_dim % 2) return -1;
+    for (int t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * head_dim;
+        for (int h = 0; h < heads; h++)
+            rotate(q + t * row_stride + h * head_dim, cs, half, q_out + ((int64_t)t * heads + h) * head_dim);
+        uint16_t *kc = k_cache + slots[t] * kv_heads * head_dim, *vc = v_cache + slots[t] * kv_heads * head_dim;
+        for (int h = 0; h < kv_heads; h++) rotate(k + t * row_stride + h * head_dim, cs, half, kc + h * head_dim);
+        for (int d = 0; d < kv_heads * head_dim; d++) vc[d] = v[t * row_stride + d];
+    }
+    return 0;
+}
+
+#else
+int elementwise_available(void) { return 0; }
+#endif
