@@ -48,7 +48,7 @@ class DeployConfig:
     max_seqs: int = 64
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: int = 512 << 20  # bytes
+    kv_cache_memory: int = 1 << 30  # bytes
     scheduler: str = "splitfuse"
     max_model_len: int | None = None
     threads: int = 1  # torch threads per process: per replica, or per rank with --tp

@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=positive, default=64)
     p.add_argument("--block-size", type=positive, default=16)
     p.add_argument("--num-blocks", type=positive, default=None)
-    p.add_argument("--kv-cache-memory", type=parse_size, default=512 << 20)
+    p.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30)
     p.add_argument("--scheduler", default="splitfuse", choices=SCHEDULERS)
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--default-max-new-tokens", type=positive, default=256)

@@ -33,7 +33,7 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # exact pool size; None: derive from memory_bytes
-    memory_bytes: int = 512 << 20  # KV pool budget when num_blocks is None
+    memory_bytes: int = 1 << 30  # KV pool budget when num_blocks is None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

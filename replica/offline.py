@@ -69,7 +69,7 @@ def pipeline(
     max_seqs: int | None = None,
     block_size: int = 16,
     num_blocks: int | None = None,
-    kv_cache_memory: int = 512 << 20,
+    kv_cache_memory: int = 1 << 30,
     scheduler: str = "splitfuse",
     max_model_len: int | None = None,
     device: str = "cpu",
