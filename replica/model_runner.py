@@ -22,8 +22,9 @@ class ModelRunner:
         self.broadcast = broadcast  # set on every rank of a tensor-parallel group
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Returns logits (sampled sequences, vocab) in float32, in batch order. On rank 0 of a tensor-parallel group
-        the other ranks get the batch first; a failure there leaves the ranks out of step and ends the process."""
+        """Returns logits (sampled sequences, vocab) in the model's dtype, in batch order. On rank 0 of a
+        tensor-parallel group the other ranks get the batch first; a failure there leaves the ranks out of step and
+        ends the process."""
         if self.broadcast is None:
             return self.forward(batch)
         try:

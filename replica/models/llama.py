@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
                 module.pack()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (rows, vocab)
+        return self.lm_head(hidden)  # (rows, vocab) in the model's dtype: the sampler widens only rows it samples
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
