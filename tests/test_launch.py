@@ -154,11 +154,11 @@ def test_wildcard_host_is_reached_on_loopback():
 
 
 def test_cli_builds_the_config():
-    args = cli.build_parser().parse_args(["start", "--replicas", "4", "--kv-cache-memory", "1GiB", "--name", "x"])
+    args = cli.build_parser().parse_args(["start", "--replicas", "4", "--kv-cache-memory", "2GiB", "--name", "x"])
     c = cli.config_from(args)
-    assert (c.name, c.replicas, c.kv_cache_memory, c.port) == ("x", 4, 1 << 30, 50050)
+    assert (c.name, c.replicas, c.kv_cache_memory, c.port) == ("x", 4, 2 << 30, 50050)
     assert c.threads == cfg.default_threads(cli.cpu_count(), 4)
-    assert cli.config_from(cli.build_parser().parse_args(["start"])).kv_cache_memory == 512 << 20
+    assert cli.config_from(cli.build_parser().parse_args(["start"])).kv_cache_memory == 1 << 30
 
 
 def test_cli_rejects_a_bad_size(capsys):
