@@ -2,6 +2,10 @@
 min_new_tokens = max_new_tokens) on SmolLM2-135M, same dtype, same prompts, same thread count, one run.
 
     python -m fastgen.benchmarks.offline --dtype bfloat16 --threads 1 --repeats 3
+    python -m fastgen.benchmarks.offline --skip-hf --vllm-url http://127.0.0.1:8000 --vllm-model smollm2-135m
+
+With --vllm-url the same prompts also go, all at once, to a running vLLM OpenAI-compatible server (start it with
+--no-enable-prefix-caching: the repeats send the same prompts), timed from the first request to the last token.
 
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
@@ -56,6 +60,25 @@ def run_transformers(model, prompts, gen, batch=16) -> float:
     return time.perf_counter() - start
 
 
+def run_vllm(url: str, model: str, prompts, gen) -> float:
+    """Every prompt sent at once to a vLLM OpenAI server (greedy, exactly gen tokens each); seconds until the last
+    token arrived."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .backends import OpenAIBackend
+    from .workload import BenchRequest
+
+    backend = OpenAIBackend(url, model, max_in_flight=1)
+    requests = [BenchRequest(i, list(p), gen) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        records = list(pool.map(backend.run_blocking, requests))
+    bad = [r.error or f"{len(r.token_times)} tokens" for r in records if r.error or len(r.token_times) != gen]
+    if bad:
+        raise RuntimeError(f"vLLM did not return {gen} tokens for every request: {bad[:3]}")
+    return max(r.end for r in records) - start
+
+
 def prefill_flops(pipe, dtype) -> tuple[float, float]:
     """(model FLOP/s of one 512-token prefill, FLOP/s of a 4096^2 x 512 matmul) in the same dtype."""
     engine = pipe.engine
@@ -87,6 +110,8 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts (smoke runs)")
+    p.add_argument("--vllm-url", default=None, help="also time a running vLLM OpenAI server on the same prompts")
+    p.add_argument("--vllm-model", default="smollm2-135m", help="the model name that server serves")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,6 +142,11 @@ def main() -> None:
             ratio = statistics.median(theirs) / statistics.median(ours)
             line += f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x"
             results[name]["speedup"] = ratio
+        if args.vllm_url:
+            vllm = [run_vllm(args.vllm_url, args.vllm_model, prompts, w["gen"]) for _ in range(args.repeats)]
+            results[name]["vllm_s"] = vllm
+            results[name]["speedup_vs_vllm"] = statistics.median(vllm) / statistics.median(ours)
+            line += f", vLLM {statistics.median(vllm):.1f} s -> {results[name]['speedup_vs_vllm']:.2f}x"
         print(line, flush=True)
     model_flops, matmul_flops = prefill_flops(pipe, dtype)
     results["prefill_512"] = dict(model_flops=model_flops, matmul_flops=matmul_flops)

@@ -3,6 +3,8 @@
 - Decode attention (csrc/decode_attention.c): pure torch must gather every decode's cache blocks into a padded copy
   before attending; the C kernel follows the block tables directly and reads each cached key and value once for
   all query heads of its group, which is what a memory-bound decode needs.
+- Prompt-chunk attention for bfloat16 on CPUs with AMX (csrc/prefill_attention.c): flash attention with both
+  products on the matrix engine, reading the chunk's keys and values from the paged cache.
 - Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
   SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several.
 
@@ -26,7 +28,9 @@ from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .norm import add_rms_norm, rms_norm, silu_mul
 
 log = logging.getLogger("fastgen.kernels")
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("decode_attention.c", "elementwise.c")]
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c")]
+HEADERS = [CSRC / "vector_math.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -37,6 +41,8 @@ _SIGNATURES = {
     "decode_attention_bf16": [_P] * 6 + [_I] * 6 + [_F],
     "decode_attention_f32": [_P] * 6 + [_I] * 6 + [_F],
     "elementwise_available": [],
+    "prefill_attention_available": [],
+    "prefill_attention_bf16": [_P] * 5 + [_L] + [_I] * 6 + [_F],
     "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F],
     "silu_mul_bf16": [_P, _P, _I, _I, _L],
     "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 4,
@@ -54,7 +60,7 @@ def load_library() -> ctypes.CDLL | None:
         log.warning("no C compiler found: the CPU kernels fall back to torch")
         return None
     digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"fastgen_cpu-{digest.hexdigest()[:16]}.so"
     if not target.exists():
@@ -120,8 +126,35 @@ def paged_attention_cpu(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decoded
-    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    prefill_attention_cpu(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Same contract as attention.prefill_attention: the AMX kernel per sequence where it applies."""
+    library = _get_library()
+    tokens, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    if (
+        library is None
+        or meta.num_decodes == len(meta.seq_lens_host)
+        or q.dtype != torch.bfloat16
+        or k_cache.dtype != torch.bfloat16
+        or not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+        or not library.prefill_attention_available()
+    ):
+        return prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    row_bytes = tables.stride(0) * tables.element_size()
+    starts, lens = meta.query_start_host, meta.seq_lens_host
+    for i in range(meta.num_decodes, len(lens)):
+        lo, hi = starts[i], starts[i + 1]
+        status = library.prefill_attention_bf16(
+            q[lo].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr() + i * row_bytes,
+            out[lo].data_ptr(), heads * head_dim, lens[i], hi - lo, heads, kv_heads, head_dim, block_size, scale,
+        )  # fmt: skip
+        if status != 0:  # shapes the kernel does not take: torch for the whole batch
+            return prefill_attention(q, k_cache, v_cache, meta, scale, out)
 
 
 def _rows(x: torch.Tensor) -> bool:

@@ -196,3 +196,32 @@ def test_cpu_elementwise_kernels_match_torch(hidden):
     untouched = torch.ones(8 * 16, dtype=torch.bool)
     untouched[slots] = False
     assert not caches[0].view(-1, kv_heads, head_dim)[untouched].any()  # nothing written outside the slots
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("kv_heads, head_dim", [(1, 64), (3, 64), (2, 128)])
+def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim, monkeypatch):
+    """The AMX prompt-chunk attention against dense float32 attention: fresh prompts and chunks after a cached
+    history, lengths around its 16-query tiles and 32-key blocks, GQA; the torch path must not be taken."""
+    from fastgen.kernels import cpu
+
+    library = cpu._get_library()
+    if library is None or not library.prefill_attention_available():
+        pytest.skip("no C compiler, or a CPU/kernel without AMX tiles: torch's SDPA serves there")
+
+    def no_torch(*args, **kwargs):
+        raise AssertionError("fell back to the torch prompt attention")
+
+    monkeypatch.setattr(cpu, "prefill_attention", no_torch)
+    rng = random.Random(block_size * 100 + head_dim + kv_heads)
+    torch.manual_seed(block_size)
+    chunks = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (31, 1), (32, 16), (100, 47), (5, 64), (0, 130)]
+    for _ in range(3):
+        rng.shuffle(chunks)
+        decodes = [(rng.randrange(1, 200), 1) for _ in range(rng.randrange(0, 3))]
+        q, k_cache, v_cache, meta, dense = make_batch(rng, decodes + chunks[:4], block_size, kv_heads, head_dim,
+                                                      dtype=torch.bfloat16)  # fmt: skip
+        meta.num_decodes = len(decodes)
+        out = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, head_dim**-0.5)
+        ref = dense_attention(q, k_cache, v_cache, meta, dense, head_dim**-0.5)
+        assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (out.float() - ref).abs().max()

@@ -1,0 +1,228 @@
+/* Prompt-chunk attention on the CPU's matrix engine (AMX), bfloat16: the queries of one sequence's chunk against
+ * all of its cached keys and values (the chunk's own included), causal, with a flash-style online softmax in
+ * float32. Built with the other CPU kernels by kernels/cpu.py; prefill_attention_available() says whether this
+ * CPU and kernel let a process use the tile registers (else torch's scaled_dot_product_attention serves).
+ *
+ * Per KV head the cached keys are first rearranged into the engine's right-operand layout (for each 16-key tile and
+ * 32-dim chunk: 16 rows of dim pairs x 16 keys) and the values likewise (for each 32-key block and 16-dim chunk: 16
+ * rows of key pairs x 16 dims); every query head of the group and every 16-query tile then reuses them. All eight
+ * tile registers are 16 rows x 64 bytes: 0-1 scores (16 queries x 16 keys, float32), 2 left operand (queries, or
+ * probabilities), 3 right operand, 4-7 probabilities x values (16 queries x 16 dims each, float32).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "vector_math.h"
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux hands out the tile register state only to processes that ask for it. */
+int prefill_attention_available(void) {
+    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline const uint16_t *cached(const uint16_t *cache, const int32_t *table, int block_size, int t, int64_t row,
+                                     int64_t offset) {
+    return cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + offset;
+}
+
+/* One 16-query tile of one head: q rows (16, head_dim) bf16 (zero rows past the chunk), their positions first_pos..,
+ * against keys [0, len); o (16, head_dim) float32 out, normalised. */
+static void query_tile(const uint16_t *q, int64_t q_stride, int first_pos, int len, int head_dim, float scale,
+                       const uint16_t *kt, const uint16_t *vv, float *o) {
+    const int chunks32 = head_dim / 32, chunks16 = head_dim / 16, last_pos = first_pos + 15;
+    float m[16], l[16];
+    float s[16 * 32] __attribute__((aligned(64))), pv[16 * 64] __attribute__((aligned(64)));
+    uint16_t p[16 * 32] __attribute__((aligned(64)));
+    for (int i = 0; i < 16; i++) m[i] = -INFINITY, l[i] = 0.f;
+    memset(o, 0, sizeof(float) * 16 * head_dim);
+    const int blocks = (last_pos < len - 1 ? last_pos : len - 1) / 32 + 1;
+    for (int kb = 0; kb < blocks; kb++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < chunks32; c++) {
+            _tile_loadd(2, q + 32 * c, q_stride * 2);
+            _tile_loadd(3, kt + ((int64_t)(2 * kb) * chunks32 + c) * 512, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(3, kt + ((int64_t)(2 * kb + 1) * chunks32 + c) * 512, 64);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, s, 128);
+        _tile_stored(1, s + 16, 128);
+        const __m512i keys0 = _mm512_add_epi32(_mm512_set1_epi32(32 * kb), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                                                            9, 10, 11, 12, 13, 14, 15));
+        const __m512i keys1 = _mm512_add_epi32(keys0, _mm512_set1_epi32(16));
+        for (int i = 0; i < 16; i++) { /* online softmax of the row; keys after the query (or past len) masked */
+            __m512i limit = _mm512_set1_epi32((first_pos + i < len - 1 ? first_pos + i : len - 1) + 1);
+            __mmask16 v0 = _mm512_cmplt_epi32_mask(keys0, limit), v1 = _mm512_cmplt_epi32_mask(keys1, limit);
+            __m512 ninf = _mm512_set1_ps(-INFINITY);
+            __m512 a = _mm512_mask_mov_ps(ninf, v0, _mm512_mul_ps(_mm512_load_ps(s + 32 * i), _mm512_set1_ps(scale)));
+            __m512 b = _mm512_mask_mov_ps(ninf, v1, _mm512_mul_ps(_mm512_load_ps(s + 32 * i + 16), _mm512_set1_ps(scale)));
+            float top = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+            if (top > m[i]) {
+                float correction = expf(m[i] - top);
+                l[i] *= correction;
+                for (int d = 0; d < chunks16; d++)
+                    _mm512_store_ps(o + i * head_dim + 16 * d,
+                                    _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + 16 * d), _mm512_set1_ps(correction)));
+                m[i] = top;
+            }
+            __m512 mm = _mm512_set1_ps(m[i]);
+            __m512 ea = _mm512_maskz_mov_ps(v0, exp_nonpositive(_mm512_sub_ps(a, mm)));
+            __m512 eb = _mm512_maskz_mov_ps(v1, exp_nonpositive(_mm512_sub_ps(b, mm)));
+            __m512bh packed = _mm512_cvtne2ps_pbh(eb, ea); /* 32 bf16: ea then eb */
+            /* l sums the rounded probabilities that multiply the values, so the weights sum to one exactly */
+            __m512 ra = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)packed)), 16));
+            __m512 rb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)packed, 1)), 16));
+            l[i] += _mm512_reduce_add_ps(_mm512_add_ps(ra, rb));
+            _mm512_store_si512((__m512i *)(p + 32 * i), (__m512i)packed);
+        }
+        for (int d0 = 0; d0 < chunks16; d0 += 4) { /* o += p v, four 16-dim chunks at a time */
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            _tile_loadd(2, p, 64);
+            const uint16_t *vb = vv + ((int64_t)kb * chunks16 + d0) * 512;
+            _tile_loadd(3, vb, 64);
+            _tile_dpbf16ps(4, 2, 3);
+            _tile_loadd(3, vb + 512, 64);
+            _tile_dpbf16ps(5, 2, 3);
+            _tile_loadd(3, vb + 1024, 64);
+            _tile_dpbf16ps(6, 2, 3);
+            _tile_loadd(3, vb + 1536, 64);
+            _tile_dpbf16ps(7, 2, 3);
+            _tile_stored(4, pv, 256);
+            _tile_stored(5, pv + 16, 256);
+            _tile_stored(6, pv + 32, 256);
+            _tile_stored(7, pv + 48, 256);
+            for (int i = 0; i < 16; i++)
+                for (int d = 0; d < 4; d++) {
+                    float *od = o + i * head_dim + 16 * (d0 + d);
+                    _mm512_store_ps(od, _mm512_add_ps(_mm512_load_ps(od), _mm512_load_ps(pv + 64 * i + 16 * d)));
+                }
+        }
+    }
+    for (int i = 0; i < 16; i++) {
+        __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);
+        for (int d = 0; d < chunks16; d++)
+            _mm512_store_ps(o + i * head_dim + 16 * d, _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + 16 * d), inv));
+    }
+}
+
+/* Keys of one KV head as right operands of q k^T: tile (t, c) holds keys 16t..16t+15, dims 32c..32c+31, as 16 rows of
+ * dim pairs x 16 keys (a 16 x 16 transpose of 32-bit pairs); keys past len are zero. */
+static void pack_keys(const uint16_t *k_cache, const int32_t *table, int block_size, int len, int padded, int64_t row,
+                      int64_t offset, int head_dim, uint16_t *kt) {
+    const int chunks32 = head_dim / 32;
+    uint32_t *out = (uint32_t *)kt;
+    for (int t = 0; t < padded / 16; t++)
+        for (int n = 0; n < 16; n++) {
+            int key = 16 * t + n;
+            const uint32_t *src = key < len ? (const uint32_t *)cached(k_cache, table, block_size, key, row, offset) : 0;
+            for (int c = 0; c < chunks32; c++)
+                for (int r = 0; r < 16; r++) out[((int64_t)t * chunks32 + c) * 256 + r * 16 + n] = src ? src[16 * c + r] : 0;
+        }
+}
+
+/* Values of one KV head as right operands of p v: tile (b, d) holds keys 32b..32b+31, dims 16d..16d+15, as 16 rows of
+ * key pairs x 16 dims; keys past len are zero. */
+static void pack_values(const uint16_t *v_cache, const int32_t *table, int block_size, int len, int padded,
+                        int64_t row, int64_t offset, int head_dim, uint16_t *vv) {
+    const int chunks16 = head_dim / 16;
+    uint16_t lanes[32]; /* lane 2n takes a[n], lane 2n+1 takes b[n] */
+    for (int n = 0; n < 16; n++) lanes[2 * n] = (uint16_t)n, lanes[2 * n + 1] = (uint16_t)(32 + n);
+    const __m512i interleave = _mm512_loadu_si512(lanes);
+    for (int key = 0; key < padded; key += 2) {
+        const uint16_t *a = key < len ? cached(v_cache, table, block_size, key, row, offset) : 0;
+        const uint16_t *b = key + 1 < len ? cached(v_cache, table, block_size, key + 1, row, offset) : 0;
+        uint16_t *dst = vv + ((int64_t)(key / 32) * chunks16 * 16 + key % 32 / 2) * 32;
+        for (int d = 0; d < chunks16; d++) {
+            __m512i x = a ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 16 * d))) : _mm512_setzero_si512();
+            __m512i y = b ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 16 * d))) : _mm512_setzero_si512();
+            _mm512_storeu_si512((__m512i *)(dst + (int64_t)d * 512), _mm512_permutex2var_epi16(x, interleave, y));
+        }
+    }
+}
+
+/* One sequence's chunk: q, out (chunk, heads, head_dim) with rows of q_stride elements; the chunk's queries sit at
+ * positions len-chunk .. len-1; caches (blocks, block_size, kv_heads, head_dim). Returns 0, or -1 where this kernel
+ * does not apply (head_dim not a multiple of 64, no tile registers, no memory). */
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                           uint16_t *out, int64_t q_stride, int len, int chunk, int heads, int kv_heads, int head_dim,
+                           int block_size, float scale) {
+    if (head_dim % 64 || head_dim > 256 || heads % kv_heads || chunk > len || !prefill_attention_available()) return -1;
+    const int group = heads / kv_heads, padded = (len + 31) / 32 * 32;
+    const int64_t row = (int64_t)kv_heads * head_dim;
+    uint16_t *kt = aligned_alloc(64, sizeof(uint16_t) * padded * head_dim);
+    uint16_t *vv = aligned_alloc(64, sizeof(uint16_t) * padded * head_dim);
+    uint16_t *qpad = aligned_alloc(64, sizeof(uint16_t) * 16 * head_dim);
+    float *o = aligned_alloc(64, sizeof(float) * 16 * head_dim);
+    int status = kt && vv && qpad && o ? 0 : -1;
+    if (status == 0) {
+        TileConfig cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        for (int h = 0; h < kv_heads; h++) {
+            pack_keys(k_cache, table, block_size, len, padded, row, (int64_t)h * head_dim, head_dim, kt);
+            pack_values(v_cache, table, block_size, len, padded, row, (int64_t)h * head_dim, head_dim, vv);
+            for (int hq = h * group; hq < (h + 1) * group; hq++)
+                for (int i0 = 0; i0 < chunk; i0 += 16) {
+                    const int rows = chunk - i0 < 16 ? chunk - i0 : 16;
+                    const uint16_t *qt = q + (int64_t)i0 * q_stride + (int64_t)hq * head_dim;
+                    int64_t stride = q_stride;
+                    if (rows < 16) { /* the chunk's last rows: pad to a whole tile */
+                        memset(qpad, 0, sizeof(uint16_t) * 16 * head_dim);
+                        for (int i = 0; i < rows; i++) memcpy(qpad + i * head_dim, qt + i * q_stride, 2 * head_dim);
+                        qt = qpad, stride = head_dim;
+                    }
+                    query_tile(qt, stride, len - chunk + i0, len, head_dim, scale, kt, vv, o);
+                    for (int i = 0; i < rows; i++) {
+                        uint16_t *dst = out + (int64_t)(i0 + i) * q_stride + (int64_t)hq * head_dim;
+                        for (int d = 0; d < head_dim; d += 32)
+                            _mm512_storeu_si512((__m512i *)(dst + d), (__m512i)_mm512_cvtne2ps_pbh(
+                                _mm512_load_ps(o + i * head_dim + d + 16), _mm512_load_ps(o + i * head_dim + d)));
+                    }
+                }
+        }
+        _tile_release();
+    }
+    free(kt);
+    free(vv);
+    free(qpad);
+    free(o);
+    return status;
+}
+
+#else
+int prefill_attention_available(void) { return 0; }
+
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                           uint16_t *out, int64_t q_stride, int len, int chunk, int heads, int kv_heads, int head_dim,
+                           int block_size, float scale) {
+    (void)q, (void)k_cache, (void)v_cache, (void)table, (void)out, (void)q_stride, (void)len, (void)chunk;
+    (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)scale;
+    return -1;
+}
+#endif
