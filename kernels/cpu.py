@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import Kernels
+from . import Kernels, rotary_write_kv
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .norm import add_rms_norm, rms_norm, silu_mul
 
@@ -132,12 +132,13 @@ def paged_attention_cpu(
 
 def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """Same contract as attention.prefill_attention: the AMX kernel per sequence where it applies."""
+    if meta.num_decodes == len(meta.seq_lens_host):
+        return  # decodes only
     library = _get_library()
-    tokens, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    heads, head_dim = q.shape[1:]
+    block_size, kv_heads = k_cache.shape[1:3]
     if (
         library is None
-        or meta.num_decodes == len(meta.seq_lens_host)
         or q.dtype != torch.bfloat16
         or k_cache.dtype != torch.bfloat16
         or not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -169,7 +170,8 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         return rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
-    library.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden, x.stride(0), eps)
+    library.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden, x.stride(0),
+                              eps)  # fmt: skip
     return out
 
 
@@ -213,8 +215,6 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
         or not cos_sin.is_contiguous()
         or head_dim % 2
     ):
-        from . import rotary_write_kv
-
         return rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()

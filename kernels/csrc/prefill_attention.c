@@ -34,11 +34,9 @@ int prefill_attention_available(void) {
     return state == 1;
 }
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+/* 16 bfloat16 values as float32. */
+static inline __m512 widen(__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
 static inline const uint16_t *cached(const uint16_t *cache, const int32_t *table, int block_size, int t, int64_t row,
@@ -92,9 +90,8 @@ static void query_tile(const uint16_t *q, int64_t q_stride, int first_pos, int l
             __m512 eb = _mm512_maskz_mov_ps(v1, exp_nonpositive(_mm512_sub_ps(b, mm)));
             __m512bh packed = _mm512_cvtne2ps_pbh(eb, ea); /* 32 bf16: ea then eb */
             /* l sums the rounded probabilities that multiply the values, so the weights sum to one exactly */
-            __m512 ra = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256((__m512i)packed)), 16));
-            __m512 rb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64((__m512i)packed, 1)), 16));
-            l[i] += _mm512_reduce_add_ps(_mm512_add_ps(ra, rb));
+            l[i] += _mm512_reduce_add_ps(_mm512_add_ps(widen(_mm512_castsi512_si256((__m512i)packed)),
+                                                       widen(_mm512_extracti64x4_epi64((__m512i)packed, 1))));
             _mm512_store_si512((__m512i *)(p + 32 * i), (__m512i)packed);
         }
         for (int d0 = 0; d0 < chunks16; d0 += 4) { /* o += p v, four 16-dim chunks at a time */
