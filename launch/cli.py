@@ -122,6 +122,8 @@ def add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="0: greedy")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message, rendered with the model's chat template (instructions)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (default: 120)")
 
 
@@ -237,17 +239,18 @@ def cmd_generate(args: argparse.Namespace, home: Path) -> int:
 
     sampling = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
                 if v is not None}  # fmt: skip
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         with Client(target, timeout=args.timeout) as client:
             if args.stream:
-                for text in client.stream(args.prompt, **sampling):
+                for text in client.stream(prompt, **sampling):
                     print(text, end="", flush=True)
                 print()
             else:
-                result = client.generate(args.prompt, **sampling)
+                result = client.generate(prompt, **sampling)
                 print(result.text)
-                print(f"(served by {result.replica}: {result.generated_tokens} tokens, {result.finish_reason})",
-                      file=sys.stderr)  # fmt: skip
+                print(f"(served by {result.replica}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} "
+                      f"generated, {result.finish_reason})", file=sys.stderr)  # fmt: skip
     except GenerationError as e:
         raise DeployError(f"request to {target} failed: {e}") from None
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +104,11 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
     done = deploy("generate", "Hello, my name is", "--name", "e2e", "--max-new-tokens", "8")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and "served by replica-" in done.stderr
+    plain = int(re.search(r"(\d+) prompt tokens, 8 generated", done.stderr).group(1))
+    # --chat sends the prompt as a user message: the replica renders the chat template around it
+    chat = deploy("generate", "Hello, my name is", "--chat", "--name", "e2e", "--max-new-tokens", "3")
+    assert chat.returncode == 0, chat.stderr
+    assert int(re.search(r"(\d+) prompt tokens, 3 generated", chat.stderr).group(1)) > plain + 4
 
     # A replica killed outright comes back on the same port under a new pid.
     old_pid = rows[1]["pid"]
