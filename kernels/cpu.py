@@ -205,7 +205,11 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
     library = _elementwise()
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    same_rows = q.stride(0) == k.stride(0) == v.stride(0) and all(t.stride()[1:] == (head_dim, 1) for t in (q, k, v))
+    # One row stride for q, k and v (views of one fused projection); a single token's row stride is whatever torch
+    # chose for a size-1 dimension and is never used.
+    row_stride = q.stride(0) if tokens > 1 else 0
+    same_rows = tokens == 1 or q.stride(0) == k.stride(0) == v.stride(0)
+    same_rows = same_rows and all(t.stride()[1:] == (head_dim, 1) for t in (q, k, v))
     if (
         library is None
         or not same_rows
@@ -220,7 +224,7 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
     slots = slot_mapping.to(torch.int64).contiguous()
     q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     library.rotary_write_kv_bf16(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), cos_sin.data_ptr(), positions.data_ptr(),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), row_stride, cos_sin.data_ptr(), positions.data_ptr(),
         slots.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, head_dim,
     )  # fmt: skip
     return q_out

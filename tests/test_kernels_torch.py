@@ -153,7 +153,7 @@ def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("hidden", [576, 40, 100])  # 40, 100: masked tails of the 16-wide vectors
-def test_cpu_elementwise_kernels_match_torch(hidden):
+def test_cpu_elementwise_kernels_match_torch(hidden, monkeypatch):
     """The fused bf16 C kernels round where torch rounds: norms and SiLU*up bit for bit; rotary (computed in float32
     once, where torch rounds each product) within one bf16 step; rows with a stride of their own (views into a
     fused projection) read correctly."""
@@ -173,29 +173,32 @@ def test_cpu_elementwise_kernels_match_torch(hidden):
     gate_up = wide[:, : 2 * hidden]
     assert torch.equal(cpu.silu_mul_cpu(gate_up), norm.silu_mul(gate_up))
 
-    head_dim, heads, kv_heads = hidden // 4 * 2, 4, 2
-    qkv = torch.randn(37, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-    q, k, v = q.view(37, heads, head_dim), k.view(37, kv_heads, head_dim), v.view(37, kv_heads, head_dim)
-    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 4096)
-    positions, slots = torch.randint(0, 4096, (37,)), torch.randperm(8 * 16)[:37]
-    caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(4)]
-    q_out = cpu.rotary_write_kv_cpu(q, k, v, cos_sin, positions, caches[0], caches[1], slots)
-    rotary_write_kv(q, k, v, cos_sin, positions, caches[2], caches[3], slots)
-    exact_q = apply_rotary(q.double(), cos_sin.double()[positions])  # float64 from the same inputs
-    exact_k = apply_rotary(k.double(), cos_sin.double()[positions])
+    def no_torch(*args, **kwargs):
+        raise AssertionError("fell back to the torch rotary")
+
+    monkeypatch.setattr(cpu, "rotary_write_kv", no_torch)  # the reference below is imported separately
 
     def within_one_step(got, exact):  # a bf16 step is 2^-7 of the value's binade
         step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
         return bool(((got.double() - exact).abs() <= step).all())
 
-    assert within_one_step(q_out, exact_q)
-    k_slots = caches[0].view(-1, kv_heads, head_dim)[slots]
-    assert within_one_step(k_slots, exact_k)
-    assert torch.equal(caches[1], caches[3])  # v copied as is, to the same slots as torch writes it
-    untouched = torch.ones(8 * 16, dtype=torch.bool)
-    untouched[slots] = False
-    assert not caches[0].view(-1, kv_heads, head_dim)[untouched].any()  # nothing written outside the slots
+    head_dim, heads, kv_heads = hidden // 4 * 2, 4, 2
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 4096)
+    for tokens in (37, 1):  # one token: a decode step of one sequence, where torch's views report other strides
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+        positions, slots = torch.randint(0, 4096, (tokens,)), torch.randperm(8 * 16)[:tokens]
+        caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+        q_out = cpu.rotary_write_kv_cpu(q, k, v, cos_sin, positions, caches[0], caches[1], slots)
+        rotary_write_kv(q, k, v, cos_sin, positions, caches[2], caches[3], slots)
+        assert within_one_step(q_out, apply_rotary(q.double(), cos_sin.double()[positions]))  # float64, same inputs
+        k_slots = caches[0].view(-1, kv_heads, head_dim)[slots]
+        assert within_one_step(k_slots, apply_rotary(k.double(), cos_sin.double()[positions]))
+        assert torch.equal(caches[1], caches[3])  # v copied as is, to the same slots as torch writes it
+        untouched = torch.ones(8 * 16, dtype=torch.bool)
+        untouched[slots] = False
+        assert not caches[0].view(-1, kv_heads, head_dim)[untouched].any()  # nothing written outside the slots
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
