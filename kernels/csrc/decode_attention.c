@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_cache.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -39,18 +41,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
     bits += 0x7fff + ((bits >> 16) & 1);
     return (uint16_t)(bits >> 16);
-}
-
-/* Where one (sequence, kv head) reads its cache: element offset of token t is block_base(t) + (t % bs) * stride. */
-typedef struct {
-    const int32_t *table;
-    int64_t token_stride, head_offset;
-    int block_size;
-} CacheWalk;
-
-static inline int64_t token_offset(const CacheWalk *w, int t) {
-    int b = t / w->block_size;
-    return ((int64_t)w->table[b] * w->block_size + t % w->block_size) * w->token_stride + w->head_offset;
 }
 
 /* ---------------------------------------------------------------------------------------------------------- */

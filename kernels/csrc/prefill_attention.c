@@ -19,6 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "paged_cache.h"
 #include "vector_math.h"
 
 typedef struct __attribute__((packed)) {
@@ -37,11 +38,6 @@ int prefill_attention_available(void) {
 /* 16 bfloat16 values as float32. */
 static inline __m512 widen(__m256i x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
-static inline const uint16_t *cached(const uint16_t *cache, const int32_t *table, int block_size, int t, int64_t row,
-                                     int64_t offset) {
-    return cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + offset;
 }
 
 /* One 16-query tile of one head: q rows (16, head_dim) bf16 (zero rows past the chunk), their positions first_pos..,
@@ -129,14 +125,13 @@ static void query_tile(const uint16_t *q, int64_t q_stride, int first_pos, int l
 
 /* Keys of one KV head as right operands of q k^T: tile (t, c) holds keys 16t..16t+15, dims 32c..32c+31, as 16 rows of
  * dim pairs x 16 keys (a 16 x 16 transpose of 32-bit pairs); keys past len are zero. */
-static void pack_keys(const uint16_t *k_cache, const int32_t *table, int block_size, int len, int padded, int64_t row,
-                      int64_t offset, int head_dim, uint16_t *kt) {
+static void pack_keys(const uint16_t *k_cache, const CacheWalk *w, int len, int padded, int head_dim, uint16_t *kt) {
     const int chunks32 = head_dim / 32;
     uint32_t *out = (uint32_t *)kt;
     for (int t = 0; t < padded / 16; t++)
         for (int n = 0; n < 16; n++) {
             int key = 16 * t + n;
-            const uint32_t *src = key < len ? (const uint32_t *)cached(k_cache, table, block_size, key, row, offset) : 0;
+            const uint32_t *src = key < len ? (const uint32_t *)(k_cache + token_offset(w, key)) : 0;
             for (int c = 0; c < chunks32; c++)
                 for (int r = 0; r < 16; r++) out[((int64_t)t * chunks32 + c) * 256 + r * 16 + n] = src ? src[16 * c + r] : 0;
         }
@@ -144,15 +139,14 @@ static void pack_keys(const uint16_t *k_cache, const int32_t *table, int block_s
 
 /* Values of one KV head as right operands of p v: tile (b, d) holds keys 32b..32b+31, dims 16d..16d+15, as 16 rows of
  * key pairs x 16 dims; keys past len are zero. */
-static void pack_values(const uint16_t *v_cache, const int32_t *table, int block_size, int len, int padded,
-                        int64_t row, int64_t offset, int head_dim, uint16_t *vv) {
+static void pack_values(const uint16_t *v_cache, const CacheWalk *w, int len, int padded, int head_dim, uint16_t *vv) {
     const int chunks16 = head_dim / 16;
     uint16_t lanes[32]; /* lane 2n takes a[n], lane 2n+1 takes b[n] */
     for (int n = 0; n < 16; n++) lanes[2 * n] = (uint16_t)n, lanes[2 * n + 1] = (uint16_t)(32 + n);
     const __m512i interleave = _mm512_loadu_si512(lanes);
     for (int key = 0; key < padded; key += 2) {
-        const uint16_t *a = key < len ? cached(v_cache, table, block_size, key, row, offset) : 0;
-        const uint16_t *b = key + 1 < len ? cached(v_cache, table, block_size, key + 1, row, offset) : 0;
+        const uint16_t *a = key < len ? v_cache + token_offset(w, key) : 0;
+        const uint16_t *b = key + 1 < len ? v_cache + token_offset(w, key + 1) : 0;
         uint16_t *dst = vv + ((int64_t)(key / 32) * chunks16 * 16 + key % 32 / 2) * 32;
         for (int d = 0; d < chunks16; d++) {
             __m512i x = a ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 16 * d))) : _mm512_setzero_si512();
@@ -182,8 +176,9 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
         for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
         _tile_loadconfig(&cfg);
         for (int h = 0; h < kv_heads; h++) {
-            pack_keys(k_cache, table, block_size, len, padded, row, (int64_t)h * head_dim, head_dim, kt);
-            pack_values(v_cache, table, block_size, len, padded, row, (int64_t)h * head_dim, head_dim, vv);
+            const CacheWalk w = {table, row, (int64_t)h * head_dim, block_size};
+            pack_keys(k_cache, &w, len, padded, head_dim, kt);
+            pack_values(v_cache, &w, len, padded, head_dim, vv);
             for (int hq = h * group; hq < (h + 1) * group; hq++)
                 for (int i0 = 0; i0 < chunk; i0 += 16) {
                     const int rows = chunk - i0 < 16 ? chunk - i0 : 16;
