@@ -30,7 +30,7 @@ from .norm import add_rms_norm, rms_norm, silu_mul
 log = logging.getLogger("fastgen.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c")]
-HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h"]
+HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",

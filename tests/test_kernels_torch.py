@@ -10,9 +10,9 @@ from fastgen.kernels import AttentionMetadata, add_rms_norm, paged_attention, rm
 from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
 
 
-def make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=torch.float32):
+def make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=torch.float32, group=None):
     """seqs: [(cached, new)] with decodes (new == 1) first. Returns q, caches, meta and dense K/V per sequence."""
-    heads = kv_heads * rng.choice([1, 2, 3])
+    heads = kv_heads * (group or rng.choice([1, 2, 3]))
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 8
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
@@ -128,14 +128,22 @@ def test_rms_norm_and_fused_residual():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("kv_heads, head_dim", [(2, 64), (3, 128), (1, 32), (2, 80)])  # 80: the portable loop
-def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim):
-    """The compiled C decode attention against the torch path, on a mixed batch (decodes + prompt chunks)."""
-    from fastgen.kernels.cpu import load_library, paged_attention_cpu
+@pytest.mark.parametrize("block_size", [1, 16, 32])  # 16, 32: bf16 scores on AMX tiles; 1: vdpbf16ps
+@pytest.mark.parametrize("kv_heads, head_dim, group", [(2, 64, 3), (3, 128, 2), (1, 32, 1), (2, 80, 3), (1, 48, 9),
+                                                       (1, 40, 2)])  # 80, 48: masked chunks; 40: portable (f32)
+def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim, group, monkeypatch):
+    """The compiled C decode attention against dense attention, on a mixed batch (decodes + prompt chunks). Cache
+    slots no sequence owns hold NaN, so a kernel that reads past a sequence's tokens and lets it count fails; the
+    torch path must not be taken."""
+    from fastgen.kernels import cpu
 
-    if load_library() is None:
+    if cpu.load_library() is None:
         pytest.skip("no C compiler on this machine")  # the torch path serves there; CI has gcc
+
+    def no_torch(*args, **kwargs):
+        raise AssertionError("fell back to the torch decode attention")
+
+    monkeypatch.setattr(cpu, "paged_attention", no_torch)
     rng = random.Random()
     seed = rng.randrange(10**6)
     rng.seed(seed)
@@ -144,10 +152,14 @@ def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim):
     decodes = [(n, 1) for n in (0, 14, 15, 16, 31)] + [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 9))]
     rng.shuffle(decodes)
     seqs = decodes + [(rng.randrange(0, 50), rng.randrange(2, 40))]
-    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=dtype)
+    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=dtype, group=group)
+    owned = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
+    owned[torch.cat(dense)] = True
+    k_cache.view(-1, kv_heads, head_dim)[~owned] = float("nan")
+    v_cache.view(-1, kv_heads, head_dim)[~owned] = float("nan")
     meta.num_decodes = len(decodes)
-    out = paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
-    ref = dense_attention(q, k_cache, v_cache, meta, dense, 0.125)
+    out = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, head_dim**-0.5)
+    ref = dense_attention(q, k_cache, v_cache, meta, dense, head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"seed {seed}"
 

@@ -3,11 +3,20 @@
  * Built at first use by kernels/cpu.py with the machine's C compiler (-O3 -march=native). Cache layout:
  * (num_blocks, block_size, kv_heads, head_dim).
  *
- * With AVX-512 (and head_dim a multiple of 16) keys and values are taken 16 tokens at a time: each tile is
- * converted to float32 once into a small scratch that stays in L1, and every query head of the group reads it
- * from there. The 16 dot products of a tile are reduced together by a transpose-add tree, so no token pays for a
- * horizontal reduction of its own; softmax runs on whole score rows with a vectorised exp. Elsewhere a portable
- * loop (one token at a time, online softmax) serves.
+ * The work is bound by reading the cache, and on one core the reads only overlap the arithmetic when they are
+ * asked for well ahead: a Prefetcher walks the rows the kernel will read (each sequence's keys, then its values,
+ * then the next sequence's) a few rows ahead of it, across block, pass and sequence boundaries.
+ *
+ * bfloat16 with AVX512-BF16 (head_dim a multiple of 16) reads the cache in place, 16 tokens at a time:
+ * - scores: vdpbf16ps of the bf16 query with each cached key row (bf16 products are exact in float32); the 16
+ *   dot products of a tile are reduced together by a transpose-add tree, so no token pays for a horizontal
+ *   reduction of its own;
+ * - values: each 32-element chunk of a value row splits into its even and odd elements as float32 by one shift
+ *   and one mask, and every query head of the group accumulates both halves in registers; outputs are put back
+ *   in order once per sequence.
+ * float32 (and bf16 without AVX512-BF16) with AVX-512 converts each 16-token tile to float32 once into a scratch
+ * that stays in L1 and reduces the same way. Softmax runs on whole score rows with a vectorised exp. Elsewhere a
+ * portable loop (one token at a time, online softmax) serves.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +28,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include "amx.h"
 #include "vector_math.h"
 #endif
 
@@ -101,7 +111,7 @@ DEFINE_PORTABLE(bf16, uint16_t, LOAD_BF16)
 DEFINE_PORTABLE(f32, float, LOAD_F32)
 
 /* ---------------------------------------------------------------------------------------------------------- */
-/* AVX-512 path.                                                                                               */
+/* AVX-512 paths.                                                                                              */
 #ifdef __AVX512F__
 
 /* Sixteen vectors in, their sixteen horizontal sums out (lane j = sum of a[j]), by a transpose-add tree. */
@@ -120,33 +130,286 @@ static inline __m512 sum16(const __m512 a[16]) {
                          _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* Asks for the cache rows the kernel will read, in its order (each sequence's keys, then its values, then the next
+ * sequence), PREFETCH_ROWS rows before it reads them. Blocks are scattered, so the hardware prefetcher cannot see
+ * past the end of one, and without this every pass and every sequence would start on cold misses. */
+#define PREFETCH_ROWS 8
+typedef struct {
+    const char *k_cache, *v_cache;
+    const int32_t *tables, *seq_lens;
+    int seqs, table_width, block_size, row_bytes;
+    int seq, pass, t; /* the next row to ask for */
+} Prefetcher;
+
+static inline void prefetch_row(Prefetcher *p) {
+    while (p->seq < p->seqs && p->t >= p->seq_lens[p->seq]) { /* next pass, or next sequence */
+        p->t = 0;
+        p->pass ^= 1;
+        p->seq += p->pass == 0;
+    }
+    if (p->seq >= p->seqs) return;
+    CacheWalk rows = {p->tables + (int64_t)p->seq * p->table_width, 1, 0, p->block_size};
+    const char *row = (p->pass ? p->v_cache : p->k_cache) + token_offset(&rows, p->t++) * p->row_bytes;
+    for (int b = 0; b < p->row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
+
+/* scores (heads, stride) -> softmax numerators in place over the first len entries; inv_sum[h] = 1 / their sum. */
+static void softmax_rows(float *scores, int heads, int stride, int len, float *inv_sum) {
+    __mmask16 tail = (__mmask16)((1u << (len % 16 ? len % 16 : 16)) - 1);
+    int last = (len - 1) / 16 * 16;
+    for (int h = 0; h < heads; h++) {
+        float *s = scores + h * stride;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < last; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(s + last));
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), total = _mm512_setzero_ps();
+        for (int t = 0; t <= last; t += 16) {
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+            if (t == last) e = _mm512_maskz_mov_ps(tail, e);
+            total = _mm512_add_ps(total, e);
+            _mm512_storeu_ps(s + t, e);
+        }
+        inv_sum[h] = 1.f / _mm512_reduce_add_ps(total);
+    }
+}
+
+/* ---- bfloat16 with AVX512-BF16: the cache is read in place. ---- */
+#ifdef __AVX512BF16__
+#define HAVE_AVX512_BF16 1
+
+static inline __mmask32 first_n32(int n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (1u << n) - 1; }
+static inline __mmask16 first_n16(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* Where the score of head h for token t lies: base + (h / heads_per_block) * block_step + h % heads_per_block
+ * + t * token_step. Head-major rows (one head per block, block_step = row stride, token_step 1) or, from the
+ * matrix engine, token-major blocks of 16 columns (token_step 16) that each hold whole KV groups. */
+typedef struct {
+    float *base;
+    int heads_per_block, block_step, token_step;
+} ScoreLayout;
+
+static inline float *score_at(const ScoreLayout *s, int h, int t) {
+    return s->base + (int64_t)(h / s->heads_per_block) * s->block_step + h % s->heads_per_block + (int64_t)t * s->token_step;
+}
+
+/* Rows (element offsets into a layer's cache) of tokens t0 .. t0 + TILE - 1; rows past len repeat the first, whose
+ * scores the softmax masks out. The prefetcher moves on by the rows really read. Returns how many those are. */
+static inline int tile_rows(const CacheWalk *w, int t0, int len, int64_t rows[TILE], Prefetcher *pf) {
+    int n = len - t0 < TILE ? len - t0 : TILE;
+    for (int j = 0; j < n; j++) {
+        rows[j] = token_offset(w, t0 + j);
+        prefetch_row(pf);
+    }
+    for (int j = n; j < TILE; j++) rows[j] = rows[0];
+    return n;
+}
+
+/* Scores, head-major (s->token_step 1), with vdpbf16ps of the bf16 query against each key row in place. */
+static void scores_dpbf16(const uint16_t *q, const uint16_t *k_cache, const CacheWalk *w, int len, int heads,
+                          int group, int head_dim, float scale, const ScoreLayout *s, Prefetcher *pf) {
+    const int chunks = (head_dim + 31) / 32;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t rows[TILE];
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        tile_rows(w, t0, len, rows, pf);
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *k = k_cache + h / group * head_dim;
+            __m512 a[TILE];
+            for (int j = 0; j < TILE; j++) a[j] = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                __mmask32 mask = first_n32(head_dim - 32 * c);
+                __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + h * head_dim + 32 * c);
+                for (int j = 0; j < TILE; j++)
+                    a[j] = _mm512_dpbf16_ps(a[j], qc, (__m512bh)_mm512_maskz_loadu_epi16(mask, k + rows[j] + 32 * c));
+            }
+            _mm512_storeu_ps(score_at(s, h, t0), _mm512_mul_ps(sum16(a), vscale));
+        }
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+/* Scores, token-major and unscaled, on the matrix engine: per 16-token tile and KV group, S^T (16 tokens x group)
+ * = K (16 tokens x head_dim, loaded from the cache as it lies) x Q^T; qt holds Q^T of every group in the engine's
+ * right-operand layout (per group and 32-dim chunk, 16 rows of dim pairs x 16 heads). Needs a tile never to cross a
+ * block (block_size a multiple of 16) and head_dim a multiple of 32; rows past len are read but never used. The
+ * caller has configured tiles 0 and 2 as 16 x (group * 4) bytes and tile 1 as 16 x 64. */
+static void scores_amx(const uint16_t *k_cache, const CacheWalk *w, int len, int kv_heads, int group, int head_dim,
+                       const uint32_t *qt, const ScoreLayout *s, Prefetcher *pf) {
+    const int chunks = head_dim / 32, row_bytes = (int)w->token_stride * 2;
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        for (int j = t0; j < t0 + TILE && j < len; j++) prefetch_row(pf);
+        const uint16_t *tile = k_cache + token_offset(w, t0);
+        for (int g = 0; g < kv_heads; g++) {
+            _tile_zero(0);
+            for (int c = 0; c < chunks; c++) {
+                _tile_loadd(1, tile + g * head_dim + 32 * c, row_bytes);
+                _tile_loadd(2, qt + (g * chunks + c) * 256, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, score_at(s, g * group, t0), s->token_step * 4);
+        }
+    }
+}
+
+/* q (heads, head_dim) bf16 -> qt as scores_amx reads it. */
+static void pack_queries(const uint16_t *q, int kv_heads, int group, int head_dim, uint32_t *qt) {
+    const int chunks = head_dim / 32;
+    uint32_t pair;
+    for (int g = 0; g < kv_heads; g++)
+        for (int c = 0; c < chunks; c++)
+            for (int r = 0; r < 16; r++)
+                for (int m = 0; m < group; m++) {
+                    memcpy(&pair, q + (g * group + m) * head_dim + 32 * c + 2 * r, sizeof pair);
+                    qt[((g * chunks + c) * 16 + r) * 16 + m] = pair;
+                }
+}
+
+/* Token-major scores (unscaled) -> softmax numerators in place over tokens [0, len); inv_sum[h] = 1 / their sum. */
+static void softmax_columns(const ScoreLayout *s, int heads, int len, float scale, float *inv_sum) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int h0 = 0; h0 < heads; h0 += s->heads_per_block) {
+        float *base = score_at(s, h0, 0), inv[16];
+        __m512 mx = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int t = 0; t < len; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(base + 16 * t));
+        for (int t = 0; t < len; t++) {
+            __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(base + 16 * t), mx), vscale));
+            total = _mm512_add_ps(total, e);
+            _mm512_storeu_ps(base + 16 * t, e);
+        }
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), total));
+        for (int i = 0; i < s->heads_per_block && h0 + i < heads; i++) inv_sum[h0 + i] = inv[i];
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+/* One 32-element chunk of every query head of one KV group: acc (G heads, acc_stride) holds each head's chunk as
+ * [16 even elements | 16 odd elements] in float32; p the group's first softmax numerator of the tile (head h,
+ * token j at p[h * head_step + j * token_step]). G is a constant at every call, so the 2 G accumulators live in
+ * registers. */
+static inline __attribute__((always_inline)) void values_chunk(const uint16_t *cache, const int64_t rows[TILE], int n,
+                                                               int offset, __mmask32 mask, const float *p,
+                                                               int head_step, int token_step, float *acc,
+                                                               int acc_stride, const int G) {
+    __m512 even[8], odd[8];
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < G; h++) {
+        even[h] = _mm512_loadu_ps(acc + h * acc_stride);
+        odd[h] = _mm512_loadu_ps(acc + h * acc_stride + 16);
+    }
+    for (int j = 0; j < n; j++) {
+        __m512i x = _mm512_maskz_loadu_epi16(mask, cache + rows[j] + offset);
+        __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), hi = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        for (int h = 0; h < G; h++) {
+            __m512 pj = _mm512_set1_ps(p[h * head_step + j * token_step]);
+            even[h] = _mm512_fmadd_ps(pj, lo, even[h]);
+            odd[h] = _mm512_fmadd_ps(pj, hi, odd[h]);
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        _mm512_storeu_ps(acc + h * acc_stride, even[h]);
+        _mm512_storeu_ps(acc + h * acc_stride + 16, odd[h]);
+    }
+}
+
+/* out = softmax numerators (in s) x v, divided by the sums. acc: scratch of heads * acc_stride floats. */
+static void values_bf16(const uint16_t *v_cache, const CacheWalk *w, int len, int kv_heads, int group, int head_dim,
+                        const ScoreLayout *s, const float *inv_sum, float *acc, float *out, Prefetcher *pf) {
+    const int heads = kv_heads * group, chunks = (head_dim + 31) / 32, acc_stride = chunks * 32;
+    const int head_step = s->heads_per_block == 1 ? s->block_step : 1;
+    int64_t rows[TILE];
+    memset(acc, 0, sizeof(float) * heads * acc_stride);
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        int n = tile_rows(w, t0, len, rows, pf);
+        for (int g = 0; g < kv_heads; g++) {
+            const float *p = score_at(s, g * group, t0);
+            for (int c = 0; c < chunks; c++) {
+                __mmask32 mask = first_n32(head_dim - 32 * c);
+                int offset = g * head_dim + 32 * c;
+                float *a = acc + g * group * acc_stride + 32 * c;
+                switch (group) {
+#define VALUES_CASE(G) \
+    case G: values_chunk(v_cache, rows, n, offset, mask, p, head_step, s->token_step, a, acc_stride, G); break;
+                    VALUES_CASE(1) VALUES_CASE(2) VALUES_CASE(3) VALUES_CASE(4)
+                    VALUES_CASE(5) VALUES_CASE(6) VALUES_CASE(7) VALUES_CASE(8)
+#undef VALUES_CASE
+                default:
+                    for (int h = 0; h < group; h++)
+                        values_chunk(v_cache, rows, n, offset, mask, p + h * head_step, head_step, s->token_step,
+                                     a + h * acc_stride, acc_stride, 1);
+                }
+            }
+        }
+    }
+    const __m512i lo_index = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_index = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int h = 0; h < heads; h++) { /* [even | odd] back to element order, divided by the softmax sum */
+        __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        for (int c = 0; c < chunks; c++) {
+            const float *a = acc + h * acc_stride + 32 * c;
+            __m512 even = _mm512_loadu_ps(a), odd = _mm512_loadu_ps(a + 16);
+            float *o = out + h * head_dim + 32 * c;
+            _mm512_mask_storeu_ps(o, first_n16(head_dim - 32 * c),
+                                  _mm512_mul_ps(_mm512_permutex2var_ps(even, lo_index, odd), inv));
+            _mm512_mask_storeu_ps(o + 16, first_n16(head_dim - 32 * c - 16),
+                                  _mm512_mul_ps(_mm512_permutex2var_ps(even, hi_index, odd), inv));
+        }
+    }
+}
+
+/* One sequence, all heads, bfloat16 read in place. Scores from the matrix engine where `qt` is given (the caller
+ * checked the shapes and configured the tiles), else by vdpbf16ps. */
+static void bf16_in_place(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const CacheWalk *w,
+                          int len, int kv_heads, int head_dim, int group, float scale, float *scores, int stride,
+                          uint32_t *qt, float *acc, float *out, Prefetcher *pf) {
+    const int heads = kv_heads * group;
+    float inv_sum[MAX_HEADS];
+#if HAVE_AMX
+    if (qt) {
+        const int per_block = 16 / group * group;
+        ScoreLayout s = {scores, per_block, stride * 16, 16};
+        pack_queries(q, kv_heads, group, head_dim, qt);
+        scores_amx(k_cache, w, len, kv_heads, group, head_dim, qt, &s, pf);
+        softmax_columns(&s, heads, len, scale, inv_sum);
+        values_bf16(v_cache, w, len, kv_heads, group, head_dim, &s, inv_sum, acc, out, pf);
+        return;
+    }
+#endif
+    ScoreLayout s = {scores, 1, stride, 1};
+    scores_dpbf16(q, k_cache, w, len, heads, group, head_dim, scale, &s, pf);
+    softmax_rows(scores, heads, stride, len, inv_sum);
+    values_bf16(v_cache, w, len, kv_heads, group, head_dim, &s, inv_sum, acc, out, pf);
+}
+#else
+#define HAVE_AVX512_BF16 0
+#endif
+
+/* ---- float32 (and bfloat16 without AVX512-BF16): 16-token tiles converted to float32 once. ---- */
+
 /* Rows t0..t0+n-1 (n <= 16) of one sequence's cache, every KV head (row = kv_heads * head_dim elements), into
- * tile (TILE, row) float32; missing rows are zero. Also asks for the rows two tiles ahead: blocks are scattered,
- * so the hardware prefetcher cannot see past the end of a block. */
-static inline void load_tile_bf16(const uint16_t *cache, const CacheWalk *w, int t0, int n, int len, int row,
-                                  float *tile) {
+ * tile (TILE, row) float32; missing rows are zero. */
+static inline void load_tile_bf16(const uint16_t *cache, const CacheWalk *w, int t0, int n, int row, float *tile,
+                                  Prefetcher *pf) {
     for (int j = 0; j < n; j++) {
         const uint16_t *src = cache + token_offset(w, t0 + j);
+        prefetch_row(pf);
         for (int d = 0; d < row; d += 16) {
             __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
             _mm512_store_ps(tile + j * row + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
         }
     }
     if (n < TILE) memset(tile + n * row, 0, sizeof(float) * (TILE - n) * row);
-    for (int j = t0 + 2 * TILE; j < t0 + 3 * TILE && j < len; j++) {
-        const char *ahead = (const char *)(cache + token_offset(w, j));
-        for (int b = 0; b < row * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-    }
 }
 
-static inline void load_tile_f32(const float *cache, const CacheWalk *w, int t0, int n, int len, int row,
-                                 float *tile) {
-    for (int j = 0; j < n; j++) memcpy(tile + j * row, cache + token_offset(w, t0 + j), sizeof(float) * row);
-    if (n < TILE) memset(tile + n * row, 0, sizeof(float) * (TILE - n) * row);
-    for (int j = t0 + 2 * TILE; j < t0 + 3 * TILE && j < len; j++) {
-        const char *ahead = (const char *)(cache + token_offset(w, j));
-        for (int b = 0; b < row * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+static inline void load_tile_f32(const float *cache, const CacheWalk *w, int t0, int n, int row, float *tile,
+                                 Prefetcher *pf) {
+    for (int j = 0; j < n; j++) {
+        memcpy(tile + j * row, cache + token_offset(w, t0 + j), sizeof(float) * row);
+        prefetch_row(pf);
     }
+    if (n < TILE) memset(tile + n * row, 0, sizeof(float) * (TILE - n) * row);
 }
 
 /* One sequence, all heads: q (heads, head_dim) float32, already scaled; scores: scratch of heads * stride
@@ -155,11 +418,11 @@ static inline void load_tile_f32(const float *cache, const CacheWalk *w, int t0,
 #define DEFINE_AVX512(NAME, T)                                                                                 \
     static void NAME##_avx512(const float *q, const T *k_cache, const T *v_cache, const CacheWalk *w, int len,  \
                               int kv_heads, int head_dim, int group, float *scores, int stride, float *tile,     \
-                              float *out) {                                                                     \
+                              float *out, Prefetcher *pf) {                                                     \
         const int row = kv_heads * head_dim, heads = kv_heads * group;                                          \
         for (int t0 = 0; t0 < len; t0 += TILE) { /* scores = q k^T */                                          \
             int n = len - t0 < TILE ? len - t0 : TILE;                                                          \
-            load_tile_##NAME(k_cache, w, t0, n, len, row, tile);                                                \
+            load_tile_##NAME(k_cache, w, t0, n, row, tile, pf);                                                 \
             for (int h = 0; h < heads; h++) {                                                                   \
                 const float *k = tile + h / group * head_dim, *qh = q + h * head_dim;                           \
                 __m512 acc[TILE];                                                                               \
@@ -173,26 +436,11 @@ static inline void load_tile_f32(const float *cache, const CacheWalk *w, int t0,
             }                                                                                                   \
         }                                                                                                       \
         float inv_sum[MAX_HEADS];                                                                               \
-        __mmask16 tail = (__mmask16)((1u << (len % TILE ? len % TILE : TILE)) - 1);                             \
-        int last = (len - 1) / TILE * TILE;                                                                     \
-        for (int h = 0; h < heads; h++) { /* softmax numerators, in place */                                   \
-            float *s = scores + h * stride;                                                                     \
-            __m512 mx = _mm512_set1_ps(-INFINITY);                                                              \
-            for (int t = 0; t < last; t += TILE) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));                \
-            mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(s + last));                                   \
-            __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), total = _mm512_setzero_ps();                   \
-            for (int t = 0; t <= last; t += TILE) {                                                             \
-                __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));                           \
-                if (t == last) p = _mm512_maskz_mov_ps(tail, p);                                                \
-                total = _mm512_add_ps(total, p);                                                                \
-                _mm512_storeu_ps(s + t, p);                                                                     \
-            }                                                                                                   \
-            inv_sum[h] = 1.f / _mm512_reduce_add_ps(total);                                                     \
-        }                                                                                                       \
+        softmax_rows(scores, heads, stride, len, inv_sum);                                                      \
         memset(out, 0, sizeof(float) * heads * head_dim);                                                       \
         for (int t0 = 0; t0 < len; t0 += TILE) { /* out = p v */                                               \
             int n = len - t0 < TILE ? len - t0 : TILE;                                                          \
-            load_tile_##NAME(v_cache, w, t0, n, len, row, tile);                                                \
+            load_tile_##NAME(v_cache, w, t0, n, row, tile, pf);                                                 \
             for (int h = 0; h < heads; h++) {                                                                   \
                 const float *p = scores + h * stride + t0, *v = tile + h / group * head_dim;                    \
                 float *o = out + h * head_dim;                                                                  \
@@ -219,6 +467,7 @@ DEFINE_AVX512(f32, float)
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
+#define HAVE_AVX512_BF16 0
 #endif
 
 /* ---------------------------------------------------------------------------------------------------------- */
@@ -236,11 +485,23 @@ static int max_len(const int32_t *seq_lens, int seqs) {
     return m;
 }
 
-#define DEFINE_ENTRY(NAME, T, TO_F32, FROM_F32)                                                                \
-    int decode_attention_##NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,         \
-                                const int32_t *seq_lens, T *out, int seqs, int heads, int kv_heads, int head_dim, \
-                                int block_size, int table_width, float scale) {                                 \
-        if (check(heads, kv_heads, head_dim, block_size)) return -1;                                           \
+#if HAVE_AVX512
+#define PREFETCHER_INIT(T)                                                                                     \
+    Prefetcher pf = {(const char *)k_cache, (const char *)v_cache, tables, seq_lens, seqs, table_width, block_size, \
+                     (int)(sizeof(T) * kv_heads * head_dim), 0, 0, 0};                                           \
+    for (int r = 0; r < PREFETCH_ROWS; r++) prefetch_row(&pf)
+#define AVX512_CALL(NAME) \
+    NAME##_avx512(qf, k_cache, v_cache, &w, seq_lens[i], kv_heads, head_dim, group, scores, stride, tile, of, &pf)
+#else
+#define PREFETCHER_INIT(T) (void)0
+#define AVX512_CALL(NAME) (void)0
+#endif
+
+/* Every sequence through a float32 tile (AVX-512) or the portable loop. */
+#define DEFINE_TILED(NAME, T, TO_F32, FROM_F32)                                                                \
+    static int tiled_##NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,             \
+                            const int32_t *seq_lens, T *out, int seqs, int heads, int kv_heads, int head_dim,   \
+                            int block_size, int table_width, float scale) {                                     \
         int group = heads / kv_heads, vector = HAVE_AVX512 && head_dim % 16 == 0 && heads <= MAX_HEADS;        \
         int stride = (max_len(seq_lens, seqs) + TILE - 1) / TILE * TILE;                                       \
         float *scores = NULL, *tile = NULL, *qf = NULL, *of = NULL;                                             \
@@ -252,22 +513,22 @@ static int max_len(const int32_t *seq_lens, int seqs) {
         qf = malloc(sizeof(float) * heads * head_dim);                                                          \
         of = malloc(sizeof(float) * heads * head_dim);                                                          \
         int status = (vector && (!scores || !tile)) || !qf || !of ? -1 : 0;                                    \
+        PREFETCHER_INIT(T);                                                                                     \
         for (int i = 0; i < seqs && status == 0; i++) {                                                         \
             const T *qi = q + (int64_t)i * heads * head_dim;                                                    \
             T *oi = out + (int64_t)i * heads * head_dim;                                                        \
-            const int32_t *table = tables + (int64_t)i * table_width;                                           \
             if (seq_lens[i] <= 0) {                                                                             \
                 for (int x = 0; x < heads * head_dim; x++) oi[x] = FROM_F32(0.f);                              \
                 continue;                                                                                       \
             }                                                                                                   \
+            CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim, 0, block_size};    \
             if (vector) {                                                                                       \
-                CacheWalk w = {table, (int64_t)kv_heads * head_dim, 0, block_size};                            \
                 for (int x = 0; x < heads * head_dim; x++) qf[x] = TO_F32(qi[x]) * scale;                      \
                 AVX512_CALL(NAME);                                                                              \
             } else {                                                                                            \
                 for (int x = 0; x < heads * head_dim; x++) qf[x] = TO_F32(qi[x]);                              \
                 for (int h = 0; h < kv_heads; h++) {                                                            \
-                    CacheWalk w = {table, (int64_t)kv_heads * head_dim, (int64_t)h * head_dim, block_size};    \
+                    w.head_offset = (int64_t)h * head_dim;                                                      \
                     NAME##_portable(qf + h * group * head_dim, k_cache, v_cache, &w, seq_lens[i], head_dim, group, \
                                     scale, of + h * group * head_dim);                                          \
                 }                                                                                               \
@@ -281,11 +542,81 @@ static int max_len(const int32_t *seq_lens, int seqs) {
         return status;                                                                                          \
     }
 
-#if HAVE_AVX512
-#define AVX512_CALL(NAME) NAME##_avx512(qf, k_cache, v_cache, &w, seq_lens[i], kv_heads, head_dim, group, scores, stride, tile, of)
-#else
-#define AVX512_CALL(NAME) (void)0
-#endif
 #define IDENTITY(x) (x)
-DEFINE_ENTRY(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ENTRY(f32, float, IDENTITY, IDENTITY)
+DEFINE_TILED(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_TILED(f32, float, IDENTITY, IDENTITY)
+
+#if HAVE_AVX512_BF16
+/* Every sequence read in place; the matrix engine computes the scores where the shapes let it. */
+static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
+                         const int32_t *seq_lens, uint16_t *out, int seqs, int heads, int kv_heads, int head_dim,
+                         int block_size, int table_width, float scale) {
+    const int group = heads / kv_heads, stride = (max_len(seq_lens, seqs) + TILE - 1) / TILE * TILE;
+    const int chunks = (head_dim + 31) / 32;
+    int amx = HAVE_AMX && block_size % TILE == 0 && head_dim % 32 == 0 && group <= 16;
+#if HAVE_AMX
+    amx = amx && amx_granted();
+#endif
+    /* token-major scores: blocks of 16 columns, each holding 16 / group whole groups; zeroed, as columns no group
+     * writes still go through the softmax */
+    size_t score_floats = amx ? (size_t)((heads + 16 / group * group - 1) / (16 / group * group)) * stride * 16
+                              : (size_t)heads * stride;
+    float *scores = amx ? calloc(score_floats, sizeof(float)) : malloc(sizeof(float) * score_floats);
+    float *acc = aligned_alloc(64, sizeof(float) * heads * chunks * 32);
+    float *of = malloc(sizeof(float) * heads * head_dim);
+    uint32_t *qt = amx ? aligned_alloc(64, sizeof(uint32_t) * kv_heads * chunks * 256) : NULL;
+    int status = !scores || !acc || !of || (amx && !qt) ? -1 : 0;
+#if HAVE_AMX
+    if (amx && status == 0) {
+        TileConfig cfg = {0};
+        cfg.palette = 1;
+        cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
+        cfg.colsb[0] = cfg.colsb[2] = (uint16_t)(group * 4);
+        cfg.colsb[1] = 64;
+        if (qt) memset(qt, 0, sizeof(uint32_t) * kv_heads * chunks * 256);
+        load_tile_config(&cfg);
+    }
+#endif
+    PREFETCHER_INIT(uint16_t);
+    for (int i = 0; i < seqs && status == 0; i++) {
+        uint16_t *oi = out + (int64_t)i * heads * head_dim;
+        if (seq_lens[i] <= 0) {
+            memset(oi, 0, sizeof(uint16_t) * heads * head_dim);
+            continue;
+        }
+        CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim, 0, block_size};
+        bf16_in_place(q + (int64_t)i * heads * head_dim, k_cache, v_cache, &w, seq_lens[i], kv_heads, head_dim, group,
+                      scale, scores, stride, qt, acc, of, &pf);
+        for (int x = 0; x < heads * head_dim; x++) oi[x] = f32_to_bf16(of[x]);
+    }
+#if HAVE_AMX
+    if (amx) _tile_release();
+#endif
+    free(scores);
+    free(acc);
+    free(of);
+    free(qt);
+    return status;
+}
+#endif
+
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
+                          const int32_t *seq_lens, uint16_t *out, int seqs, int heads, int kv_heads, int head_dim,
+                          int block_size, int table_width, float scale) {
+    if (check(heads, kv_heads, head_dim, block_size)) return -1;
+#if HAVE_AVX512_BF16
+    if (heads <= MAX_HEADS)
+        return in_place_bf16(q, k_cache, v_cache, tables, seq_lens, out, seqs, heads, kv_heads, head_dim, block_size,
+                             table_width, scale);
+#endif
+    return tiled_bf16(q, k_cache, v_cache, tables, seq_lens, out, seqs, heads, kv_heads, head_dim, block_size,
+                      table_width, scale);
+}
+
+int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
+                         const int32_t *seq_lens, float *out, int seqs, int heads, int kv_heads, int head_dim,
+                         int block_size, int table_width, float scale) {
+    if (check(heads, kv_heads, head_dim, block_size)) return -1;
+    return tiled_f32(q, k_cache, v_cache, tables, seq_lens, out, seqs, heads, kv_heads, head_dim, block_size,
+                     table_width, scale);
+}

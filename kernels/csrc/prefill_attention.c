@@ -16,24 +16,12 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx.h"
 #include "paged_cache.h"
 #include "vector_math.h"
 
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux hands out the tile register state only to processes that ask for it. */
-int prefill_attention_available(void) {
-    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
+int prefill_attention_available(void) { return amx_granted(); }
 
 /* 16 bfloat16 values as float32. */
 static inline __m512 widen(__m256i x) {
@@ -174,7 +162,7 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
         TileConfig cfg = {0};
         cfg.palette = 1;
         for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg);
+        load_tile_config(&cfg);
         for (int h = 0; h < kv_heads; h++) {
             const CacheWalk w = {table, row, (int64_t)h * head_dim, block_size};
             pack_keys(k_cache, &w, len, padded, head_dim, kt);
