@@ -19,9 +19,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import Kernels, rotary_write_kv
 from .attention import AttentionMetadata, paged_attention, prefill_attention
@@ -29,7 +31,7 @@ from .norm import add_rms_norm, rms_norm, silu_mul
 
 log = logging.getLogger("fastgen.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c")]
+SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c")]
 HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
@@ -46,6 +48,8 @@ _SIGNATURES = {
     "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F],
     "silu_mul_bf16": [_P, _P, _I, _I, _L],
     "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 4,
+    "linear_available": [],
+    "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I],
 }
 
 
@@ -231,3 +235,45 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
 
 
 CPU_KERNELS = Kernels("cpu", rotary_write_kv_cpu, paged_attention_cpu, rms_norm_cpu, add_rms_norm_cpu, silu_mul_cpu)
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A bfloat16 weight (out_features, in_features) in csrc/linear.c's tile order, packed once at load."""
+
+    tiles: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
+    """The weight in the AMX linear kernel's order, or None where that kernel does not run (no AMX, not bfloat16,
+    in_features not a multiple of 32)."""
+    library = _get_library()
+    out_features, in_features = weight.shape
+    if (
+        library is None
+        or weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or in_features % 32
+        or not library.linear_available()
+    ):
+        return None
+    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % 16))
+    # tile (nb, kb), row r, dword c, half i = w[16 nb + c][32 kb + 2 r + i]
+    tiles = padded.view(-1, 16, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return PackedLinear(tiles, out_features, in_features)
+
+
+def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x (rows, in_features) W^T + bias on the matrix engine, or None where the kernel does not take x."""
+    if not _rows(x) or x.shape[1] != packed.in_features or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    rows = x.shape[0]
+    y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
+    bias = None if bias is None else bias.contiguous()
+    status = _get_library().linear_bf16(
+        x.data_ptr(), x.stride(0), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        packed.out_features, rows, packed.out_features, packed.in_features,
+    )  # fmt: skip
+    return y if status == 0 else None

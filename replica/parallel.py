@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.cpu import PackedLinear, linear_amx, pack_linear
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -42,22 +44,40 @@ class TPGroup:
         return int(t.item())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
-    """x W^T + b, through the weight pre-packed for oneDNN when there is one."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+@dataclass(frozen=True)
+class PackedWeight:
+    """A CPU bfloat16 weight packed once at load: for oneDNN, and for the AMX linear kernel (kernels/csrc/linear.c)
+    where that kernel runs (None elsewhere)."""
+
+    onednn: torch.Tensor
+    amx: PackedLinear | None
 
 
-def pack_weight(weight: torch.Tensor):
-    """A oneDNN-packed copy of a CPU bfloat16 weight, or None where packing does not apply.
+# Up to this many rows the AMX kernel is the faster: it streams a weight at ~1.3x oneDNN's rate (1-8 rows), 1.1x at
+# 64, even at 128; from 256 rows on oneDNN's blocking wins by ~1.15x (python -m fastgen.benchmarks.cpu_kernels).
+AMX_MAX_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+    """x W^T + b, through the packed weight when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+        y = linear_amx(x, packed.amx, bias)
+        if y is not None:
+            return y
+    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed copies of a CPU bfloat16 weight, or None where packing does not apply.
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packing once makes CPU linear
     layers about 1.5x faster with identical results. Float32 keeps the plain path (bit-exact with transformers)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512), pack_linear(weight))
 
 
 def _divide(n: int, parts: int, what: str) -> int:

@@ -240,3 +240,28 @@ def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim,
         out = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, head_dim**-0.5)
         ref = dense_attention(q, k_cache, v_cache, meta, dense, head_dim**-0.5)
         assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (out.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("out_features, in_features", [(40, 64), (48, 96), (200, 576)])  # 40, 200: a partial tile
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
+    """The AMX linear kernel against a float32 matmul rounded once, over row counts around its 16- and 32-row
+    tiles, on rows that are a view into wider ones; and the layers' dispatch (AMX up to AMX_MAX_ROWS, oneDNN
+    above) gives the same."""
+    from fastgen.kernels import cpu
+    from fastgen.replica.parallel import AMX_MAX_ROWS, linear, pack_weight
+
+    torch.manual_seed(out_features + in_features)
+    w = torch.randn(out_features, in_features, dtype=torch.bfloat16) / in_features**0.5
+    bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    packed = cpu.pack_linear(w)
+    if packed is None:
+        pytest.skip("no C compiler, or a CPU without AMX: oneDNN serves there")
+    for rows in (1, 15, 16, 17, 32, 33, 64, 100, AMX_MAX_ROWS + 30):
+        x = torch.randn(rows, in_features + 32, dtype=torch.bfloat16)[:, 16 : 16 + in_features]
+        ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
+        got = cpu.linear_amx(x, packed, bias)
+        assert got is not None and got.shape == (rows, out_features)
+        assert torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2), (rows, (got.float() - ref).abs().max())
+        layer = linear(x, w, bias, pack_weight(w))
+        assert torch.allclose(layer.float(), ref, rtol=1e-2, atol=1e-2), rows

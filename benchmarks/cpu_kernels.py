@@ -1,0 +1,102 @@
+"""CPU kernel benchmark, one thread, bfloat16: the two kernels a decode step spends its time in.
+
+    python -m fastgen.benchmarks.cpu_kernels [--repeats 5]
+
+1. Linear layers: every linear layer of SmolLM2-135M (the LM head included) at 1 to 512 rows, the AMX kernel
+   (kernels/csrc/linear.c) against oneDNN with its weight packed once, both reading weights that are not in cache
+   (the whole model per pass, as a decode step does). Also the weight bytes per second at each size.
+2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
+   turn, the C kernel against the torch reference; bytes of K/V read per second.
+Medians of --repeats; prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fastgen.kernels import AttentionMetadata, cpu, paged_attention
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def linear_table(repeats: int) -> list[str]:
+    from fastgen.replica import pipeline
+    from fastgen.replica.parallel import pack_weight
+
+    model = pipeline("smollm2-135m", dtype="bfloat16", progress=False).engine.runner.model
+    weights = [m.weight for m in model.modules() if getattr(m, "packed", None) is not None]
+    packed = [pack_weight(w) for w in weights]
+    if any(p.amx is None for p in packed):
+        return ["(the AMX linear kernel does not run on this machine)"]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    rows = ["| rows | oneDNN ms | AMX kernel ms | AMX / oneDNN speed | AMX weight GB/s |", "|---|---|---|---|---|"]
+    for m in (1, 8, 64, 128, 256, 512):
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in weights}
+
+        def onednn():
+            for w, p in zip(weights, packed):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [], "")
+
+        def amx():
+            for w, p in zip(weights, packed):
+                cpu.linear_amx(xs[w.shape[1]], p.amx, None)
+
+        a, b = median_s(onednn, repeats), median_s(amx, repeats)
+        rows.append(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {weight_bytes / b / 1e9:.1f} |")
+    return rows
+
+
+def attention_table(repeats: int) -> list[str]:
+    seqs, length, heads, kv_heads, head_dim, block, layers = 64, 400, 9, 3, 64, 16, 30
+    per_seq = -(-length // block)
+    caches = [
+        (torch.randn(seqs * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16),
+         torch.randn(seqs * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16))
+        for _ in range(layers)
+    ]  # fmt: skip
+    # blocks handed out round-robin, as sequences that grow together get them
+    tables = torch.arange(seqs * per_seq, dtype=torch.int32).view(per_seq, seqs).t().contiguous()
+    lens = torch.full((seqs,), length, dtype=torch.int32)
+    q = torch.randn(seqs, heads, head_dim, dtype=torch.bfloat16)
+    meta = AttentionMetadata(torch.arange(seqs + 1, dtype=torch.int32), lens, tables, torch.zeros(seqs, dtype=torch.int64),
+                             seqs, 1, length, list(range(seqs + 1)), [length] * seqs)  # fmt: skip
+
+    def c_kernel():
+        for k, v in caches:
+            assert cpu.decode_attention(q, k, v, tables, lens, head_dim**-0.5) is not None
+
+    def torch_reference():
+        for k, v in caches[:3]:  # slow: three layers stand for all
+            paged_attention(q, k, v, meta, head_dim**-0.5)
+
+    kv_bytes = seqs * length * kv_heads * head_dim * 2 * 2
+    c = median_s(c_kernel, repeats) / layers
+    t = median_s(torch_reference, max(1, repeats // 2)) / 3
+    return ["| kernel | ms per layer | K/V GB/s |", "|---|---|---|",
+            f"| C (csrc/decode_attention.c) | {c * 1e3:.2f} | {kv_bytes / c / 1e9:.1f} |",
+            f"| torch reference | {t * 1e3:.2f} | {kv_bytes / t / 1e9:.1f} |"]  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print("\n".join(linear_table(args.repeats)))
+    print()
+    print("\n".join(attention_table(args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
