@@ -13,6 +13,7 @@ without a compiler, or for shapes and dtypes a kernel does not take, the torch k
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -37,7 +38,6 @@ HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h"]
 # softmax starts from -inf).
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
-_DECODE = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "decode_attention_bf16": [_P] * 6 + [_I] * 6 + [_F],
@@ -48,7 +48,6 @@ _SIGNATURES = {
     "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F],
     "silu_mul_bf16": [_P, _P, _I, _I, _L],
     "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 4,
-    "linear_available": [],
     "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I],
 }
 
@@ -84,35 +83,47 @@ def load_library() -> ctypes.CDLL | None:
     return library
 
 
-_library: ctypes.CDLL | None | bool = False  # False: not loaded yet
-
-
+@functools.cache
 def _get_library() -> ctypes.CDLL | None:
-    global _library
-    if _library is False:
-        _library = load_library()
-    return _library
+    return load_library()
 
 
+# Asked once: each of these is a call through ctypes, and the layers would ask it several times per layer.
+@functools.cache
 def _elementwise() -> ctypes.CDLL | None:
     """The library where its bfloat16 elementwise kernels run on this CPU (AVX-512 with bf16), else None."""
     library = _get_library()
     return library if library is not None and library.elementwise_available() else None
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor | None:
-    """q (seqs, heads, head_dim) over each sequence's cache, or None where the C kernel does not apply."""
+@functools.cache
+def _amx() -> ctypes.CDLL | None:
+    """The library where this process may use the matrix engine (AMX), else None. prefill_attention_available()
+    asks Linux for the tile state; the linear kernel, built under the same guard, needs nothing more."""
     library = _get_library()
-    fn_name = _DECODE.get(q.dtype)
-    if library is None or fn_name is None or q.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    return library if library is not None and library.prefill_attention_available() else None
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None) -> torch.Tensor | None:
+    """q (seqs, heads, head_dim) over each sequence's cache, into `out` (contiguous, like q) when given; None where
+    the C kernel does not apply."""
+    library = _get_library()
+    if (
+        library is None
+        or q.dtype not in (torch.bfloat16, torch.float32)
+        or not q.is_cpu
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or (out is not None and not out.is_contiguous())
+    ):
         return None
+    kernel = library.decode_attention_bf16 if q.dtype == torch.bfloat16 else library.decode_attention_f32
     seqs, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
-    status = getattr(library, fn_name)(
+    out = torch.empty_like(q) if out is None else out
+    status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         seqs, heads, kv_heads, head_dim, block_size, tables.shape[1], scale,
     )  # fmt: skip
@@ -124,12 +135,9 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """Same contract as attention.paged_attention."""
     nd = meta.num_decodes
-    decoded = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale) if nd else None
-    if nd and decoded is None:
-        return paged_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    if nd:
-        out[:nd] = decoded
+    if nd and decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd]) is None:
+        return paged_attention(q, k_cache, v_cache, meta, scale)
     prefill_attention_cpu(q, k_cache, v_cache, meta, scale, out)
     return out
 
@@ -138,7 +146,7 @@ def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """Same contract as attention.prefill_attention: the AMX kernel per sequence where it applies."""
     if meta.num_decodes == len(meta.seq_lens_host):
         return  # decodes only
-    library = _get_library()
+    library = _amx()
     heads, head_dim = q.shape[1:]
     block_size, kv_heads = k_cache.shape[1:3]
     if (
@@ -146,7 +154,6 @@ def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
         or q.dtype != torch.bfloat16
         or k_cache.dtype != torch.bfloat16
         or not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
-        or not library.prefill_attention_available()
     ):
         return prefill_attention(q, k_cache, v_cache, meta, scale, out)
     tables = meta.block_tables.to(torch.int32).contiguous()
@@ -164,7 +171,7 @@ def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 def _rows(x: torch.Tensor) -> bool:
     """x is a bfloat16 CPU matrix whose rows are contiguous (a row stride of its own is fine)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    return x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -249,15 +256,8 @@ class PackedLinear:
 def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
     """The weight in the AMX linear kernel's order, or None where that kernel does not run (no AMX, not bfloat16,
     in_features not a multiple of 32)."""
-    library = _get_library()
     out_features, in_features = weight.shape
-    if (
-        library is None
-        or weight.dtype != torch.bfloat16
-        or weight.device.type != "cpu"
-        or in_features % 32
-        or not library.linear_available()
-    ):
+    if _amx() is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or in_features % 32:
         return None
     padded = F.pad(weight.detach(), (0, 0, 0, -out_features % 16))
     # tile (nb, kb), row r, dword c, half i = w[16 nb + c][32 kb + 2 r + i]
@@ -272,7 +272,7 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     rows = x.shape[0]
     y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
     bias = None if bias is None else bias.contiguous()
-    status = _get_library().linear_bf16(
+    status = _amx().linear_bf16(
         x.data_ptr(), x.stride(0), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
         packed.out_features, rows, packed.out_features, packed.in_features,
     )  # fmt: skip

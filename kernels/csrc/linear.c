@@ -20,8 +20,6 @@
 
 #include "amx.h"
 
-int linear_available(void) { return amx_granted(); }
-
 /* The accumulators of up to 32 rows x 32 columns (float32, stride 32) -> y rows, + bias, as bfloat16. */
 static void write_rows(const float *c, int rows, int cols, const uint16_t *bias, uint16_t *y, int64_t y_stride) {
     __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -99,8 +97,6 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, con
 }
 
 #else
-int linear_available(void) { return 0; }
-
 int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                 int64_t y_stride, int m, int n, int k) {
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k;
