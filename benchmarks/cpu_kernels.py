@@ -4,7 +4,7 @@
 
 1. Linear layers: every linear layer of SmolLM2-135M (the LM head included) at 1 to 512 rows, the AMX kernel
    (kernels/csrc/linear.c) against oneDNN with its weight packed once, both reading weights that are not in cache
-   (the whole model per pass, as a decode step does). Also the weight bytes per second at each size.
+   (the whole model per pass, as a forward pass does). Also the weight bytes per second at each size.
 2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
    turn, the C kernel against the torch reference; bytes of K/V read per second.
 Medians of --repeats; prints markdown tables.
@@ -32,25 +32,25 @@ def median_s(fn, repeats: int) -> float:
 
 def linear_table(repeats: int) -> list[str]:
     from fastgen.replica import pipeline
-    from fastgen.replica.parallel import pack_weight
 
     model = pipeline("smollm2-135m", dtype="bfloat16", progress=False).engine.runner.model
     weights = [m.weight for m in model.modules() if getattr(m, "packed", None) is not None]
-    packed = [pack_weight(w) for w in weights]
-    if any(p.amx is None for p in packed):
+    amx_packed = [cpu.pack_linear(w) for w in weights]
+    if any(p is None for p in amx_packed):
         return ["(the AMX linear kernel does not run on this machine)"]
+    onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 512) for w in weights]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     rows = ["| rows | oneDNN ms | AMX kernel ms | AMX / oneDNN speed | AMX weight GB/s |", "|---|---|---|---|---|"]
     for m in (1, 8, 64, 128, 256, 512):
         xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in weights}
 
         def onednn():
-            for w, p in zip(weights, packed):
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [], "")
+            for w, p in zip(weights, onednn_packed):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
         def amx():
-            for w, p in zip(weights, packed):
-                cpu.linear_amx(xs[w.shape[1]], p.amx, None)
+            for w, p in zip(weights, amx_packed):
+                cpu.linear_amx(xs[w.shape[1]], p, None)
 
         a, b = median_s(onednn, repeats), median_s(amx, repeats)
         rows.append(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {weight_bytes / b / 1e9:.1f} |")

@@ -46,38 +46,38 @@ class TPGroup:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A CPU bfloat16 weight packed once at load: for oneDNN, and for the AMX linear kernel (kernels/csrc/linear.c)
-    where that kernel runs (None elsewhere)."""
+    """A CPU bfloat16 weight packed once at load, for exactly one kernel: the AMX linear kernel
+    (kernels/csrc/linear.c) where it runs, else oneDNN."""
 
-    onednn: torch.Tensor
-    amx: PackedLinear | None
-
-
-# Up to this many rows the AMX kernel is the faster: it streams a weight at ~1.3x oneDNN's rate (1-8 rows), 1.1x at
-# 64, even at 128; from 256 rows on oneDNN's blocking wins by ~1.15x (python -m fastgen.benchmarks.cpu_kernels).
-AMX_MAX_ROWS = 128
+    amx: PackedLinear | None = None
+    onednn: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     """x W^T + b, through the packed weight when there is one."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    if packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+    if packed is not None and packed.amx is not None:
         y = linear_amx(x, packed.amx, bias)
         if y is not None:
             return y
-    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    elif packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """The packed copies of a CPU bfloat16 weight, or None where packing does not apply.
+    """The weight packed once for a CPU bfloat16 kernel, or None where packing does not apply (float32 keeps the plain
+    path, bit-exact with transformers).
 
-    F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packing once makes CPU linear
-    layers about 1.5x faster with identical results. Float32 keeps the plain path (bit-exact with transformers)."""
+    F.linear reorders a bf16 weight into oneDNN's blocked layout on every call. Packed once, oneDNN runs about 1.5x
+    faster; the AMX kernel, where it runs, matches oneDNN from 128 rows up and streams the weight 1.1-1.3x faster
+    at decode sizes (1-64 rows; python -m fastgen.benchmarks.cpu_kernels)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
+    amx = pack_linear(weight)
+    if amx is not None:
+        return PackedWeight(amx=amx)
     # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512), pack_linear(weight))
+    return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512))
 
 
 def _divide(n: int, parts: int, what: str) -> int:

@@ -242,14 +242,13 @@ def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim,
         assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (out.float() - ref).abs().max()
 
 
-@pytest.mark.parametrize("out_features, in_features", [(40, 64), (48, 96), (200, 576)])  # 40, 200: a partial tile
+@pytest.mark.parametrize("out_features, in_features", [(40, 64), (48, 96), (600, 576)])  # 40, 600: a partial tile
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
-    """The AMX linear kernel against a float32 matmul rounded once, over row counts around its 16- and 32-row
-    tiles, on rows that are a view into wider ones; and the layers' dispatch (AMX up to AMX_MAX_ROWS, oneDNN
-    above) gives the same."""
+    """The AMX linear kernel against a float32 matmul, over row counts around its 16- and 32-row tiles and past one
+    pass over x (CHUNK), on rows that are a view into wider ones; and through the layers' packed-weight path."""
     from fastgen.kernels import cpu
-    from fastgen.replica.parallel import AMX_MAX_ROWS, linear, pack_weight
+    from fastgen.replica.parallel import linear, pack_weight
 
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features, dtype=torch.bfloat16) / in_features**0.5
@@ -257,7 +256,7 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
     packed = cpu.pack_linear(w)
     if packed is None:
         pytest.skip("no C compiler, or a CPU without AMX: oneDNN serves there")
-    for rows in (1, 15, 16, 17, 32, 33, 64, 100, AMX_MAX_ROWS + 30):
+    for rows in (1, 15, 16, 17, 32, 33, 64, 100, 300):
         x = torch.randn(rows, in_features + 32, dtype=torch.bfloat16)[:, 16 : 16 + in_features]
         ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
         got = cpu.linear_amx(x, packed, bias)
