@@ -69,8 +69,8 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     path, bit-exact with transformers).
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call. Packed once, oneDNN runs about 1.5x
-    faster; the AMX kernel, where it runs, matches oneDNN from 128 rows up and streams the weight 1.1-1.3x faster
-    at decode sizes (1-64 rows; python -m fastgen.benchmarks.cpu_kernels)."""
+    faster; the AMX kernel, where it runs, streams the weight 1.1-1.3x faster than oneDNN at decode sizes
+    (1-64 rows) and is within ~10% of it from 128 rows up (python -m fastgen.benchmarks.cpu_kernels)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     amx = pack_linear(weight)

@@ -573,7 +573,6 @@ static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
         cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
         cfg.colsb[0] = cfg.colsb[2] = (uint16_t)(group * 4);
         cfg.colsb[1] = 64;
-        if (qt) memset(qt, 0, sizeof(uint32_t) * kv_heads * chunks * 256);
         load_tile_config(&cfg);
     }
 #endif
