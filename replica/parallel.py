@@ -70,10 +70,12 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call. Packed once, oneDNN runs about 1.5x
     faster; the AMX kernel, where it runs, streams the weight 1.1-1.3x faster than oneDNN at decode sizes
-    (1-64 rows) and is within ~10% of it from 128 rows up (python -m fastgen.benchmarks.cpu_kernels)."""
+    (1-64 rows) and is within ~10% of it from 128 rows up (python -m fastgen.benchmarks.cpu_kernels). The AMX kernel
+    is single-threaded, so a process given more than one torch thread (set before the model loads) keeps oneDNN,
+    which uses them all."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
-    amx = pack_linear(weight)
+    amx = pack_linear(weight) if torch.get_num_threads() == 1 else None
     if amx is not None:
         return PackedWeight(amx=amx)
     # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.

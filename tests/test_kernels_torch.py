@@ -256,11 +256,19 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
     packed = cpu.pack_linear(w)
     if packed is None:
         pytest.skip("no C compiler, or a CPU without AMX: oneDNN serves there")
+    default_threads = torch.get_num_threads()
     for rows in (1, 15, 16, 17, 32, 33, 64, 100, 300):
         x = torch.randn(rows, in_features + 32, dtype=torch.bfloat16)[:, 16 : 16 + in_features]
         ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
         got = cpu.linear_amx(x, packed, bias)
         assert got is not None and got.shape == (rows, out_features)
         assert torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2), (rows, (got.float() - ref).abs().max())
-        layer = linear(x, w, bias, pack_weight(w))
-        assert torch.allclose(layer.float(), ref, rtol=1e-2, atol=1e-2), rows
+        for threads in (1, 2):  # one thread: the AMX kernel; more: oneDNN, which uses them
+            torch.set_num_threads(threads)
+            try:
+                layer_weight = pack_weight(w)
+            finally:
+                torch.set_num_threads(default_threads)
+            assert (layer_weight.amx is not None) == (threads == 1)
+            layer = linear(x, w, bias, layer_weight)
+            assert torch.allclose(layer.float(), ref, rtol=1e-2, atol=1e-2), (rows, threads)
