@@ -248,7 +248,7 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
     """The AMX linear kernel against a float32 matmul, over row counts around its 16- and 32-row tiles and past one
     pass over x (CHUNK), on rows that are a view into wider ones; and through the layers' packed-weight path."""
     from fastgen.kernels import cpu
-    from fastgen.replica.parallel import linear, pack_weight
+    from fastgen.replica.parallel import AMX_MAX_THREADS, linear, pack_weight
 
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features, dtype=torch.bfloat16) / in_features**0.5
@@ -263,12 +263,12 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
         got = cpu.linear_amx(x, packed, bias)
         assert got is not None and got.shape == (rows, out_features)
         assert torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2), (rows, (got.float() - ref).abs().max())
-        for threads in (1, 2):  # one thread: the AMX kernel; more: oneDNN, which uses them
+        for threads in (1, AMX_MAX_THREADS + 1):  # few threads: the AMX kernel; more: oneDNN, which uses them
             torch.set_num_threads(threads)
             try:
                 layer_weight = pack_weight(w)
             finally:
                 torch.set_num_threads(default_threads)
-            assert (layer_weight.amx is not None) == (threads == 1)
+            assert (layer_weight.amx is not None) == (threads <= AMX_MAX_THREADS)
             layer = linear(x, w, bias, layer_weight)
             assert torch.allclose(layer.float(), ref, rtol=1e-2, atol=1e-2), (rows, threads)
