@@ -49,6 +49,7 @@ _SIGNATURES = {
     "silu_mul_bf16": [_P, _P, _I, _I, _L],
     "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 4,
     "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I],
+    "argmax_bf16": [_P, _I, _I, _L, _P],
 }
 
 
@@ -239,6 +240,17 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
         slots.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, head_dim,
     )  # fmt: skip
     return q_out
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's maximum (the first of equal maxima, as torch's max), in C for bfloat16 rows: greedy
+    sampling over the vocabulary, 2.5 ms per step in torch at 64 rows of SmolLM2."""
+    library = _elementwise()
+    if library is None or not _rows(logits) or logits.shape[1] == 0:
+        return logits.max(dim=-1).indices.tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    library.argmax_bf16(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
+    return out.tolist()
 
 
 CPU_KERNELS = Kernels("cpu", rotary_write_kv_cpu, paged_attention_cpu, rms_norm_cpu, add_rms_norm_cpu, silu_mul_cpu)

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.cpu import argmax_rows
+
 
 @dataclass
 class SamplingRow:
@@ -22,7 +24,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, row.banned] = float("-inf")
-    tokens = logits.max(dim=-1).indices.tolist()  # as argmax (first of equal maxima), 2-3x faster on CPU
+    tokens = argmax_rows(logits)  # as argmax: the first of equal maxima
     for i, row in enumerate(rows):
         if row.temperature > 0:
             tokens[i] = _sample_row(logits[i].float(), row)

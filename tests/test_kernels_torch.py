@@ -272,3 +272,19 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
             assert (layer_weight.amx is not None) == (threads <= AMX_MAX_THREADS)
             layer = linear(x, w, bias, layer_weight)
             assert torch.allclose(layer.float(), ref, rtol=1e-2, atol=1e-2), (rows, threads)
+
+
+def test_cpu_argmax_matches_torch():
+    """Greedy sampling's C argmax against torch's max over bf16 rows: ties (the first index wins), -inf rows, vocab
+    sizes around its 16-wide vectors, rows that are views into wider ones."""
+    from fastgen.kernels import cpu
+
+    if cpu._elementwise() is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512 bf16: torch's max serves there")
+    torch.manual_seed(0)
+    for vocab in (1, 15, 16, 17, 1000, 49152):
+        wide = (torch.randn(9, vocab + 8) * 4).round().to(torch.bfloat16)  # rounded: many ties
+        logits = wide[:, 3 : 3 + vocab]
+        logits[1] = float("-inf")
+        logits[2, vocab // 2 :] = logits[2].max() + 1  # ties spanning vector lanes
+        assert cpu.argmax_rows(logits) == logits.max(dim=-1).indices.tolist(), vocab

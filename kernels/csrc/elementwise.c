@@ -120,6 +120,30 @@ int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
     return 0;
 }
 
+/* Greedy sampling's argmax of each row of bf16 logits (rows, vocab) at row stride `stride`: the first index of the
+ * largest value, as torch's max(dim). NaN never wins (torch's would); logits are finite or -inf here. */
+int argmax_bf16(const uint16_t *x, int rows, int vocab, int64_t stride, int64_t *out) {
+    const __m512i step = _mm512_set1_epi32(16);
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * stride;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i best_at = _mm512_set1_epi32(vocab); /* past the end: lanes that never saw a finite value */
+        for (int i = 0; i < vocab; i += 16, at = _mm512_add_epi32(at, step)) {
+            __mmask16 valid = vocab - i >= 16 ? 0xffff : (__mmask16)((1u << (vocab - i)) - 1);
+            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, row + i)), 16));
+            __mmask16 better = _mm512_mask_cmp_ps_mask(valid, v, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, better, v);
+            best_at = _mm512_mask_mov_epi32(best_at, better, at);
+        }
+        float top = _mm512_reduce_max_ps(best);
+        __mmask16 winners = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        int64_t first = _mm512_mask_reduce_min_epi32(winners, best_at);
+        out[r] = first < vocab ? first : 0; /* a row of only -inf (or NaN): index 0, as torch gives for -inf */
+    }
+    return 0;
+}
+
 #else
 int elementwise_available(void) { return 0; }
 #endif
