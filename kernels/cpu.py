@@ -6,7 +6,10 @@
 - Prompt-chunk attention for bfloat16 on CPUs with AMX (csrc/prefill_attention.c): flash attention with both
   products on the matrix engine, reading the chunk's keys and values from the paged cache.
 - Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
-  SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several.
+  SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several; and greedy
+  sampling's argmax over the logits.
+- Linear layers for bfloat16 on CPUs with AMX (csrc/linear.c): weights packed once at load (pack_linear) in the
+  order the kernel streams them; replica/parallel.py decides per weight between this and oneDNN.
 
 The library is compiled at first use with the machine's C compiler and cached under $FASTGEN_CACHE/kernels;
 without a compiler, or for shapes and dtypes a kernel does not take, the torch kernels serve."""
