@@ -1,13 +1,13 @@
-"""CPU kernel benchmark, one thread, bfloat16: the two kernels a decode step spends its time in.
+"""CPU kernel benchmark, bfloat16: the two kernels a decode step spends its time in.
 
-    python -m fastgen.benchmarks.cpu_kernels [--repeats 5]
+    python -m fastgen.benchmarks.cpu_kernels [--repeats 5] [--threads 1]
 
 1. Linear layers: every linear layer of SmolLM2-135M (the LM head included) at 1 to 512 rows, the AMX kernel
    (kernels/csrc/linear.c) against oneDNN with its weight packed once, both reading weights that are not in cache
    (the whole model per pass, as a forward pass does). Also the weight bytes per second at each size.
 2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
    turn, the C kernel against the torch reference; bytes of K/V read per second.
-Medians of --repeats; prints markdown tables.
+Both kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 from __future__ import annotations
 
@@ -91,8 +91,9 @@ def attention_table(repeats: int) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     print("\n".join(linear_table(args.repeats)))
     print()
     print("\n".join(attention_table(args.repeats)))

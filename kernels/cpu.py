@@ -11,6 +11,10 @@
 - Linear layers for bfloat16 on CPUs with AMX (csrc/linear.c): weights packed once at load (pack_linear) in the
   order the kernel streams them; replica/parallel.py decides per weight between this and oneDNN.
 
+Every kernel splits its work over the process's torch threads (torch.get_num_threads()) through OpenMP, on the same
+thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Results do not depend on the
+thread count.
+
 The library is compiled at first use with the machine's C compiler and cached under $FASTGEN_CACHE/kernels;
 without a compiler, or for shapes and dtypes a kernel does not take, the torch kernels serve."""
 from __future__ import annotations
@@ -36,23 +40,27 @@ from .norm import add_rms_norm, rms_norm, silu_mul
 log = logging.getLogger("fastgen.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c")]
-HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h"]
+HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
+# OpenMP splits the kernels over the process's torch threads. The library needs libgomp.so.1 by name, which the
+# dynamic loader finds already loaded with torch, so both share one thread pool. Where the compiler has no OpenMP the
+# kernels are built without it and run on one thread.
+OPENMP = ["-fopenmp"]
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "decode_attention_bf16": [_P] * 6 + [_I] * 6 + [_F],
-    "decode_attention_f32": [_P] * 6 + [_I] * 6 + [_F],
+    "decode_attention_bf16": [_P] * 6 + [_I] * 6 + [_F, _I],
+    "decode_attention_f32": [_P] * 6 + [_I] * 6 + [_F, _I],
     "elementwise_available": [],
     "prefill_attention_available": [],
-    "prefill_attention_bf16": [_P] * 5 + [_L] + [_I] * 6 + [_F],
-    "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F],
-    "silu_mul_bf16": [_P, _P, _I, _I, _L],
-    "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 4,
-    "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I],
-    "argmax_bf16": [_P, _I, _I, _L, _P],
+    "prefill_attention_bf16": [_P] * 5 + [_L] + [_I] * 6 + [_F, _I],
+    "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F, _I],
+    "silu_mul_bf16": [_P, _P, _I, _I, _L, _I],
+    "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 5,
+    "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
+    "argmax_bf16": [_P, _I, _I, _L, _P, _I],
 }
 
 
@@ -66,7 +74,7 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: the CPU kernels fall back to torch")
         return None
-    digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
+    digest = hashlib.sha256(" ".join([compiler, *FLAGS, *OPENMP]).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"fastgen_cpu-{digest.hexdigest()[:16]}.so"
@@ -74,9 +82,14 @@ def load_library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            command = [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
+            for threading in (OPENMP, []):
+                command = [compiler, *FLAGS, *threading, "-o", str(built), *map(str, SOURCES), "-lm"]
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode == 0:
+                    break
+                if threading:
+                    log.warning("building the CPU kernels with OpenMP failed; they will run on one thread")
+            else:
                 log.warning("building the CPU kernels failed, torch serves instead:\n%s", result.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic: processes building at once all end with a whole library
@@ -129,7 +142,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
     out = torch.empty_like(q) if out is None else out
     status = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        seqs, heads, kv_heads, head_dim, block_size, tables.shape[1], scale,
+        seqs, heads, kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads(),
     )  # fmt: skip
     return out if status == 0 else None
 
@@ -163,11 +176,12 @@ def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     tables = meta.block_tables.to(torch.int32).contiguous()
     row_bytes = tables.stride(0) * tables.element_size()
     starts, lens = meta.query_start_host, meta.seq_lens_host
+    threads = torch.get_num_threads()
     for i in range(meta.num_decodes, len(lens)):
         lo, hi = starts[i], starts[i + 1]
         status = library.prefill_attention_bf16(
             q[lo].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr() + i * row_bytes,
-            out[lo].data_ptr(), heads * head_dim, lens[i], hi - lo, heads, kv_heads, head_dim, block_size, scale,
+            out[lo].data_ptr(), heads * head_dim, lens[i], hi - lo, heads, kv_heads, head_dim, block_size, scale, threads,
         )  # fmt: skip
         if status != 0:  # shapes the kernel does not take: torch for the whole batch
             return prefill_attention(q, k_cache, v_cache, meta, scale, out)
@@ -186,7 +200,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     out = torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
     library.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden, x.stride(0),
-                              eps)  # fmt: skip
+                              eps, torch.get_num_threads())  # fmt: skip
     return out
 
 
@@ -200,7 +214,7 @@ def add_rms_norm_cpu(
     out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
     library.add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
-                              rows, hidden, x.stride(0), eps)  # fmt: skip
+                              rows, hidden, x.stride(0), eps, torch.get_num_threads())  # fmt: skip
     return out, total
 
 
@@ -211,7 +225,7 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    library.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0))
+    library.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
     return out
 
 
@@ -241,6 +255,7 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
     library.rotary_write_kv_bf16(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), row_stride, cos_sin.data_ptr(), positions.data_ptr(),
         slots.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, head_dim,
+        torch.get_num_threads(),
     )  # fmt: skip
     return q_out
 
@@ -252,7 +267,8 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if library is None or not _rows(logits) or logits.shape[1] == 0:
         return logits.max(dim=-1).indices.tolist()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    library.argmax_bf16(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
+    library.argmax_bf16(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                        torch.get_num_threads())
     return out.tolist()
 
 
@@ -289,6 +305,6 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     bias = None if bias is None else bias.contiguous()
     status = _amx().linear_bf16(
         x.data_ptr(), x.stride(0), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        packed.out_features, rows, packed.out_features, packed.in_features,
+        packed.out_features, rows, packed.out_features, packed.in_features, torch.get_num_threads(),
     )  # fmt: skip
     return y if status == 0 else None

@@ -132,11 +132,15 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
              metrics_port, args.model)  # fmt: skip
 
     started = time.monotonic()
-    engine = await asyncio.to_thread(build_engine, config, tp or TPGroup(), broadcast)
-    await asyncio.to_thread(warm_up, engine)
-    loop = EngineLoop(engine, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens),
+
+    def build():
+        engine = build_engine(config, tp or TPGroup(), broadcast)
+        warm_up(engine)
+        return engine
+
+    loop = EngineLoop(build, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens),
                       asyncio.get_running_loop())  # fmt: skip
-    loop.start()
+    await loop.start()
     service.engine_loop = loop
     await set_serving(health, True)
     log.info("replica %s SERVING after %.1f s", args.replica_id, time.monotonic() - started)

@@ -64,24 +64,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
-# A 2-thread replica served C1 ~10% faster with the single-threaded AMX kernel than with oneDNN on both threads
-# (benchmarks/RESULTS.md): at decode sizes the weight read, not the arithmetic, sets the pace. With more threads
-# oneDNN's parallel prefill should win; not measured here (2 cores).
-AMX_MAX_THREADS = 2
-
-
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The weight packed once for a CPU bfloat16 kernel, or None where packing does not apply (float32 keeps the plain
     path, bit-exact with transformers).
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call. Packed once, oneDNN runs about 1.5x
-    faster; the AMX kernel, where it runs, streams the weight 1.1-1.3x faster than oneDNN at decode sizes
-    (1-64 rows) and is within ~10% of it from 128 rows up (python -m fastgen.benchmarks.cpu_kernels). The AMX kernel
-    is single-threaded, so a process given more than AMX_MAX_THREADS torch threads (set before the model loads)
-    keeps oneDNN, which uses them all."""
+    faster; the AMX kernel, where it runs, streams the weight 1.3x faster than oneDNN at decode sizes (1-8 rows)
+    and, on two threads, keeps level with it or ahead up to 512 rows; on one thread it is ~10% behind from 128 rows
+    up (python -m fastgen.benchmarks.cpu_kernels --threads N). Both split their work over the torch threads."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
-    amx = pack_linear(weight) if torch.get_num_threads() <= AMX_MAX_THREADS else None
+    amx = pack_linear(weight)
     if amx is not None:
         return PackedWeight(amx=amx)
     # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.

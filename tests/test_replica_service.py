@@ -83,3 +83,58 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
         assert proc.popen.wait(30) == 0
     finally:
         proc.kill()
+
+
+def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
+    """The engine is built, warmed and stepped on the engine loop's own thread (one OpenMP pool: see EngineLoop), a
+    request submitted from asyncio is served there, and a model that fails to build fails start() with its error."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from fastgen.replica.config import CacheConfig, EngineConfig
+    from fastgen.replica.engine import build_engine
+    from fastgen.replica.parallel import TPGroup
+    from fastgen.replica.request import SamplingParams
+    from fastgen.replica.service import EngineLoop, QueueLimits
+    from fastgen.server.metrics import ReplicaMetrics
+
+    threads = {}
+
+    def build(model):
+        threads["build"] = threading.current_thread()
+        config = EngineConfig(model=model, dtype="float32", cache=CacheConfig(block_size=16, num_blocks=64))
+        engine = build_engine(config, TPGroup(), None)
+        step = engine.step
+
+        def step_here():
+            threads["step"] = threading.current_thread()
+            return step()
+
+        engine.step = step_here
+        return engine
+
+    async def serve_one():
+        loop = EngineLoop(lambda: build(str(tiny_model_dir)), ReplicaMetrics(CollectorRegistry(), "r0", "tiny"),
+                          QueueLimits(), asyncio.get_running_loop())  # fmt: skip
+        await loop.start()
+        try:
+            assert loop.load.kv_blocks_total == 64  # published once built
+            outputs = loop.submit("one", [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+            while not (out := await asyncio.wait_for(outputs.get(), 60)).finished:
+                pass
+            return out
+        finally:
+            loop.stop()
+
+    out = asyncio.run(serve_one())
+    assert len(out.token_ids) == 3
+    assert threads["build"] is threads["step"] and threads["build"].name == "engine"
+
+    async def fail_to_build():
+        loop = EngineLoop(lambda: build("/nonexistent/model"), ReplicaMetrics(CollectorRegistry(), "r1", "none"),
+                          QueueLimits(), asyncio.get_running_loop())  # fmt: skip
+        await loop.start()
+
+    with pytest.raises(ValueError, match="nonexistent"):
+        asyncio.run(fail_to_build())

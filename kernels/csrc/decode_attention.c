@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "paged_cache.h"
+#include "parallel.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -479,16 +480,17 @@ static int check(int heads, int kv_heads, int head_dim, int block_size) {
     return heads / kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK ? -1 : 0;
 }
 
+/* The longest sequence, and at least 1: scratch sized from it is never empty. */
 static int max_len(const int32_t *seq_lens, int seqs) {
-    int m = 0;
+    int m = 1;
     for (int i = 0; i < seqs; i++) m = seq_lens[i] > m ? seq_lens[i] : m;
     return m;
 }
 
 #if HAVE_AVX512
 #define PREFETCHER_INIT(T)                                                                                     \
-    Prefetcher pf = {(const char *)k_cache, (const char *)v_cache, tables, seq_lens, seqs, table_width, block_size, \
-                     (int)(sizeof(T) * kv_heads * head_dim), 0, 0, 0};                                           \
+    Prefetcher pf = {(const char *)k_cache, (const char *)v_cache, tables, seq_lens, last, table_width, block_size, \
+                     (int)(sizeof(T) * kv_heads * head_dim), first, 0, 0};                                       \
     for (int r = 0; r < PREFETCH_ROWS; r++) prefetch_row(&pf)
 #define AVX512_CALL(NAME) \
     NAME##_avx512(qf, k_cache, v_cache, &w, seq_lens[i], kv_heads, head_dim, group, scores, stride, tile, of, &pf)
@@ -497,13 +499,14 @@ static int max_len(const int32_t *seq_lens, int seqs) {
 #define AVX512_CALL(NAME) (void)0
 #endif
 
-/* Every sequence through a float32 tile (AVX-512) or the portable loop. */
+/* Sequences [first, last) through a float32 tile (AVX-512) or the portable loop. */
 #define DEFINE_TILED(NAME, T, TO_F32, FROM_F32)                                                                \
     static int tiled_##NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,             \
-                            const int32_t *seq_lens, T *out, int seqs, int heads, int kv_heads, int head_dim,   \
-                            int block_size, int table_width, float scale) {                                     \
+                            const int32_t *seq_lens, T *out, int first, int last, int heads, int kv_heads,      \
+                            int head_dim, int block_size, int table_width, float scale) {                       \
+        if (first >= last) return 0;                                                                            \
         int group = heads / kv_heads, vector = HAVE_AVX512 && head_dim % 16 == 0 && heads <= MAX_HEADS;        \
-        int stride = (max_len(seq_lens, seqs) + TILE - 1) / TILE * TILE;                                       \
+        int stride = (max_len(seq_lens + first, last - first) + TILE - 1) / TILE * TILE;                       \
         float *scores = NULL, *tile = NULL, *qf = NULL, *of = NULL;                                             \
         size_t tile_bytes = sizeof(float) * TILE * kv_heads * head_dim;                                        \
         if (vector) {                                                                                           \
@@ -514,7 +517,7 @@ static int max_len(const int32_t *seq_lens, int seqs) {
         of = malloc(sizeof(float) * heads * head_dim);                                                          \
         int status = (vector && (!scores || !tile)) || !qf || !of ? -1 : 0;                                    \
         PREFETCHER_INIT(T);                                                                                     \
-        for (int i = 0; i < seqs && status == 0; i++) {                                                         \
+        for (int i = first; i < last && status == 0; i++) {                                                     \
             const T *qi = q + (int64_t)i * heads * head_dim;                                                    \
             T *oi = out + (int64_t)i * heads * head_dim;                                                        \
             if (seq_lens[i] <= 0) {                                                                             \
@@ -547,11 +550,12 @@ DEFINE_TILED(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_TILED(f32, float, IDENTITY, IDENTITY)
 
 #if HAVE_AVX512_BF16
-/* Every sequence read in place; the matrix engine computes the scores where the shapes let it. */
+/* Sequences [first, last) read in place; the matrix engine computes the scores where the shapes let it. */
 static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
-                         const int32_t *seq_lens, uint16_t *out, int seqs, int heads, int kv_heads, int head_dim,
-                         int block_size, int table_width, float scale) {
-    const int group = heads / kv_heads, stride = (max_len(seq_lens, seqs) + TILE - 1) / TILE * TILE;
+                         const int32_t *seq_lens, uint16_t *out, int first, int last, int heads, int kv_heads,
+                         int head_dim, int block_size, int table_width, float scale) {
+    if (first >= last) return 0;
+    const int group = heads / kv_heads, stride = (max_len(seq_lens + first, last - first) + TILE - 1) / TILE * TILE;
     const int chunks = (head_dim + 31) / 32;
     int amx = HAVE_AMX && block_size % TILE == 0 && head_dim % 32 == 0 && group <= 16;
 #if HAVE_AMX
@@ -577,7 +581,7 @@ static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
     }
 #endif
     PREFETCHER_INIT(uint16_t);
-    for (int i = 0; i < seqs && status == 0; i++) {
+    for (int i = first; i < last && status == 0; i++) {
         uint16_t *oi = out + (int64_t)i * heads * head_dim;
         if (seq_lens[i] <= 0) {
             memset(oi, 0, sizeof(uint16_t) * heads * head_dim);
@@ -599,23 +603,51 @@ static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
 }
 #endif
 
+/* Sequences per thread: contiguous runs of about equal total length, so each thread's prefetcher walks its own
+ * rows in order. cuts[p] is the first sequence of thread p; cuts[parts] = seqs. */
+static void split_by_length(const int32_t *seq_lens, int seqs, int parts, int *cuts) {
+    int64_t total = 0, seen = 0;
+    for (int i = 0; i < seqs; i++) total += seq_lens[i] > 0 ? seq_lens[i] : 0;
+    int p = 1;
+    cuts[0] = 0;
+    for (int i = 0; i < seqs && p < parts; i++) {
+        seen += seq_lens[i] > 0 ? seq_lens[i] : 0;
+        while (p < parts && seen * parts >= total * p) cuts[p++] = i + 1;
+    }
+    while (p <= parts) cuts[p++] = seqs;
+}
+
+/* Cached tokens per extra thread below which one thread serves the whole batch. */
+#define MIN_TOKENS_PER_THREAD 256
+#define MAX_THREADS 256
+
+#define DECODE_IN_PARALLEL(RANGE_FN)                                                                           \
+    do {                                                                                                       \
+        int64_t tokens = 0;                                                                                     \
+        for (int i = 0; i < seqs; i++) tokens += seq_lens[i] > 0 ? seq_lens[i] : 0;                           \
+        threads = threads_for(threads < MAX_THREADS ? threads : MAX_THREADS, tokens, MIN_TOKENS_PER_THREAD);   \
+        int cuts[MAX_THREADS + 1], status = 0;                                                                  \
+        split_by_length(seq_lens, seqs, threads, cuts);                                                         \
+        _Pragma("omp parallel for num_threads(threads) reduction(| : status) if (threads > 1)")               \
+        for (int p = 0; p < threads; p++)                                                                       \
+            status |= RANGE_FN(q, k_cache, v_cache, tables, seq_lens, out, cuts[p], cuts[p + 1], heads, kv_heads, \
+                               head_dim, block_size, table_width, scale);                                       \
+        return status ? -1 : 0;                                                                                 \
+    } while (0)
+
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
                           const int32_t *seq_lens, uint16_t *out, int seqs, int heads, int kv_heads, int head_dim,
-                          int block_size, int table_width, float scale) {
+                          int block_size, int table_width, float scale, int threads) {
     if (check(heads, kv_heads, head_dim, block_size)) return -1;
 #if HAVE_AVX512_BF16
-    if (heads <= MAX_HEADS)
-        return in_place_bf16(q, k_cache, v_cache, tables, seq_lens, out, seqs, heads, kv_heads, head_dim, block_size,
-                             table_width, scale);
+    if (heads <= MAX_HEADS) DECODE_IN_PARALLEL(in_place_bf16);
 #endif
-    return tiled_bf16(q, k_cache, v_cache, tables, seq_lens, out, seqs, heads, kv_heads, head_dim, block_size,
-                      table_width, scale);
+    DECODE_IN_PARALLEL(tiled_bf16);
 }
 
 int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
                          const int32_t *seq_lens, float *out, int seqs, int heads, int kv_heads, int head_dim,
-                         int block_size, int table_width, float scale) {
+                         int block_size, int table_width, float scale, int threads) {
     if (check(heads, kv_heads, head_dim, block_size)) return -1;
-    return tiled_f32(q, k_cache, v_cache, tables, seq_lens, out, seqs, heads, kv_heads, head_dim, block_size,
-                     table_width, scale);
+    DECODE_IN_PARALLEL(tiled_f32);
 }

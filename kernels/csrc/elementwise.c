@@ -13,9 +13,15 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "parallel.h"
 #include "vector_math.h"
 
 int elementwise_available(void) { return 1; }
+
+/* Elements per extra thread below which a call stays on one thread (a decode batch's norms: waking a thread would
+ * cost more than it saves). */
+#define MIN_ELEMENTS_PER_THREAD 32768
+#define ROWS_IN_PARALLEL _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(static)")
 
 static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
@@ -39,7 +45,9 @@ static inline __m512 round_bf16(__m512 x) {
 /* out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = bf16(x + residual), stored to residual_out; without a
  * residual (NULL), s = x and nothing is stored. Rows of x have x_stride elements; the other tensors are contiguous. */
 int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
-                      uint16_t *residual_out, int rows, int hidden, int64_t x_stride, float eps) {
+                      uint16_t *residual_out, int rows, int hidden, int64_t x_stride, float eps, int threads) {
+    threads = threads_for(threads, (int64_t)rows * hidden, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
     for (int r = 0; r < rows; r++) {
         const uint16_t *s_row = x + r * x_stride; /* where s lies once the first pass is done */
         __m512 squares = _mm512_setzero_ps();
@@ -70,8 +78,10 @@ int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_
 
 /* out (rows, inter) = bf16(silu(gate)) * up, gate and up the two halves of each gate_up row (rows of
  * in_stride elements). */
-int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride) {
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {
     const __m512 one = _mm512_set1_ps(1.f);
+    threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
     for (int r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * in_stride, *up = gate + inter;
         uint16_t *o = out + (int64_t)r * inter;
@@ -106,9 +116,12 @@ static inline void rotate(const uint16_t *x, const float *cos_sin, int half, uin
  * rotated k and v go to their cache slots, caches (slots, kv_heads, head_dim). */
 int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
                          const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
-                         uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim) {
+                         uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim,
+                         int threads) {
     const int half = head_dim / 2;
     if (head_dim % 2) return -1;
+    threads = threads_for(threads, (int64_t)tokens * (heads + 2 * kv_heads) * head_dim, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
     for (int t = 0; t < tokens; t++) {
         const float *cs = cos_sin + positions[t] * head_dim;
         for (int h = 0; h < heads; h++)
@@ -122,8 +135,10 @@ int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
 
 /* Greedy sampling's argmax of each row of bf16 logits (rows, vocab) at row stride `stride`: the first index of the
  * largest value, as torch's max(dim). NaN never wins (torch's would); logits are finite or -inf here. */
-int argmax_bf16(const uint16_t *x, int rows, int vocab, int64_t stride, int64_t *out) {
+int argmax_bf16(const uint16_t *x, int rows, int vocab, int64_t stride, int64_t *out, int threads) {
     const __m512i step = _mm512_set1_epi32(16);
+    threads = threads_for(threads, (int64_t)rows * vocab, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
     for (int r = 0; r < rows; r++) {
         const uint16_t *row = x + r * stride;
         __m512 best = _mm512_set1_ps(-INFINITY);
@@ -145,5 +160,28 @@ int argmax_bf16(const uint16_t *x, int rows, int vocab, int64_t stride, int64_t 
 }
 
 #else
+/* Without the instructions: every entry point exists (the loader binds them all) and declines. */
 int elementwise_available(void) { return 0; }
+int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                      uint16_t *residual_out, int rows, int hidden, int64_t x_stride, float eps, int threads) {
+    (void)x, (void)residual, (void)weight, (void)out, (void)residual_out, (void)rows, (void)hidden, (void)x_stride;
+    (void)eps, (void)threads;
+    return -1;
+}
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {
+    (void)gate_up, (void)out, (void)rows, (void)inter, (void)in_stride, (void)threads;
+    return -1;
+}
+int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
+                         const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
+                         uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim,
+                         int threads) {
+    (void)q, (void)k, (void)v, (void)row_stride, (void)cos_sin, (void)positions, (void)slots, (void)q_out;
+    (void)k_cache, (void)v_cache, (void)tokens, (void)heads, (void)kv_heads, (void)head_dim, (void)threads;
+    return -1;
+}
+int argmax_bf16(const uint16_t *x, int rows, int vocab, int64_t stride, int64_t *out, int threads) {
+    (void)x, (void)rows, (void)vocab, (void)stride, (void)out, (void)threads;
+    return -1;
+}
 #endif

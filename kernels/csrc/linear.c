@@ -9,6 +9,9 @@
  * prefetching measured no better, or worse). At prefill sizes the kernel keeps up with oneDNN: x is packed once
  * into 32 x 32 panels, and CHUNK column blocks of the weight stay in L2 while every 32-row block goes through them.
  *
+ * With several threads, each packs a share of x's row blocks and then computes a share of the column blocks (the
+ * weight is read once in all, each part by one thread).
+ *
  * Tiles: 0-3 accumulate (2 row tiles x 2 column tiles, 16 x 16 float32 each), 4-5 hold x (16 rows x 32), 6-7
  * the weight. k must be a multiple of 32 (the caller checks).
  */
@@ -20,16 +23,17 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "parallel.h"
 
 /* Columns of the weight per pass over x: their tiles (CHUNK x 16 x k bf16) stay in L2 while every 32-row block of x
  * goes through them, so the weight is read from memory once whatever m is. */
 #define CHUNK 16
 
-/* x (m, k) at row stride x_stride -> xp: per 32-row block and 32-deep block one 32 x 32 bf16 panel, rows past m
- * zero, so each left-operand tile is 16 contiguous rows of 64 bytes. */
-static void pack_rows(const uint16_t *x, int64_t x_stride, int m, int k, uint16_t *xp) {
+/* Row blocks [first, last) of x (m, k) at row stride x_stride -> xp: per 32-row block and 32-deep block one 32 x 32
+ * bf16 panel, rows past m zero, so each left-operand tile is 16 contiguous rows of 64 bytes. */
+static void pack_rows(const uint16_t *x, int64_t x_stride, int m, int k, int first, int last, uint16_t *xp) {
     const int kblocks = k / 32;
-    for (int r0 = 0; r0 < m; r0 += 32)
+    for (int r0 = 32 * first; r0 < 32 * last; r0 += 32)
         for (int kb = 0; kb < kblocks; kb++) {
             uint16_t *panel = xp + ((int64_t)(r0 / 32) * kblocks + kb) * 1024;
             for (int i = 0; i < 32; i++) {
@@ -56,29 +60,22 @@ static void write_rows(const float *c, int rows, int cols, const uint16_t *bias,
     }
 }
 
-int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                int64_t y_stride, int m, int n, int k) {
-    if (k % 32 || k <= 0 || m <= 0 || n <= 0 || !amx_granted()) return -1;
-    const int kblocks = k / 32, nblocks = (n + 15) / 16, rblocks = (m + 31) / 32;
+/* Column blocks [first, last) of y for every row: this thread's share. xp is x packed by pack_rows. */
+static void column_blocks(const uint16_t *xp, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                          int64_t y_stride, int m, int n, int k, int first, int last) {
+    const int kblocks = k / 32, rblocks = (m + 31) / 32;
     const int64_t column_elems = (int64_t)kblocks * 512; /* one 16-column block of the weight */
-    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * rblocks * 32 * k);
-    float *c = aligned_alloc(64, sizeof(float) * 32 * 32);
-    if (!xp || !c) {
-        free(xp);
-        free(c);
-        return -1;
-    }
-    pack_rows(x, x_stride, m, k, xp);
+    float c[32 * 32] __attribute__((aligned(64)));
     TileConfig cfg = {0};
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     load_tile_config(&cfg);
-    for (int n0 = 0; n0 < nblocks; n0 += CHUNK)
+    for (int n0 = first; n0 < last; n0 += CHUNK)
         for (int rb = 0; rb < rblocks; rb++) {
             const int r0 = 32 * rb, rows = m - r0 < 32 ? m - r0 : 32, two = rows > 16;
             const uint16_t *a = xp + (int64_t)rb * kblocks * 1024;
-            for (int nb = n0; nb < n0 + CHUNK && nb < nblocks; nb += 2) {
-                const int pair = nblocks - nb >= 2; /* a second column tile */
+            for (int nb = n0; nb < n0 + CHUNK && nb < last; nb += 2) {
+                const int pair = last - nb >= 2; /* a second column tile */
                 const uint16_t *w0 = packed + nb * column_elems, *w1 = w0 + column_elems;
                 _tile_zero(0);
                 _tile_zero(1);
@@ -107,15 +104,35 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, con
             }
         }
     _tile_release();
+}
+
+/* Column pairs per extra thread below which one thread does the whole layer. */
+#define MIN_PAIRS_PER_THREAD 4
+
+int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, int m, int n, int k, int threads) {
+    if (k % 32 || k <= 0 || m <= 0 || n <= 0 || !amx_granted()) return -1;
+    const int nblocks = (n + 15) / 16, rblocks = (m + 31) / 32, pairs = (nblocks + 1) / 2;
+    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * rblocks * 32 * k);
+    if (!xp) return -1;
+    threads = threads_for(threads, pairs, MIN_PAIRS_PER_THREAD);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int lo, hi;
+        share(rblocks, thread_index(), thread_count(), &lo, &hi);
+        pack_rows(x, x_stride, m, k, lo, hi, xp);
+#pragma omp barrier
+        share(pairs, thread_index(), thread_count(), &lo, &hi);
+        if (lo < hi) column_blocks(xp, packed, bias, y, y_stride, m, n, k, 2 * lo, 2 * hi < nblocks ? 2 * hi : nblocks);
+    }
     free(xp);
-    free(c);
     return 0;
 }
 
 #else
 int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                int64_t y_stride, int m, int n, int k) {
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k;
+                int64_t y_stride, int m, int n, int k, int threads) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k, (void)threads;
     return -1;
 }
 #endif

@@ -8,6 +8,9 @@
  * rows of key pairs x 16 dims); every query head of the group and every 16-query tile then reuses them. All eight
  * tile registers are 16 rows x 64 bytes: 0-1 scores (16 queries x 16 keys, float32), 2 left operand (queries, or
  * probabilities), 3 right operand, 4-7 probabilities x values (16 queries x 16 dims each, float32).
+ *
+ * With several threads, the threads first share the rearranging (32-key blocks of every KV head), then the 16-query
+ * tiles of every head, dealt round-robin: a causal chunk's later tiles see more keys.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +22,7 @@
 
 #include "amx.h"
 #include "paged_cache.h"
+#include "parallel.h"
 #include "vector_math.h"
 
 int prefill_attention_available(void) { return amx_granted(); }
@@ -111,12 +115,13 @@ static void query_tile(const uint16_t *q, int64_t q_stride, int first_pos, int l
     }
 }
 
-/* Keys of one KV head as right operands of q k^T: tile (t, c) holds keys 16t..16t+15, dims 32c..32c+31, as 16 rows of
- * dim pairs x 16 keys (a 16 x 16 transpose of 32-bit pairs); keys past len are zero. */
-static void pack_keys(const uint16_t *k_cache, const CacheWalk *w, int len, int padded, int head_dim, uint16_t *kt) {
+/* Keys [32 first, 32 last) of one KV head as right operands of q k^T: tile (t, c) holds keys 16t..16t+15, dims
+ * 32c..32c+31, as 16 rows of dim pairs x 16 keys (a 16 x 16 transpose of 32-bit pairs); keys past len are zero. */
+static void pack_keys(const uint16_t *k_cache, const CacheWalk *w, int len, int first, int last, int head_dim,
+                      uint16_t *kt) {
     const int chunks32 = head_dim / 32;
     uint32_t *out = (uint32_t *)kt;
-    for (int t = 0; t < padded / 16; t++)
+    for (int t = 2 * first; t < 2 * last; t++)
         for (int n = 0; n < 16; n++) {
             int key = 16 * t + n;
             const uint32_t *src = key < len ? (const uint32_t *)(k_cache + token_offset(w, key)) : 0;
@@ -125,14 +130,15 @@ static void pack_keys(const uint16_t *k_cache, const CacheWalk *w, int len, int 
         }
 }
 
-/* Values of one KV head as right operands of p v: tile (b, d) holds keys 32b..32b+31, dims 16d..16d+15, as 16 rows of
- * key pairs x 16 dims; keys past len are zero. */
-static void pack_values(const uint16_t *v_cache, const CacheWalk *w, int len, int padded, int head_dim, uint16_t *vv) {
+/* Values [32 first, 32 last) of one KV head as right operands of p v: tile (b, d) holds keys 32b..32b+31, dims
+ * 16d..16d+15, as 16 rows of key pairs x 16 dims; keys past len are zero. */
+static void pack_values(const uint16_t *v_cache, const CacheWalk *w, int len, int first, int last, int head_dim,
+                        uint16_t *vv) {
     const int chunks16 = head_dim / 16;
     uint16_t lanes[32]; /* lane 2n takes a[n], lane 2n+1 takes b[n] */
     for (int n = 0; n < 16; n++) lanes[2 * n] = (uint16_t)n, lanes[2 * n + 1] = (uint16_t)(32 + n);
     const __m512i interleave = _mm512_loadu_si512(lanes);
-    for (int key = 0; key < padded; key += 2) {
+    for (int key = 32 * first; key < 32 * last; key += 2) {
         const uint16_t *a = key < len ? v_cache + token_offset(w, key) : 0;
         const uint16_t *b = key + 1 < len ? v_cache + token_offset(w, key + 1) : 0;
         uint16_t *dst = vv + ((int64_t)(key / 32) * chunks16 * 16 + key % 32 / 2) * 32;
@@ -144,55 +150,79 @@ static void pack_values(const uint16_t *v_cache, const CacheWalk *w, int len, in
     }
 }
 
+/* One 16-query tile of head hq (its first query i0 of the chunk) -> out, with the head's packed keys and values. */
+static void head_tile(const uint16_t *q, uint16_t *out, int64_t q_stride, int len, int chunk, int hq, int i0,
+                      int head_dim, float scale, const uint16_t *kt, const uint16_t *vv, uint16_t *qpad, float *o) {
+    const int rows = chunk - i0 < 16 ? chunk - i0 : 16;
+    const uint16_t *qt = q + (int64_t)i0 * q_stride + (int64_t)hq * head_dim;
+    int64_t stride = q_stride;
+    if (rows < 16) { /* the chunk's last rows: pad to a whole tile */
+        memset(qpad, 0, sizeof(uint16_t) * 16 * head_dim);
+        for (int i = 0; i < rows; i++) memcpy(qpad + i * head_dim, qt + i * q_stride, 2 * head_dim);
+        qt = qpad, stride = head_dim;
+    }
+    query_tile(qt, stride, len - chunk + i0, len, head_dim, scale, kt, vv, o);
+    for (int i = 0; i < rows; i++) {
+        uint16_t *dst = out + (int64_t)(i0 + i) * q_stride + (int64_t)hq * head_dim;
+        for (int d = 0; d < head_dim; d += 32)
+            _mm512_storeu_si512((__m512i *)(dst + d), (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_load_ps(o + i * head_dim + d + 16), _mm512_load_ps(o + i * head_dim + d)));
+    }
+}
+
 /* One sequence's chunk: q, out (chunk, heads, head_dim) with rows of q_stride elements; the chunk's queries sit at
  * positions len-chunk .. len-1; caches (blocks, block_size, kv_heads, head_dim). Returns 0, or -1 where this kernel
  * does not apply (head_dim not a multiple of 64, no tile registers, no memory). */
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
                            uint16_t *out, int64_t q_stride, int len, int chunk, int heads, int kv_heads, int head_dim,
-                           int block_size, float scale) {
+                           int block_size, float scale, int threads) {
     if (head_dim % 64 || head_dim > 256 || heads % kv_heads || chunk > len || !prefill_attention_available()) return -1;
-    const int group = heads / kv_heads, padded = (len + 31) / 32 * 32;
-    const int64_t row = (int64_t)kv_heads * head_dim;
-    uint16_t *kt = aligned_alloc(64, sizeof(uint16_t) * padded * head_dim);
-    uint16_t *vv = aligned_alloc(64, sizeof(uint16_t) * padded * head_dim);
-    uint16_t *qpad = aligned_alloc(64, sizeof(uint16_t) * 16 * head_dim);
-    float *o = aligned_alloc(64, sizeof(float) * 16 * head_dim);
-    int status = kt && vv && qpad && o ? 0 : -1;
-    if (status == 0) {
-        TileConfig cfg = {0};
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        load_tile_config(&cfg);
-        for (int h = 0; h < kv_heads; h++) {
+    const int group = heads / kv_heads, blocks = (len + 31) / 32, qtiles = (chunk + 15) / 16;
+    const int64_t row = (int64_t)kv_heads * head_dim, head_elems = (int64_t)blocks * 32 * head_dim;
+    uint16_t *kt = aligned_alloc(64, sizeof(uint16_t) * kv_heads * head_elems);
+    uint16_t *vv = aligned_alloc(64, sizeof(uint16_t) * kv_heads * head_elems);
+    if (!kt || !vv) {
+        free(kt);
+        free(vv);
+        return -1;
+    }
+    int status = 0;
+    threads = threads_for(threads, (int64_t)heads * qtiles, 2);
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : status)
+    {
+        const int part = thread_index(), parts = thread_count();
+        int lo, hi;
+        share(kv_heads * blocks, part, parts, &lo, &hi);
+        for (int u = lo; u < hi;) { /* this thread's 32-key blocks, a run within one head at a time */
+            const int h = u / blocks, first = u % blocks, last = hi - h * blocks < blocks ? hi - h * blocks : blocks;
             const CacheWalk w = {table, row, (int64_t)h * head_dim, block_size};
-            pack_keys(k_cache, &w, len, padded, head_dim, kt);
-            pack_values(v_cache, &w, len, padded, head_dim, vv);
-            for (int hq = h * group; hq < (h + 1) * group; hq++)
-                for (int i0 = 0; i0 < chunk; i0 += 16) {
-                    const int rows = chunk - i0 < 16 ? chunk - i0 : 16;
-                    const uint16_t *qt = q + (int64_t)i0 * q_stride + (int64_t)hq * head_dim;
-                    int64_t stride = q_stride;
-                    if (rows < 16) { /* the chunk's last rows: pad to a whole tile */
-                        memset(qpad, 0, sizeof(uint16_t) * 16 * head_dim);
-                        for (int i = 0; i < rows; i++) memcpy(qpad + i * head_dim, qt + i * q_stride, 2 * head_dim);
-                        qt = qpad, stride = head_dim;
-                    }
-                    query_tile(qt, stride, len - chunk + i0, len, head_dim, scale, kt, vv, o);
-                    for (int i = 0; i < rows; i++) {
-                        uint16_t *dst = out + (int64_t)(i0 + i) * q_stride + (int64_t)hq * head_dim;
-                        for (int d = 0; d < head_dim; d += 32)
-                            _mm512_storeu_si512((__m512i *)(dst + d), (__m512i)_mm512_cvtne2ps_pbh(
-                                _mm512_load_ps(o + i * head_dim + d + 16), _mm512_load_ps(o + i * head_dim + d)));
-                    }
-                }
+            pack_keys(k_cache, &w, len, first, last, head_dim, kt + h * head_elems);
+            pack_values(v_cache, &w, len, first, last, head_dim, vv + h * head_elems);
+            u += last - first;
         }
-        _tile_release();
+#pragma omp barrier
+        uint16_t *qpad = aligned_alloc(64, sizeof(uint16_t) * 16 * head_dim);
+        float *o = aligned_alloc(64, sizeof(float) * 16 * head_dim);
+        if (qpad && o) {
+            TileConfig cfg = {0};
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+            load_tile_config(&cfg);
+            for (int j = part; j < heads * qtiles; j += parts) {
+                const int hq = j / qtiles, h = hq / group;
+                head_tile(q, out, q_stride, len, chunk, hq, j % qtiles * 16, head_dim, scale, kt + h * head_elems,
+                          vv + h * head_elems, qpad, o);
+            }
+            _tile_release();
+        } else {
+            status = -1;
+        }
+        free(qpad);
+        free(o);
     }
     free(kt);
     free(vv);
-    free(qpad);
-    free(o);
-    return status;
+    return status ? -1 : 0;
 }
 
 #else
@@ -200,8 +230,8 @@ int prefill_attention_available(void) { return 0; }
 
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
                            uint16_t *out, int64_t q_stride, int len, int chunk, int heads, int kv_heads, int head_dim,
-                           int block_size, float scale) {
-    (void)q, (void)k_cache, (void)v_cache, (void)table, (void)out, (void)q_stride, (void)len, (void)chunk;
+                           int block_size, float scale, int threads) {
+    (void)threads, (void)q, (void)k_cache, (void)v_cache, (void)table, (void)out, (void)q_stride, (void)len, (void)chunk;
     (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)scale;
     return -1;
 }
