@@ -1,13 +1,14 @@
 /* Prompt-chunk attention on the CPU's matrix engine (AMX), bfloat16: the queries of one sequence's chunk against
- * all of its cached keys and values (the chunk's own included), causal, with a flash-style online softmax in
- * float32. Built with the other CPU kernels by kernels/cpu.py; prefill_attention_available() says whether this
+ * all of its cached keys and values (the chunk's own included), causal, softmax in float32 over each 16-query tile's
+ * whole score rows. Built with the other CPU kernels by kernels/cpu.py; prefill_attention_available() says whether this
  * CPU and kernel let a process use the tile registers (else torch's scaled_dot_product_attention serves).
  *
  * Per KV head the cached keys are first rearranged into the engine's right-operand layout (for each 16-key tile and
  * 32-dim chunk: 16 rows of dim pairs x 16 keys) and the values likewise (for each 32-key block and 16-dim chunk: 16
  * rows of key pairs x 16 dims); every query head of the group and every 16-query tile then reuses them. All eight
  * tile registers are 16 rows x 64 bytes: 0-1 scores (16 queries x 16 keys, float32), 2 left operand (queries, or
- * probabilities), 3 right operand, 4-7 probabilities x values (16 queries x 16 dims each, float32).
+ * probabilities), 3 right operand, 4-7 probabilities x values (16 queries x 16 dims each, float32), accumulated over
+ * every key block.
  *
  * With several threads, the threads first share the rearranging (32-key blocks of every KV head), then the 16-query
  * tiles of every head, dealt round-robin: a causal chunk's later tiles see more keys.
@@ -32,18 +33,28 @@ static inline __m512 widen(__m256i x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-/* One 16-query tile of one head: q rows (16, head_dim) bf16 (zero rows past the chunk), their positions first_pos..,
- * against keys [0, len); o (16, head_dim) float32 out, normalised. */
+/* Scratch of one thread for query_tile: every score of a 16-query tile, and its probabilities as left operands. */
+typedef struct {
+    float *scores;     /* (16, stride) float32: row i, key t */
+    uint16_t *probs;   /* per 32-key block one 16 x 32 bf16 tile */
+    float *out;        /* (16, head_dim) float32 */
+    uint16_t *q_pad;   /* (16, head_dim) bf16: a partial tile's rows, zero-padded */
+    int stride;
+} TileScratch;
+
+/* One 16-query tile of one head: q rows (16, head_dim) bf16 (zero rows past the chunk), their positions
+ * first_pos.., against keys [0, len); x->out (16, head_dim) float32 out, normalised.
+ *
+ * Exact softmax in three passes rather than an online one: all scores first (the tile's scores stay in L2), then
+ * each row's max and probabilities, then p v with the accumulators held in tiles across every key block. Per 32-key
+ * block that leaves no horizontal reductions, no rescaling of the output and no tile stores; those, not the matrix
+ * products, had set the pace of the online version. */
 static void query_tile(const uint16_t *q, int64_t q_stride, int first_pos, int len, int head_dim, float scale,
-                       const uint16_t *kt, const uint16_t *vv, float *o) {
+                       const uint16_t *kt, const uint16_t *vv, const TileScratch *x) {
     const int chunks32 = head_dim / 32, chunks16 = head_dim / 16, last_pos = first_pos + 15;
-    float m[16], l[16];
-    float s[16 * 32] __attribute__((aligned(64))), pv[16 * 64] __attribute__((aligned(64)));
-    uint16_t p[16 * 32] __attribute__((aligned(64)));
-    for (int i = 0; i < 16; i++) m[i] = -INFINITY, l[i] = 0.f;
-    memset(o, 0, sizeof(float) * 16 * head_dim);
-    const int blocks = (last_pos < len - 1 ? last_pos : len - 1) / 32 + 1;
-    for (int kb = 0; kb < blocks; kb++) {
+    const int blocks = (last_pos < len - 1 ? last_pos : len - 1) / 32 + 1; /* key blocks some row sees */
+    const int64_t row_bytes = (int64_t)x->stride * 4;
+    for (int kb = 0; kb < blocks; kb++) { /* scores = q k^T */
         _tile_zero(0);
         _tile_zero(1);
         for (int c = 0; c < chunks32; c++) {
@@ -53,65 +64,68 @@ static void query_tile(const uint16_t *q, int64_t q_stride, int first_pos, int l
             _tile_loadd(3, kt + ((int64_t)(2 * kb + 1) * chunks32 + c) * 512, 64);
             _tile_dpbf16ps(1, 2, 3);
         }
-        _tile_stored(0, s, 128);
-        _tile_stored(1, s + 16, 128);
-        const __m512i keys0 = _mm512_add_epi32(_mm512_set1_epi32(32 * kb), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
-                                                                                            9, 10, 11, 12, 13, 14, 15));
-        const __m512i keys1 = _mm512_add_epi32(keys0, _mm512_set1_epi32(16));
-        for (int i = 0; i < 16; i++) { /* online softmax of the row; keys after the query (or past len) masked */
-            __m512i limit = _mm512_set1_epi32((first_pos + i < len - 1 ? first_pos + i : len - 1) + 1);
-            __mmask16 v0 = _mm512_cmplt_epi32_mask(keys0, limit), v1 = _mm512_cmplt_epi32_mask(keys1, limit);
-            __m512 ninf = _mm512_set1_ps(-INFINITY);
-            __m512 a = _mm512_mask_mov_ps(ninf, v0, _mm512_mul_ps(_mm512_load_ps(s + 32 * i), _mm512_set1_ps(scale)));
-            __m512 b = _mm512_mask_mov_ps(ninf, v1, _mm512_mul_ps(_mm512_load_ps(s + 32 * i + 16), _mm512_set1_ps(scale)));
-            float top = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-            if (top > m[i]) {
-                float correction = expf(m[i] - top);
-                l[i] *= correction;
-                for (int d = 0; d < chunks16; d++)
-                    _mm512_store_ps(o + i * head_dim + 16 * d,
-                                    _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + 16 * d), _mm512_set1_ps(correction)));
-                m[i] = top;
-            }
-            __m512 mm = _mm512_set1_ps(m[i]);
-            __m512 ea = _mm512_maskz_mov_ps(v0, exp_nonpositive(_mm512_sub_ps(a, mm)));
-            __m512 eb = _mm512_maskz_mov_ps(v1, exp_nonpositive(_mm512_sub_ps(b, mm)));
-            __m512bh packed = _mm512_cvtne2ps_pbh(eb, ea); /* 32 bf16: ea then eb */
-            /* l sums the rounded probabilities that multiply the values, so the weights sum to one exactly */
-            l[i] += _mm512_reduce_add_ps(_mm512_add_ps(widen(_mm512_castsi512_si256((__m512i)packed)),
-                                                       widen(_mm512_extracti64x4_epi64((__m512i)packed, 1))));
-            _mm512_store_si512((__m512i *)(p + 32 * i), (__m512i)packed);
+        _tile_stored(0, x->scores + 32 * kb, row_bytes);
+        _tile_stored(1, x->scores + 32 * kb + 16, row_bytes);
+    }
+    float inv_sum[16];
+    for (int i = 0; i < 16; i++) { /* probabilities of row i over its keys [0, n); zero past them */
+        const int n = (first_pos + i < len - 1 ? first_pos + i : len - 1) + 1;
+        const float *row = x->scores + (int64_t)i * x->stride;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < n; t += 16)
+            top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1), row + t));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale), scaled = _mm512_set1_ps(scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int kb = 0; kb < blocks; kb++) {
+            const int t = 32 * kb;
+            const __mmask16 v0 = n - t >= 16 ? 0xffff : n - t <= 0 ? 0 : (__mmask16)((1u << (n - t)) - 1);
+            const __mmask16 v1 = n - t >= 32 ? 0xffff : n - t <= 16 ? 0 : (__mmask16)((1u << (n - t - 16)) - 1);
+            __m512 e0 = _mm512_maskz_mov_ps(v0, exp_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(row + t), scaled, shift)));
+            __m512 e1 = _mm512_maskz_mov_ps(v1, exp_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(row + t + 16), scaled, shift)));
+            __m512bh packed = _mm512_cvtne2ps_pbh(e1, e0); /* 32 bf16: e0 then e1 */
+            /* the sum is of the rounded probabilities that multiply the values, so the weights sum to one exactly */
+            sum = _mm512_add_ps(sum, _mm512_add_ps(widen(_mm512_castsi512_si256((__m512i)packed)),
+                                                   widen(_mm512_extracti64x4_epi64((__m512i)packed, 1))));
+            _mm512_store_si512((__m512i *)(x->probs + (int64_t)kb * 512 + 32 * i), (__m512i)packed);
         }
-        for (int d0 = 0; d0 < chunks16; d0 += 4) { /* o += p v, four 16-dim chunks at a time */
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_zero(7);
-            _tile_loadd(2, p, 64);
+        const float total = _mm512_reduce_add_ps(sum);
+        inv_sum[i] = total > 0.f ? 1.f / total : 0.f;
+    }
+    for (int d0 = 0; d0 < chunks16; d0 += 4) { /* out = p v, 64 dims at a time, accumulated in tiles 4-7 */
+        const int parts = chunks16 - d0 < 4 ? chunks16 - d0 : 4;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int kb = 0; kb < blocks; kb++) {
             const uint16_t *vb = vv + ((int64_t)kb * chunks16 + d0) * 512;
+            _tile_loadd(2, x->probs + (int64_t)kb * 512, 64);
             _tile_loadd(3, vb, 64);
             _tile_dpbf16ps(4, 2, 3);
-            _tile_loadd(3, vb + 512, 64);
-            _tile_dpbf16ps(5, 2, 3);
-            _tile_loadd(3, vb + 1024, 64);
-            _tile_dpbf16ps(6, 2, 3);
-            _tile_loadd(3, vb + 1536, 64);
-            _tile_dpbf16ps(7, 2, 3);
-            _tile_stored(4, pv, 256);
-            _tile_stored(5, pv + 16, 256);
-            _tile_stored(6, pv + 32, 256);
-            _tile_stored(7, pv + 48, 256);
-            for (int i = 0; i < 16; i++)
-                for (int d = 0; d < 4; d++) {
-                    float *od = o + i * head_dim + 16 * (d0 + d);
-                    _mm512_store_ps(od, _mm512_add_ps(_mm512_load_ps(od), _mm512_load_ps(pv + 64 * i + 16 * d)));
-                }
+            if (parts > 1) {
+                _tile_loadd(3, vb + 512, 64);
+                _tile_dpbf16ps(5, 2, 3);
+            }
+            if (parts > 2) {
+                _tile_loadd(3, vb + 1024, 64);
+                _tile_dpbf16ps(6, 2, 3);
+            }
+            if (parts > 3) {
+                _tile_loadd(3, vb + 1536, 64);
+                _tile_dpbf16ps(7, 2, 3);
+            }
         }
+        float *o = x->out + 16 * d0;
+        const int64_t o_bytes = (int64_t)head_dim * 4;
+        _tile_stored(4, o, o_bytes);
+        if (parts > 1) _tile_stored(5, o + 16, o_bytes);
+        if (parts > 2) _tile_stored(6, o + 32, o_bytes);
+        if (parts > 3) _tile_stored(7, o + 48, o_bytes);
     }
     for (int i = 0; i < 16; i++) {
-        __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);
+        __m512 inv = _mm512_set1_ps(inv_sum[i]);
         for (int d = 0; d < chunks16; d++)
-            _mm512_store_ps(o + i * head_dim + 16 * d, _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + 16 * d), inv));
+            _mm512_store_ps(x->out + i * head_dim + 16 * d, _mm512_mul_ps(_mm512_load_ps(x->out + i * head_dim + 16 * d), inv));
     }
 }
 
@@ -152,21 +166,22 @@ static void pack_values(const uint16_t *v_cache, const CacheWalk *w, int len, in
 
 /* One 16-query tile of head hq (its first query i0 of the chunk) -> out, with the head's packed keys and values. */
 static void head_tile(const uint16_t *q, uint16_t *out, int64_t q_stride, int len, int chunk, int hq, int i0,
-                      int head_dim, float scale, const uint16_t *kt, const uint16_t *vv, uint16_t *qpad, float *o) {
+                      int head_dim, float scale, const uint16_t *kt, const uint16_t *vv, const TileScratch *x) {
     const int rows = chunk - i0 < 16 ? chunk - i0 : 16;
     const uint16_t *qt = q + (int64_t)i0 * q_stride + (int64_t)hq * head_dim;
     int64_t stride = q_stride;
     if (rows < 16) { /* the chunk's last rows: pad to a whole tile */
-        memset(qpad, 0, sizeof(uint16_t) * 16 * head_dim);
-        for (int i = 0; i < rows; i++) memcpy(qpad + i * head_dim, qt + i * q_stride, 2 * head_dim);
-        qt = qpad, stride = head_dim;
+        memset(x->q_pad, 0, sizeof(uint16_t) * 16 * head_dim);
+        for (int i = 0; i < rows; i++) memcpy(x->q_pad + i * head_dim, qt + i * q_stride, 2 * head_dim);
+        qt = x->q_pad, stride = head_dim;
     }
-    query_tile(qt, stride, len - chunk + i0, len, head_dim, scale, kt, vv, o);
+    query_tile(qt, stride, len - chunk + i0, len, head_dim, scale, kt, vv, x);
     for (int i = 0; i < rows; i++) {
         uint16_t *dst = out + (int64_t)(i0 + i) * q_stride + (int64_t)hq * head_dim;
+        const float *o = x->out + i * head_dim;
         for (int d = 0; d < head_dim; d += 32)
-            _mm512_storeu_si512((__m512i *)(dst + d), (__m512i)_mm512_cvtne2ps_pbh(
-                _mm512_load_ps(o + i * head_dim + d + 16), _mm512_load_ps(o + i * head_dim + d)));
+            _mm512_storeu_si512((__m512i *)(dst + d),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(o + d + 16), _mm512_load_ps(o + d)));
     }
 }
 
@@ -201,9 +216,11 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
             u += last - first;
         }
 #pragma omp barrier
-        uint16_t *qpad = aligned_alloc(64, sizeof(uint16_t) * 16 * head_dim);
-        float *o = aligned_alloc(64, sizeof(float) * 16 * head_dim);
-        if (qpad && o) {
+        const int stride = blocks * 32;
+        TileScratch x = {aligned_alloc(64, sizeof(float) * 16 * stride), aligned_alloc(64, sizeof(uint16_t) * 16 * stride),
+                         aligned_alloc(64, sizeof(float) * 16 * head_dim), aligned_alloc(64, sizeof(uint16_t) * 16 * head_dim),
+                         stride};
+        if (x.scores && x.probs && x.out && x.q_pad) {
             TileConfig cfg = {0};
             cfg.palette = 1;
             for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -211,14 +228,16 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
             for (int j = part; j < heads * qtiles; j += parts) {
                 const int hq = j / qtiles, h = hq / group;
                 head_tile(q, out, q_stride, len, chunk, hq, j % qtiles * 16, head_dim, scale, kt + h * head_elems,
-                          vv + h * head_elems, qpad, o);
+                          vv + h * head_elems, &x);
             }
             _tile_release();
         } else {
             status = -1;
         }
-        free(qpad);
-        free(o);
+        free(x.scores);
+        free(x.probs);
+        free(x.out);
+        free(x.q_pad);
     }
     free(kt);
     free(vv);
