@@ -7,6 +7,9 @@ min_new_tokens = max_new_tokens) on SmolLM2-135M, same dtype, same prompts, same
 With --vllm-url the same prompts also go, all at once, to a running vLLM OpenAI-compatible server (start it with
 --no-enable-prefix-caching: the repeats send the same prompts), timed from the first request to the last token.
 
+Repeats run interleaved, one of each system in turn; the ratio is of medians, and each repeat's own ratio is
+reported too.
+
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
 Also reports model FLOP/s of a 512-token prefill against a large matmul's FLOP/s measured in the same run."""
@@ -134,16 +137,27 @@ def main() -> None:
         n = max(1, int(w["n"] * args.scale))
         prompts = make_prompts(pipe.tokenizer, n, *w["prompt"])
         tokens = n * w["gen"]
-        ours = [run_fastgen(pipe, prompts, w["gen"]) for _ in range(args.repeats)]
-        theirs = [] if hf is None else [run_transformers(hf, prompts, w["gen"]) for _ in range(args.hf_repeats or args.repeats)]
+        # Repeats interleaved (FastGen, transformers, vLLM, FastGen, ...): the host's speed drifts by tens of percent
+        # over minutes, and interleaving spreads the drift over every system instead of charging it to one.
+        hf_repeats = 0 if hf is None else args.hf_repeats or args.repeats
+        ours, theirs, vllm = [], [], []
+        for r in range(max(args.repeats, hf_repeats)):
+            if r < args.repeats:
+                ours.append(run_fastgen(pipe, prompts, w["gen"]))
+            if r < hf_repeats:
+                theirs.append(run_transformers(hf, prompts, w["gen"]))
+            if args.vllm_url and r < args.repeats:
+                vllm.append(run_vllm(args.vllm_url, args.vllm_model, prompts, w["gen"]))
         results[name] = dict(requests=n, generated_tokens=tokens, fastgen_s=ours, transformers_s=theirs)
         line = f"{name}: FastGen median {statistics.median(ours):.1f} s ({tokens / statistics.median(ours):.0f} tok/s)"
         if theirs:
             ratio = statistics.median(theirs) / statistics.median(ours)
-            line += f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x"
+            paired = [t / o for o, t in zip(ours, theirs)]  # each repeat's pair ran back to back
+            line += (f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x "
+                     f"(per repeat {min(paired):.2f}-{max(paired):.2f}x)")  # fmt: skip
             results[name]["speedup"] = ratio
-        if args.vllm_url:
-            vllm = [run_vllm(args.vllm_url, args.vllm_model, prompts, w["gen"]) for _ in range(args.repeats)]
+            results[name]["speedup_per_repeat"] = paired
+        if vllm:
             results[name]["vllm_s"] = vllm
             results[name]["speedup_vs_vllm"] = statistics.median(vllm) / statistics.median(ours)
             line += f", vLLM {statistics.median(vllm):.1f} s -> {results[name]['speedup_vs_vllm']:.2f}x"

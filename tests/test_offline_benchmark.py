@@ -1,0 +1,20 @@
+"""A smoke run of the offline comparison (benchmarks/offline.py) at a tiny size, so the command cannot rot."""
+import json
+import subprocess
+import sys
+
+
+def test_offline_benchmark_smoke(tmp_path):
+    """Both workloads, FastGen and transformers in turn, each repeat's own ratio in the JSON."""
+    out = tmp_path / "offline.json"
+    cmd = [sys.executable, "-m", "fastgen.benchmarks.offline", "--dtype", "bfloat16", "--threads", "1",
+           "--repeats", "2", "--scale", "0.02", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for name in ("W1", "W2"):
+        r = results[name]
+        assert r["requests"] == 1 and len(r["fastgen_s"]) == 2 and len(r["transformers_s"]) == 2
+        assert r["speedup_per_repeat"] == [t / o for o, t in zip(r["fastgen_s"], r["transformers_s"])]
+        assert r["speedup"] > 0 and f"{name}: FastGen median" in done.stdout
+    assert results["prefill_512"]["model_flops"] > 0 and results["meta"]["threads"] == 1
