@@ -82,12 +82,12 @@ def load_library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            for threading in (OPENMP, []):
-                command = [compiler, *FLAGS, *threading, "-o", str(built), *map(str, SOURCES), "-lm"]
+            for openmp in (OPENMP, []):
+                command = [compiler, *FLAGS, *openmp, "-o", str(built), *map(str, SOURCES), "-lm"]
                 result = subprocess.run(command, capture_output=True, text=True)
                 if result.returncode == 0:
                     break
-                if threading:
+                if openmp:
                     log.warning("building the CPU kernels with OpenMP failed; they will run on one thread")
             else:
                 log.warning("building the CPU kernels failed, torch serves instead:\n%s", result.stderr[-2000:])
