@@ -6,6 +6,7 @@
 Health is SERVING while at least one replica is healthy. SIGTERM (or SIGINT) stops taking new calls, lets calls
 in flight finish (up to --grace seconds) and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,16 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=_port, default=50050, help="gRPC port (default 50050; 0 picks a free one)")
     p.add_argument("--metrics-port", type=_port, default=0, help="Prometheus /metrics port (0 picks a free one)")
     p.add_argument(
-        "--replica", type=_replica_arg, action="append", required=True, metavar="ID=HOST:PORT",
+        "--replica",
+        type=_replica_arg,
+        action="append",
+        required=True,
+        metavar="ID=HOST:PORT",
         help="a replica to balance over; repeat for each",
-    )  # fmt: skip
+    )
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded", help="routing policy")
     p.add_argument("--health-interval", type=_positive_float, default=0.5, help="seconds between health checks")
     p.add_argument("--health-timeout", type=_positive_float, default=1.0, help="deadline of one health check (s)")
     p.add_argument(
-        "--max-retries", type=_non_negative_int, default=2,
+        "--max-retries",
+        type=_non_negative_int,
+        default=2,
         help="tries on other replicas when a replica fails before any output was sent",
-    )  # fmt: skip
+    )
     p.add_argument("--grace", type=_positive_float, default=30.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
@@ -108,9 +115,13 @@ async def serve(args: argparse.Namespace) -> int:
     pool.start()
     log.info(
         "balancing %d replicas (%s) with %s on %s:%d, metrics on port %d",
-        len(pool.replicas), ", ".join(f"{r.id}={r.address}" for r in pool.replicas), args.policy, args.host,
-        args.port, metrics_port,
-    )  # fmt: skip
+        len(pool.replicas),
+        ", ".join(f"{r.id}={r.address}" for r in pool.replicas),
+        args.policy,
+        args.host,
+        args.port,
+        metrics_port,
+    )
     await _wait_for_stop_signal()
     log.info("stopping: no new calls, waiting up to %.0f s for calls in flight", args.grace)
     await set_serving(health, False)

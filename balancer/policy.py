@@ -3,6 +3,7 @@
 A policy sees only the replicas it may pick (healthy, not yet tried for this request), keyed by their position in
 the pool. Positions, not ids, carry the rotation order so round robin stays fair while replicas come and go.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping

@@ -1,5 +1,6 @@
 """The replicas behind the balancer: one grpc.aio channel each, a health watch each (grpc.health.v1 Check plus
 GetStatus polling for load), and the balancer's own in-flight accounting."""
+
 from __future__ import annotations
 
 import asyncio
@@ -75,10 +76,13 @@ class Replica:
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
-            in_flight=self.in_flight, unreported_prompt_tokens=self.unreported_prompt_tokens,
-            pending_prompt_tokens=self.status.pending_prompt_tokens, running_requests=self.status.running_requests,
-            queued_requests=self.status.queued_requests, in_flight_at_report=self.in_flight_at_report,
-        )  # fmt: skip
+            in_flight=self.in_flight,
+            unreported_prompt_tokens=self.unreported_prompt_tokens,
+            pending_prompt_tokens=self.status.pending_prompt_tokens,
+            running_requests=self.status.running_requests,
+            queued_requests=self.status.queued_requests,
+            in_flight_at_report=self.in_flight_at_report,
+        )
 
     def health_enum(self) -> int:
         if not self.checked:
@@ -216,9 +220,12 @@ class ReplicaPool:
     def _connect(self, spec: ReplicaSpec, position: int) -> Replica:
         channel = grpc.aio.insecure_channel(spec.address, options=UPSTREAM_CHANNEL_OPTIONS)
         replica = Replica(
-            spec=spec, position=position, channel=channel, stub=fastgen_pb2_grpc.GenerationStub(channel),
+            spec=spec,
+            position=position,
+            channel=channel,
+            stub=fastgen_pb2_grpc.GenerationStub(channel),
             health_stub=health_pb2_grpc.HealthStub(channel),
-        )  # fmt: skip
+        )
         if self._metrics:
             self._metrics.set_healthy(spec.id, False)
             self._metrics.set_in_flight(spec.id, 0)

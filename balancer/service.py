@@ -7,6 +7,7 @@ goes back to the client, who should back off. Nothing is retried once output was
 text twice) nor for errors about the request itself (INVALID_ARGUMENT and the like), which pass through with the
 replica's message. The client's deadline and cancellation carry over to the upstream call.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -11,6 +11,7 @@ arrival time of every token:
 
 Every backend forces the generation length (ignore_eos / min tokens) and decodes greedily.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +51,7 @@ class FastGenBackend:
         try:
             chunks = self._client.stream_chunks(
                 req.prompt, max_new_tokens=req.max_new_tokens, ignore_eos=True, temperature=0.0
-            )  # fmt: skip
+            )
             async for chunk in chunks:
                 t = now()
                 rec.token_times.extend([t] * len(chunk.token_ids))
@@ -84,11 +85,18 @@ class OpenAIBackend:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_blocking, req, client)
 
     def body(self, req: BenchRequest) -> bytes:
-        return json.dumps({
-            "model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
-            "min_tokens": req.max_new_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True},
-        }).encode()  # fmt: skip
+        return json.dumps(
+            {
+                "model": self.model,
+                "prompt": req.prompt,
+                "max_tokens": req.max_new_tokens,
+                "min_tokens": req.max_new_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
 
     def run_blocking(self, req: BenchRequest, client: int = 0) -> RequestRecord:
         rec = RequestRecord(start=now(), token_times=[], prompt_tokens=len(req.prompt), client=client)
@@ -208,9 +216,14 @@ class HFBackend:
         longest = max(req.max_new_tokens for req, _, _ in batch)
         with torch.inference_mode():
             self._model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                pad_token_id=0, streamer=StepTimer(batch, self._finish),
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=StepTimer(batch, self._finish),
+            )
 
 
 class StepTimer:

@@ -8,6 +8,7 @@ generations keep the engine's time per request small, so the balancer's per-requ
 a routing decision per request, a forwarded message per chunk) is as visible as it gets. Floors (issue #3): at
 most 5% lower throughput and at most 2 ms added p50 latency per request through the balancer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,15 +57,20 @@ async def measure(addresses: dict[str, str], args: argparse.Namespace) -> list[R
     rounds = []
     try:
         for p in PATHS:  # warm both paths (channels, the replica's first batches); not recorded
-            await one_round(backends[p], make_requests(workload, args.concurrency * 2, tok, 99, "warm"), args.concurrency, p, -1)
+            await one_round(
+                backends[p], make_requests(workload, args.concurrency * 2, tok, 99, "warm"), args.concurrency, p, -1
+            )
         for i in range(args.rounds):
             order = PATHS if i % 2 == 0 else PATHS[::-1]  # ABBA: neither path always goes first
             for p in order:
                 reqs = make_requests(workload, args.requests, tok, args.seed + i, f"r{i}")  # same prompts both paths
                 r = await one_round(backends[p], reqs, args.concurrency, p, i)
                 rounds.append(r)
-                print(f"round {i} {p:<8}: {r.throughput:.2f} req/s, p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"round {i} {p:<8}: {r.throughput:.2f} req/s, p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for b in backends.values():
             await b.close()
@@ -98,8 +104,13 @@ def paired(rounds: list[Round]) -> dict[str, float]:
 def verdict(m: dict[str, dict[str, float]], pair: dict[str, float] | None = None) -> dict[str, float | bool]:
     drop = 1 - m["balancer"]["throughput"] / m["direct"]["throughput"]
     added = m["balancer"]["p50_ms"] - m["direct"]["p50_ms"]
-    v = {"throughput_drop": drop, "p50_added_ms": added, "p99_added_ms": m["balancer"]["p99_ms"] - m["direct"]["p99_ms"],
-         "throughput_floor_met": drop <= 0.05, "p50_floor_met": added <= 2.0}  # fmt: skip
+    v = {
+        "throughput_drop": drop,
+        "p50_added_ms": added,
+        "p99_added_ms": m["balancer"]["p99_ms"] - m["direct"]["p99_ms"],
+        "throughput_floor_met": drop <= 0.05,
+        "p50_floor_met": added <= 2.0,
+    }
     if pair is not None:
         v |= {f"paired_{k}": x for k, x in pair.items()}
     return v
@@ -109,25 +120,38 @@ def markdown(m: dict, v: dict) -> str:
     lines = ["| path | throughput (req/s) | p50 latency (ms) | p99 latency (ms) |", "|---|---|---|---|"]
     for p in PATHS:
         x = m[p]
-        lines.append(f"| {p} | {x['throughput']:.2f} ({x['throughput_min']:.2f}–{x['throughput_max']:.2f}) | "
-                     f"{x['p50_ms']:.1f} ({x['p50_ms_min']:.1f}–{x['p50_ms_max']:.1f}) | "
-                     f"{x['p99_ms']:.1f} ({x['p99_ms_min']:.1f}–{x['p99_ms_max']:.1f}) |")  # fmt: skip
-    lines.append(f"\nThrough the balancer: throughput {-v['throughput_drop']:+.1%} (floor: at most 5% lower, "
-                 f"{'met' if v['throughput_floor_met'] else 'NOT met'}); p50 {v['p50_added_ms']:+.1f} ms (floor: at "
-                 f"most +2 ms, {'met' if v['p50_floor_met'] else 'NOT met'}); p99 {v['p99_added_ms']:+.1f} ms.")  # fmt: skip
+        lines.append(
+            f"| {p} | {x['throughput']:.2f} ({x['throughput_min']:.2f}–{x['throughput_max']:.2f}) | "
+            f"{x['p50_ms']:.1f} ({x['p50_ms_min']:.1f}–{x['p50_ms_max']:.1f}) | "
+            f"{x['p99_ms']:.1f} ({x['p99_ms_min']:.1f}–{x['p99_ms_max']:.1f}) |"
+        )
+    lines.append(
+        f"\nThrough the balancer: throughput {-v['throughput_drop']:+.1%} (floor: at most 5% lower, "
+        f"{'met' if v['throughput_floor_met'] else 'NOT met'}); p50 {v['p50_added_ms']:+.1f} ms (floor: at "
+        f"most +2 ms, {'met' if v['p50_floor_met'] else 'NOT met'}); p99 {v['p99_added_ms']:+.1f} ms."
+    )
     if "paired_p50_added_ms" in v:
-        lines.append(f"Paired by round (median of per-round differences): throughput ×{v['paired_throughput_ratio']:.3f}, "
-                     f"p50 {v['paired_p50_added_ms']:+.1f} ms, p99 {v['paired_p99_added_ms']:+.1f} ms.")  # fmt: skip
+        lines.append(
+            f"Paired by round (median of per-round differences): throughput ×{v['paired_throughput_ratio']:.3f}, "
+            f"p50 {v['paired_p50_added_ms']:+.1f} ms, p99 {v['paired_p99_added_ms']:+.1f} ms."
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastgen.benchmarks.balancer_overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m fastgen.benchmarks.balancer_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="replica threads (default: cores / 2, leaving the "
-                   "rest to the balancer and the load generator)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="replica threads (default: cores / 2, leaving the rest to the balancer and the load generator)",
+    )
     p.add_argument("--workload", default="16x2", help="PROMPTxGEN means (default: 16x2)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int, default=32, help="requests per round and path")
@@ -154,12 +178,19 @@ def main(argv=None) -> int:
     v = verdict(m, paired(rounds))
     print(markdown(m, v))
     if args.json:
-        meta = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "load_before": load_before,
-                "load_after": os.getloadavg(), "busy_cores_before": busy, "wall_s": time.monotonic() - started,
-                "commit": git_commit(), "machine": machine_name()}  # fmt: skip
+        meta = {
+            "args": {k: v for k, v in vars(args).items() if k != "json"},
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "busy_cores_before": busy,
+            "wall_s": time.monotonic() - started,
+            "commit": git_commit(),
+            "machine": machine_name(),
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "medians": m, "verdict": v,
-                                         "rounds": [asdict(r) for r in rounds]}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps({"meta": meta, "medians": m, "verdict": v, "rounds": [asdict(r) for r in rounds]}, indent=1)
+        )
     return 0
 
 

@@ -9,6 +9,7 @@
    turn, the C kernel against the torch reference; bytes of K/V read per second.
 Both kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,6 @@ import statistics
 import time
 
 import torch
-
 from fastgen.kernels import AttentionMetadata, cpu, paged_attention
 
 
@@ -44,11 +44,11 @@ def linear_table(repeats: int) -> list[str]:
     for m in (1, 8, 64, 128, 256, 512):
         xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in weights}
 
-        def onednn():
+        def onednn(xs=xs):
             for w, p in zip(weights, onednn_packed):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
-        def amx():
+        def amx(xs=xs):
             for w, p in zip(weights, amx_packed):
                 cpu.linear_amx(xs[w.shape[1]], p, None)
 
@@ -61,16 +61,27 @@ def attention_table(repeats: int) -> list[str]:
     seqs, length, heads, kv_heads, head_dim, block, layers = 64, 400, 9, 3, 64, 16, 30
     per_seq = -(-length // block)
     caches = [
-        (torch.randn(seqs * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16),
-         torch.randn(seqs * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16))
+        (
+            torch.randn(seqs * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16),
+            torch.randn(seqs * per_seq, block, kv_heads, head_dim, dtype=torch.bfloat16),
+        )
         for _ in range(layers)
-    ]  # fmt: skip
+    ]
     # blocks handed out round-robin, as sequences that grow together get them
     tables = torch.arange(seqs * per_seq, dtype=torch.int32).view(per_seq, seqs).t().contiguous()
     lens = torch.full((seqs,), length, dtype=torch.int32)
     q = torch.randn(seqs, heads, head_dim, dtype=torch.bfloat16)
-    meta = AttentionMetadata(torch.arange(seqs + 1, dtype=torch.int32), lens, tables, torch.zeros(seqs, dtype=torch.int64),
-                             seqs, 1, length, list(range(seqs + 1)), [length] * seqs)  # fmt: skip
+    meta = AttentionMetadata(
+        torch.arange(seqs + 1, dtype=torch.int32),
+        lens,
+        tables,
+        torch.zeros(seqs, dtype=torch.int64),
+        seqs,
+        1,
+        length,
+        list(range(seqs + 1)),
+        [length] * seqs,
+    )
 
     def c_kernel():
         for k, v in caches:
@@ -83,9 +94,12 @@ def attention_table(repeats: int) -> list[str]:
     kv_bytes = seqs * length * kv_heads * head_dim * 2 * 2
     c = median_s(c_kernel, repeats) / layers
     t = median_s(torch_reference, max(1, repeats // 2)) / 3
-    return ["| kernel | ms per layer | K/V GB/s |", "|---|---|---|",
-            f"| C (csrc/decode_attention.c) | {c * 1e3:.2f} | {kv_bytes / c / 1e9:.1f} |",
-            f"| torch reference | {t * 1e3:.2f} | {kv_bytes / t / 1e9:.1f} |"]  # fmt: skip
+    return [
+        "| kernel | ms per layer | K/V GB/s |",
+        "|---|---|---|",
+        f"| C (csrc/decode_attention.c) | {c * 1e3:.2f} | {kv_bytes / c / 1e9:.1f} |",
+        f"| torch reference | {t * 1e3:.2f} | {kv_bytes / t / 1e9:.1f} |",
+    ]
 
 
 def main() -> None:

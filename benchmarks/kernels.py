@@ -9,6 +9,7 @@
    the rotary/KV-write and RMSNorm kernels against their torch references.
 Prints markdown tables; exits with status 1 if a check failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from fastgen.kernels import TORCH_KERNELS, AttentionMetadata, rope_cos_sin, rope_inv_freq, select_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -99,7 +99,7 @@ def padded_dense(b: Batch):
     rows = torch.arange(lq, device=q.device)[None, :, None]
     keys = torch.arange(lk, device=q.device)[None, None, :]
     # Padding rows see key 0 only, so they stay finite; they are not part of the result.
-    mask = (keys <= seq_lens - q_lens + torch.minimum(rows, q_lens - 1))  # (seqs, Lq, Lk)
+    mask = keys <= seq_lens - q_lens + torch.minimum(rows, q_lens - 1)  # (seqs, Lq, Lk)
     return q, k, v, mask[:, None]
 
 
@@ -175,7 +175,7 @@ def card_peaks() -> tuple[float, float]:
     src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)  # 1 GiB: far past any cache
     dst = torch.empty_like(src)
     copy = 2 * src.numel() / (bench_ms(lambda: dst.copy_(src)) * 1e-3)  # read + write
-    del src, dst
+    src = dst = None  # frees the card's memory before the matmul
     n = 8192
     a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
     matmul = 2 * n**3 / (bench_ms(lambda: a @ b) * 1e-3)
@@ -214,7 +214,7 @@ def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
     for label, (q_lens, seq_lens) in cases.items():
         for block_size in (16, 32):
             b = make_batch(q_lens, seq_lens, block_size, dtype)
-            ours = bench_ms(lambda: triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5))
+            ours = bench_ms(lambda: triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5))  # noqa: B023 - timed at once
             q, k, v, mask = padded_dense(b)
             causal = mask is None and b.q_lens[0] > 1
             theirs, variant = sdpa_ms(q, k, v, mask, causal)
@@ -224,7 +224,7 @@ def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
                 f"| {label} | {block_size} | {ours:.3f} | {theirs:.3f} ({variant}) | {theirs / ours:.2f}× "
                 f"| {bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%) | {rate / 1e12:.1f} ({100 * rate / matmul_flops:.0f}%) |"
             )
-            del b, q, k, v, mask
+            b = q = k = v = mask = None  # frees the card's memory for the next case
             torch.cuda.empty_cache()
     return rows
 
@@ -289,8 +289,15 @@ def main() -> int:
 
     print(f"## Paged attention ({args.dtype}, {HEADS} q heads / {KV_HEADS} kv heads, head_dim {HEAD_DIM})\n")
     print("Bandwidth counts each cached K/V row, q and the output once; FLOP/s counts the causal work only.\n")
-    header = ["batch", "block", "triton ms", "SDPA ms (padded)", "speedup", "triton GB/s (% copy)",
-              "triton TFLOP/s (% matmul)"]
+    header = [
+        "batch",
+        "block",
+        "triton ms",
+        "SDPA ms (padded)",
+        "speedup",
+        "triton GB/s (% copy)",
+        "triton TFLOP/s (% matmul)",
+    ]
     print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
     for row in attention_rows(triton_k, dtype, copy_bw, matmul_flops):
         print(row, flush=True)

@@ -9,6 +9,7 @@ the previous one finished, until 4 x N + 16 requests (the CPU profile) have comp
 as a Poisson process of the given rate, whatever is still in flight. Prompts are token ids, so the tokenizer of the
 served model must be given (`--tokenizer`, default: the embedded SmolLM2's folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,8 +107,9 @@ async def open_loop(backend, requests, rate: float, seed: int = 0, bar=None) -> 
     return records
 
 
-async def measure(backend, spec: RunSpec, tokenizer_dir: str, sla: SLA = SLA(), progress: bool = True,
-                  desc: str = "") -> RunResult:  # fmt: skip
+async def measure(
+    backend, spec: RunSpec, tokenizer_dir: str, sla: SLA = SLA(), progress: bool = True, desc: str = ""
+) -> RunResult:
     n = spec.num_requests()
     requests = make_requests(spec.workload, n, tokenizer_dir, spec.seed, spec.tag, 0, spec.max_prompt)
     warmups = make_requests(spec.workload, spec.clients, tokenizer_dir, spec.seed, spec.tag, 10**6, spec.max_prompt)
@@ -122,28 +124,45 @@ async def measure(backend, spec: RunSpec, tokenizer_dir: str, sla: SLA = SLA(), 
         if bar is not None:
             bar.close()
     meta = run_meta(spec, n, load_before)
-    return RunResult(meta=meta, summary=asdict(summarize(records, sla)) | {"sla": asdict(sla)},
-                     records=[r.to_json() for r in records])  # fmt: skip
+    return RunResult(
+        meta=meta,
+        summary=asdict(summarize(records, sla)) | {"sla": asdict(sla)},
+        records=[r.to_json() for r in records],
+    )
 
 
 def run_meta(spec: RunSpec, n: int, load_before) -> dict:
     return {
-        "workload": asdict(spec.workload), "mode": "open" if spec.rate is not None else "closed",
-        "clients": spec.clients, "rate": spec.rate, "requests": n, "seed": spec.seed, "tag": spec.tag,
-        "load_before": list(load_before), "load_after": list(os.getloadavg()),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
-        "machine": machine_name(), "python": platform.python_version(),
-    }  # fmt: skip
+        "workload": asdict(spec.workload),
+        "mode": "open" if spec.rate is not None else "closed",
+        "clients": spec.clients,
+        "rate": spec.rate,
+        "requests": n,
+        "seed": spec.seed,
+        "tag": spec.tag,
+        "load_before": list(load_before),
+        "load_after": list(os.getloadavg()),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine_name(),
+        "python": platform.python_version(),
+    }
 
 
 def git_commit() -> str:
     """Short HEAD, '+dirty' when tracked files differ from it (the numbers are then not HEAD's alone)."""
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=here).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5, cwd=here).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=here,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + ("+dirty" if dirty else "")) or "unknown"
@@ -169,17 +188,22 @@ def print_summary(result: RunResult, label: str = "") -> None:
     s = result.summary
     eff = ", ".join(f"R={r}: {v:.3f}" for r, v in s["effective"].items())
     miss = ", ".join(f"R={r}: {v:.0%}" for r, v in s["sla_missed"].items())
-    print(f"{label} {s['requests']} requests ({s['failed']} failed) in {s['duration_s']:.1f} s: "
-          f"throughput {s['throughput']:.3f} req/s ({s['token_throughput']:.1f} tok/s); effective {eff}; "
-          f"missing SLA {miss}; TTFT p50/p95 {s['ttft']['p50']:.3f}/{s['ttft']['p95']:.3f} s; "
-          f"inter-token p50/p95/p99 {s['inter_token']['p50'] * 1e3:.0f}/{s['inter_token']['p95'] * 1e3:.0f}/"
-          f"{s['inter_token']['p99'] * 1e3:.0f} ms; e2e p50/p95 {s['latency']['p50']:.2f}/{s['latency']['p95']:.2f} s",
-          flush=True)  # fmt: skip
+    print(
+        f"{label} {s['requests']} requests ({s['failed']} failed) in {s['duration_s']:.1f} s: "
+        f"throughput {s['throughput']:.3f} req/s ({s['token_throughput']:.1f} tok/s); effective {eff}; "
+        f"missing SLA {miss}; TTFT p50/p95 {s['ttft']['p50']:.3f}/{s['ttft']['p95']:.3f} s; "
+        f"inter-token p50/p95/p99 {s['inter_token']['p50'] * 1e3:.0f}/{s['inter_token']['p95'] * 1e3:.0f}/"
+        f"{s['inter_token']['p99'] * 1e3:.0f} ms; e2e p50/p95 {s['latency']['p50']:.2f}/{s['latency']['p95']:.2f} s",
+        flush=True,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastgen.benchmarks.loadgen", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m fastgen.benchmarks.loadgen",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--target", help="host:port of a FastGen balancer or replica")
     target.add_argument("--openai", help="base URL of an OpenAI-compatible server (vLLM)")
@@ -209,8 +233,15 @@ def make_backend(args: argparse.Namespace):
 
 async def main_async(args: argparse.Namespace) -> RunResult:
     backend = make_backend(args)
-    spec = RunSpec(parse_workload(args.workload), args.clients, args.rate, args.requests, args.requests_scale,
-                   args.seed, args.tag or f"{os.getpid()}-{datetime.datetime.now():%H%M%S}")  # fmt: skip
+    spec = RunSpec(
+        parse_workload(args.workload),
+        args.clients,
+        args.rate,
+        args.requests,
+        args.requests_scale,
+        args.seed,
+        args.tag or f"{os.getpid()}-{datetime.datetime.now():%H%M%S}",
+    )
     sla = SLA(args.prompt_rate, tuple(float(r) for r in args.token_rates.split(",")))
     await backend.open()
     try:

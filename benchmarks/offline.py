@@ -13,6 +13,7 @@ reported too.
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
 Also reports model FLOP/s of a 512-token prefill against a large matmul's FLOP/s measured in the same run."""
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,14 @@ def run_transformers(model, prompts, gen, batch=16) -> float:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen,
-                                 do_sample=False, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=gen,
+                min_new_tokens=gen,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + gen
     return time.perf_counter() - start
 
@@ -125,9 +132,8 @@ def main() -> None:
     pipe([[1, 2, 3]], max_new_tokens=2)  # warm-up
     hf = None
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
         from fastgen.replica.weights import resolve_model
+        from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=dtype).eval()
     load = os.getloadavg()
@@ -153,8 +159,10 @@ def main() -> None:
         if theirs:
             ratio = statistics.median(theirs) / statistics.median(ours)
             paired = [t / o for o, t in zip(ours, theirs)]  # each repeat's pair ran back to back
-            line += (f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x "
-                     f"(per repeat {min(paired):.2f}-{max(paired):.2f}x)")  # fmt: skip
+            line += (
+                f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x "
+                f"(per repeat {min(paired):.2f}-{max(paired):.2f}x)"
+            )
             results[name]["speedup"] = ratio
             results[name]["speedup_per_repeat"] = paired
         if vllm:
@@ -164,10 +172,18 @@ def main() -> None:
         print(line, flush=True)
     model_flops, matmul_flops = prefill_flops(pipe, dtype)
     results["prefill_512"] = dict(model_flops=model_flops, matmul_flops=matmul_flops)
-    print(f"prefill 512: {model_flops / 1e9:.1f} GFLOP/s vs matmul {matmul_flops / 1e9:.1f} GFLOP/s "
-          f"({model_flops / matmul_flops:.0%})")  # fmt: skip
-    results["meta"] = dict(dtype=args.dtype, threads=args.threads, load_before=load, load_after=os.getloadavg(),
-                           machine=platform.processor() or platform.machine(), torch=torch.__version__)  # fmt: skip
+    print(
+        f"prefill 512: {model_flops / 1e9:.1f} GFLOP/s vs matmul {matmul_flops / 1e9:.1f} GFLOP/s "
+        f"({model_flops / matmul_flops:.0%})"
+    )
+    results["meta"] = dict(
+        dtype=args.dtype,
+        threads=args.threads,
+        load_before=load,
+        load_after=os.getloadavg(),
+        machine=platform.processor() or platform.machine(),
+        torch=torch.__version__,
+    )
     print(json.dumps(results["meta"]))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,5 +1,6 @@
 """Tables, the SplitFuse-vs-prefill-first check and PNG plots from a folder of serving runs
 (OUT/<workload>/<system>/c<N>.json, as `python -m fastgen.benchmarks.serving run` writes them)."""
+
 from __future__ import annotations
 
 import json
@@ -89,9 +90,11 @@ def headline(systems: dict[str, dict[int, dict]], rate: str = "2") -> str:
         itl_ratio = a["inter_token"]["p95"] / b["inter_token"]["p95"]
         mark = " ← peak" if n == peak else ""
         verdict = ("MET" if eff_ratio >= 1.5 and itl_ratio <= 0.5 else "NOT MET") if n == peak else ""
-        lines.append(f"- {n} clients: effective R={rate} {fmt(eff_a)} vs {fmt(eff_b)} req/s ({fmt(eff_ratio, 2)}×, "
-                     f"floor 1.5×); P95 inter-token {fmt(a['inter_token']['p95'] * 1e3, 0)} vs "
-                     f"{fmt(b['inter_token']['p95'] * 1e3, 0)} ms ({fmt(itl_ratio, 2)}×, floor 0.5×){mark} {verdict}")  # fmt: skip
+        lines.append(
+            f"- {n} clients: effective R={rate} {fmt(eff_a)} vs {fmt(eff_b)} req/s ({fmt(eff_ratio, 2)}×, "
+            f"floor 1.5×); P95 inter-token {fmt(a['inter_token']['p95'] * 1e3, 0)} vs "
+            f"{fmt(b['inter_token']['p95'] * 1e3, 0)} ms ({fmt(itl_ratio, 2)}×, floor 0.5×){mark} {verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -110,8 +113,11 @@ def plot_workload(workload: str, systems: dict[str, dict[int, dict]], out: Path)
         ax.plot(xs, ys, marker="o", label=name)
         for (n, _), x, y in zip(pts, xs, ys):
             ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set(xlabel="throughput (requests/s)", ylabel="end-to-end latency p50 (s)",
-           title=f"{workload}: latency vs throughput (labels: clients)")  # fmt: skip
+    ax.set(
+        xlabel="throughput (requests/s)",
+        ylabel="end-to-end latency p50 (s)",
+        title=f"{workload}: latency vs throughput (labels: clients)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     curve = out / f"{workload}_latency_throughput.png"
@@ -173,8 +179,10 @@ def repeats_report(reps: dict) -> str:
             ks = sorted(set(sf[n]) & set(pf[n]))
             eff = [ratio(sf[n][k]["summary"]["effective"]["2"], pf[n][k]["summary"]["effective"]["2"]) for k in ks]
             itl = [sf[n][k]["summary"]["inter_token"]["p95"] / pf[n][k]["summary"]["inter_token"]["p95"] for k in ks]
-            parts.append(f"- {workload}, {n} clients, splitfuse ÷ prefill_first within each repeat: effective R=2 "
-                         f"{spread(eff, '{:.2f}')}× (floor ≥ 1.5×); P95 inter-token {spread(itl, '{:.2f}')}× (floor ≤ 0.5×)")  # fmt: skip
+            parts.append(
+                f"- {workload}, {n} clients, splitfuse ÷ prefill_first within each repeat: effective R=2 "
+                f"{spread(eff, '{:.2f}')}× (floor ≥ 1.5×); P95 inter-token {spread(itl, '{:.2f}')}× (floor ≤ 0.5×)"
+            )
         parts.append("")
     return "\n".join(parts)
 

@@ -18,6 +18,7 @@ runs whose file exists (`--force` redoes them), so an interrupted comparison res
 one can be run piecewise. Before each run it waits until the CPUs are quiet (other processes' load below
 --quiet-cores) so a neighbour's job does not land in one system's numbers only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,8 +89,11 @@ def wait_quiet(threshold: float, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     busy = busy_cores()
     while busy >= threshold and time.monotonic() < deadline:
-        print(f"  waiting for a quiet machine: {busy:.2f} cores busy (load {os.getloadavg()[0]:.2f})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"  waiting for a quiet machine: {busy:.2f} cores busy (load {os.getloadavg()[0]:.2f})",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(5)
         busy = busy_cores()
     return busy
@@ -146,17 +150,28 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
     n = system.replicas
     base = free_base_port(2 * (n + 1))
     config = DeployConfig(
-        name=f"bench-{system.label}-{os.getpid()}", model=args.model, replicas=n, scheduler=system.scheduler,
-        dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, max_seqs=min(args.max_seqs, args.max_batch_tokens),
-        threads=args.threads or default_threads(cpu_count(), n), port=base, metrics_port=base + n + 1,
+        name=f"bench-{system.label}-{os.getpid()}",
+        model=args.model,
+        replicas=n,
+        scheduler=system.scheduler,
+        dtype=args.dtype,
+        max_batch_tokens=args.max_batch_tokens,
+        max_seqs=min(args.max_seqs, args.max_batch_tokens),
+        threads=args.threads or default_threads(cpu_count(), n),
+        port=base,
+        metrics_port=base + n + 1,
         timeout=args.start_timeout,
-    )  # fmt: skip
+    )
     home = fastgen_home()
     started = time.monotonic()
     state = deployment.start(config, home)
     pids = [state["supervisor"]["pid"]] + [p["pid"] for p in state["processes"] if p.get("pid")]
-    print(f"[{system.label}] deployment up in {time.monotonic() - started:.0f} s ({n} replica(s), "
-          f"{config.threads} threads each)", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[{system.label}] deployment up in {time.monotonic() - started:.0f} s ({n} replica(s), "
+        f"{config.threads} threads each)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         yield f"127.0.0.1:{base + 1 if args.direct else base}", config, pids
     except BaseException:
@@ -174,9 +189,16 @@ def system_under_test(system: System, args: argparse.Namespace):
 
     if system.kind == "fastgen":
         with fastgen_deployment(system, args) as (address, config, pids):
-            settings = {"scheduler": config.scheduler, "replicas": config.replicas, "threads": config.threads,
-                        "max_batch_tokens": config.max_batch_tokens, "max_seqs": config.max_seqs,
-                        "dtype": config.dtype, "model": args.model, "through": "replica" if args.direct else "balancer"}  # fmt: skip
+            settings = {
+                "scheduler": config.scheduler,
+                "replicas": config.replicas,
+                "threads": config.threads,
+                "max_batch_tokens": config.max_batch_tokens,
+                "max_seqs": config.max_seqs,
+                "dtype": config.dtype,
+                "model": args.model,
+                "through": "replica" if args.direct else "balancer",
+            }
             yield (lambda: FastGenBackend(address)), settings | {"pids": pids}
     elif system.kind == "hf":
         threads = args.threads or cpu_count()
@@ -186,7 +208,10 @@ def system_under_test(system: System, args: argparse.Namespace):
         if not args.vllm_url:
             raise SystemExit("system vllm needs --vllm-url of a running vLLM OpenAI server (see benchmarks/RESULTS.md)")
         model = args.vllm_model or tokenizer_dir(args)
-        yield (lambda: OpenAIBackend(args.vllm_url, model, max_in_flight=max(args.clients))), {"url": args.vllm_url, "model": model}
+        yield (
+            (lambda: OpenAIBackend(args.vllm_url, model, max_in_flight=max(args.clients))),
+            {"url": args.vllm_url, "model": model},
+        )
 
 
 def tokenizer_dir(args: argparse.Namespace) -> str:
@@ -202,38 +227,53 @@ def run_path(out: Path, workload: str, system: str, clients: int) -> Path:
 
 def pending_runs(args: argparse.Namespace, system: System) -> list[tuple[str, int]]:
     return [
-        (w, n) for w in args.workloads for n in args.clients
+        (w, n)
+        for w in args.workloads
+        for n in args.clients
         if args.force or not run_path(args.out, w, system.label, n).exists()
-    ]  # fmt: skip
+    ]
 
 
-async def one_run(system: System, backend, settings: dict, workload: str, clients: int, path: Path,
-                  args: argparse.Namespace) -> None:  # fmt: skip
+async def one_run(
+    system: System, backend, settings: dict, workload: str, clients: int, path: Path, args: argparse.Namespace
+) -> None:
     busy = wait_quiet(args.quiet_cores, args.quiet_timeout)
     # Fresh prompts for every run (a new tag): servers that cache prefixes get no free hits.
     tag = f"{workload}-{system.label}-c{clients}-{args.seed}" + (f"-{time.time_ns()}" if system.kind == "vllm" else "")
-    spec = RunSpec(parse_workload(workload), clients, None, args.requests, args.requests_scale, args.seed, tag,
-                   args.max_prompt)  # fmt: skip
+    spec = RunSpec(
+        parse_workload(workload), clients, None, args.requests, args.requests_scale, args.seed, tag, args.max_prompt
+    )
     sla = SLA(args.prompt_rate, tuple(args.token_rates))
     with CpuMeter(settings.get("pids", [])) as cpu:
-        result = await measure(backend, spec, tokenizer_dir(args), sla, not args.no_progress,
-                               desc=f"{workload} {system.label} c{clients}")  # fmt: skip
-    result.meta |= {"system": system.label, "kind": system.kind, "settings": settings, "busy_cores_before": busy,
-                    "cpu": cpu.result}  # fmt: skip
+        result = await measure(
+            backend, spec, tokenizer_dir(args), sla, not args.no_progress, desc=f"{workload} {system.label} c{clients}"
+        )
+    result.meta |= {
+        "system": system.label,
+        "kind": system.kind,
+        "settings": settings,
+        "busy_cores_before": busy,
+        "cpu": cpu.result,
+    }
     result.save(path)
     print_summary(result, f"{workload} {system.label:<14} c{clients}:")
-    print(f"  cores busy during the run: {cpu.result['busy_cores']:.2f}, ours {cpu.result['our_cores']:.2f}, "
-          f"others {cpu.result['others_cores']:.2f}", flush=True)  # fmt: skip
+    print(
+        f"  cores busy during the run: {cpu.result['busy_cores']:.2f}, ours {cpu.result['our_cores']:.2f}, "
+        f"others {cpu.result['others_cores']:.2f}",
+        flush=True,
+    )
 
 
-async def run_system(system: System, make_backend, settings: dict, runs: list[tuple[str, int]],
-                     args: argparse.Namespace) -> None:  # fmt: skip
+async def run_system(
+    system: System, make_backend, settings: dict, runs: list[tuple[str, int]], args: argparse.Namespace
+) -> None:
     backend = make_backend()
     await backend.open()
     try:
         for workload, clients in runs:
-            await one_run(system, backend, settings, workload, clients,
-                          run_path(args.out, workload, system.label, clients), args)  # fmt: skip
+            await one_run(
+                system, backend, settings, workload, clients, run_path(args.out, workload, system.label, clients), args
+            )
     finally:
         await backend.close()
 
@@ -296,9 +336,12 @@ def float_list(text: str) -> list[float]:
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", type=lambda s: s.split(","), default=["C1", "C2"], help="default: C1,C2")
-    p.add_argument("--systems", type=lambda s: [parse_system(x) for x in s.split(",")],
-                   default=[parse_system(x) for x in ("splitfuse", "prefill_first", "static", "hf")],
-                   help="default: splitfuse,prefill_first,static,hf")  # fmt: skip
+    p.add_argument(
+        "--systems",
+        type=lambda s: [parse_system(x) for x in s.split(",")],
+        default=[parse_system(x) for x in ("splitfuse", "prefill_first", "static", "hf")],
+        help="default: splitfuse,prefill_first,static,hf",
+    )
     p.add_argument("--clients", type=int_list, default=[1, 2, 4, 8], help="default: 1,2,4,8")
     p.add_argument("--requests", type=int, default=None, help="requests per run (default: 4 x clients + 16)")
     p.add_argument("--requests-scale", type=float, default=1.0, help="multiplies the request count (e.g. 0.5)")
@@ -315,20 +358,35 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-model", default=None, help="model name vLLM serves (default: the model's folder)")
     p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P in prompt tokens/s (default: 100)")
     p.add_argument("--token-rates", type=float_list, default=[1.0, 2.0, 4.0], help="SLA R values (default: 1,2,4)")
-    p.add_argument("--quiet-cores", type=float, default=0.7,
-                   help="before each run, wait until fewer cores than this are busy (0: don't wait; default 0.7)")
-    p.add_argument("--quiet-timeout", type=float, default=900.0,
-                   help="longest wait for quiet, seconds; the run then goes ahead and records the load (default 900)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="K > 1: all systems up together, runs interleaved K times (OUT/<workload>/<system>/repeats/)")
+    p.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.7,
+        help="before each run, wait until fewer cores than this are busy (0: don't wait; default 0.7)",
+    )
+    p.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=900.0,
+        help="longest wait for quiet, seconds; the run then goes ahead and records the load (default 900)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="K > 1: all systems up together, runs interleaved K times (OUT/<workload>/<system>/repeats/)",
+    )
     p.add_argument("--force", action="store_true", help="redo runs whose results exist")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-report", action="store_true", help="skip tables and plots at the end")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastgen.benchmarks.serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m fastgen.benchmarks.serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the comparison (resumable), then report")
     add_run_args(run)

@@ -10,6 +10,7 @@ The SLA itself (first token within prompt_tokens / P seconds, every EMA of span 
 most 1 / R seconds) is scored by fastgen.server.sla.meets_sla: the replicas' metrics and this benchmark use the
 one definition.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,17 +100,19 @@ def summarize(records: Sequence[RequestRecord], sla: SLA = SLA()) -> Summary:
     throughput = len(done) / duration if done and duration > 0 else 0.0
     tokens = sum(len(r.token_times) for r in done)
     summary = Summary(
-        requests=len(records), failed=len(records) - len(done), duration_s=duration, throughput=throughput,
+        requests=len(records),
+        failed=len(records) - len(done),
+        duration_s=duration,
+        throughput=throughput,
         token_throughput=tokens / duration if done and duration > 0 else 0.0,
-        ttft=pcts([r.ttft for r in done]), inter_token=pcts([g for r in done for g in r.inter_token]),
+        ttft=pcts([r.ttft for r in done]),
+        inter_token=pcts([g for r in done for g in r.inter_token]),
         latency=pcts([r.latency for r in done]),
-    )  # fmt: skip
+    )
     late = sum(r.ttft > r.prompt_tokens / sla.prompt_rate for r in done)
     summary.ttft_missed = late / len(records) if records else 0.0
     for rate in sla.token_rates:
-        met = sum(
-            meets_sla(r.prompt_tokens, r.ttft, r.token_times, sla.prompt_rate, rate, sla.span) for r in done
-        )  # fmt: skip
+        met = sum(meets_sla(r.prompt_tokens, r.ttft, r.token_times, sla.prompt_rate, rate, sla.span) for r in done)
         fraction = met / len(records) if records else 0.0
         summary.effective[rate_key(rate)] = throughput * fraction
         summary.sla_missed[rate_key(rate)] = 1.0 - fraction

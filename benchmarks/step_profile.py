@@ -9,6 +9,7 @@ that carries a 512-token chunk is as long as a prefill, and decodes fused into i
 behind a whole prompt. Prints milliseconds per step for decode batches of b sequences plus a prompt chunk of k
 tokens (median of --repeats).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,13 +79,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import torch
-
     from fastgen.replica.config import EngineConfig, SchedulerConfig
     from fastgen.replica.engine import build_engine
 
     torch.set_num_threads(args.threads)
-    engine = build_engine(EngineConfig(model=args.model, dtype=args.dtype, progress=False,
-                                       scheduler=SchedulerConfig(max_batch_tokens=1024, max_seqs=64)))  # fmt: skip
+    engine = build_engine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            progress=False,
+            scheduler=SchedulerConfig(max_batch_tokens=1024, max_seqs=64),
+        )
+    )
     histories = [int(x) for x in args.histories.split(",") if x]
     step_ms(engine, 1, 16, 2)  # warm-up
     rows = []

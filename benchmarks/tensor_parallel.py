@@ -15,6 +15,7 @@ embedding's, which opens each forward pass, also separately), in the logits all-
 the other rank, and the bytes all-reduced. The time inside a collective includes waiting for the slower rank, so
 rank 1's figures are reported too (counted over every run, warm-ups included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,6 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from fastgen.replica.batch_broadcast import BatchBroadcast
 from fastgen.replica.parallel import TPGroup
 
@@ -106,9 +106,13 @@ def model_dir() -> Path:
 def engine_config(model: Path, dtype: str):
     from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    return EngineConfig(model=str(model), dtype=dtype, progress=False,
-                        scheduler=SchedulerConfig(max_batch_tokens=WORKLOAD["budget"], max_seqs=64),
-                        cache=CacheConfig(num_blocks=1024))  # fmt: skip
+    return EngineConfig(
+        model=str(model),
+        dtype=dtype,
+        progress=False,
+        scheduler=SchedulerConfig(max_batch_tokens=WORKLOAD["budget"], max_seqs=64),
+        cache=CacheConfig(num_blocks=1024),
+    )
 
 
 def wait_for_quiet(max_load: float, patience_s: float) -> float:
@@ -166,8 +170,16 @@ def measure(engine, clock: CommClock, args, tp: int, root_pid: int) -> list[dict
         before = cpu_seconds()
         seconds, steps = drive(engine, prompts, WORKLOAD["gen"])
         foreign = foreign_share(before, cpu_seconds(), root_pid, seconds)
-        run = dict(tp=tp, attempt=attempt, load=load, foreign_cpu=foreign, seconds=seconds, steps=steps,
-                   tokens=WORKLOAD["n"] * WORKLOAD["gen"], **vars(clock))  # fmt: skip
+        run = dict(
+            tp=tp,
+            attempt=attempt,
+            load=load,
+            foreign_cpu=foreign,
+            seconds=seconds,
+            steps=steps,
+            tokens=WORKLOAD["n"] * WORKLOAD["gen"],
+            **vars(clock),
+        )
         print(json.dumps(run), "(discarded)" if foreign > args.max_foreign else "", flush=True)
         if foreign <= args.max_foreign:
             runs.append(run)
@@ -207,8 +219,9 @@ def run_tp2(model: Path, args, out: Path) -> tuple[list[dict], dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.start_processes(rank_main, args=(str(model), port, args, str(out)), nprocs=2, join=False,
-                             start_method="spawn")  # fmt: skip
+    ctx = mp.start_processes(
+        rank_main, args=(str(model), port, args, str(out)), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + args.repeats * args.patience + 1800
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -228,15 +241,18 @@ def summary(runs: list[dict]) -> dict:
     med = {k: statistics.median(r[k] for r in runs) for k in keys}
     steps = med["steps"]
     return dict(
-        tok_s=runs[0]["tokens"] / med["seconds"], ms_per_step=1e3 * med["seconds"] / steps, steps=steps,
+        tok_s=runs[0]["tokens"] / med["seconds"],
+        ms_per_step=1e3 * med["seconds"] / steps,
+        steps=steps,
         all_reduce_ms_per_step=1e3 * med["all_reduce_s"] / steps,
         first_all_reduce_ms_per_step=1e3 * med["first_all_reduce_s"] / steps,
         all_gather_ms_per_step=1e3 * med["all_gather_s"] / steps,
         broadcast_ms_per_step=1e3 * med["broadcast_s"] / steps,
         mib_all_reduced_per_step=med["all_reduce_bytes"] / steps / 2**20,
-        seconds=[round(r["seconds"], 2) for r in runs], load=[round(r["load"], 2) for r in runs],
+        seconds=[round(r["seconds"], 2) for r in runs],
+        load=[round(r["load"], 2) for r in runs],
         foreign_cpu=[round(r["foreign_cpu"], 3) for r in runs],
-    )  # fmt: skip
+    )
 
 
 def main() -> None:
@@ -245,8 +261,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-load", type=float, default=0.7, help="measure only below this 1-minute load average")
     p.add_argument("--patience", type=float, default=600, help="seconds to wait for the load to drop, per repeat")
-    p.add_argument("--max-foreign", type=float, default=0.05,
-                   help="discard a run in which other processes used more than this share of the cores")
+    p.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.05,
+        help="discard a run in which other processes used more than this share of the cores",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     model = model_dir()

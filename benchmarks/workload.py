@@ -6,6 +6,7 @@ benchmarks/data/corpus.txt at random offsets (wrapping around), each opened by a
 the request: servers that cache prefixes (vLLM) then never see the same prefix twice, within a run or across runs
 whose tag differs.
 """
+
 from __future__ import annotations
 
 import random
@@ -69,8 +70,15 @@ def load_tokenizer(tokenizer_dir: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def make_requests(workload: Workload, n: int, tokenizer_dir: str, seed: int = 0, tag: str = "run",
-                  first_index: int = 0, max_prompt: int | None = None) -> list[BenchRequest]:  # fmt: skip
+def make_requests(
+    workload: Workload,
+    n: int,
+    tokenizer_dir: str,
+    seed: int = 0,
+    tag: str = "run",
+    first_index: int = 0,
+    max_prompt: int | None = None,
+) -> list[BenchRequest]:
     """n requests; the same (workload, seed, tag, first_index) gives the same requests."""
     ids = corpus_ids(str(tokenizer_dir))
     tok = load_tokenizer(str(tokenizer_dir))

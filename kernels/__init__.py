@@ -3,10 +3,11 @@ torch kernels with a compiled C decode attention.
 
 `select_kernels("auto" | "torch" | "cpu" | "triton", device)` returns a `Kernels` table; the model calls only it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -47,7 +48,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def select_kernels(backend: str, device: torch.device | str) -> Kernels:
-    """"auto" picks Triton on CUDA and the CPU kernels elsewhere; "triton" on CPU needs TRITON_INTERPRET=1."""
+    """ "auto" picks Triton on CUDA and the CPU kernels elsewhere; "triton" on CPU needs TRITON_INTERPRET=1."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
     device = torch.device(device)

@@ -5,6 +5,7 @@ query_start[i]:query_start[i+1] and, after this step's write, seq_lens[i] cached
 its row of block_tables. Decodes (one query token) come first in the batch, prompt chunks after them.
 Cache layout per layer: (num_blocks, block_size, kv_heads, head_dim).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,8 +58,9 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, length: int, 
     k = _gather(k_cache, block_tables, length)  # (seqs, kv_heads, length, head_dim)
     v = _gather(v_cache, block_tables, length)
     mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # (seqs, length)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=True)  # fmt: skip
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return o.squeeze(2)
 
 
@@ -74,8 +76,15 @@ def paged_attention(
         for lo in range(0, nd, DECODE_GROUP):
             rows = order[lo : lo + DECODE_GROUP]
             idx = torch.tensor(rows, device=q.device)
-            out[idx] = _decode_attention(q[idx], k_cache, v_cache, meta.block_tables[idx], meta.seq_lens[idx],
-                                         meta.seq_lens_host[rows[-1]], scale)  # fmt: skip
+            out[idx] = _decode_attention(
+                q[idx],
+                k_cache,
+                v_cache,
+                meta.block_tables[idx],
+                meta.seq_lens[idx],
+                meta.seq_lens_host[rows[-1]],
+                scale,
+            )
     prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
 

@@ -17,6 +17,7 @@ thread count.
 
 The library is compiled at first use with the machine's C compiler and cached under $FASTGEN_CACHE/kernels;
 without a compiler, or for shapes and dtypes a kernel does not take, the torch kernels serve."""
+
 from __future__ import annotations
 
 import ctypes
@@ -43,8 +44,16 @@ SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c",
 HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
 # OpenMP splits the kernels over the process's torch threads. The library needs libgomp.so.1 by name, which the
 # dynamic loader finds already loaded with torch, so both share one thread pool. Where the compiler has no OpenMP the
 # kernels are built without it and run on one thread.
@@ -141,9 +150,21 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q) if out is None else out
     status = kernel(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        seqs, heads, kv_heads, head_dim, block_size, tables.shape[1], scale, torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        seqs,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        tables.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
     return out if status == 0 else None
 
 
@@ -153,7 +174,11 @@ def paged_attention_cpu(
     """Same contract as attention.paged_attention."""
     nd = meta.num_decodes
     out = torch.empty_like(q)
-    if nd and decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd]) is None:
+    if (
+        nd
+        and decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd])
+        is None
+    ):
         return paged_attention(q, k_cache, v_cache, meta, scale)
     prefill_attention_cpu(q, k_cache, v_cache, meta, scale, out)
     return out
@@ -180,9 +205,21 @@ def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     for i in range(meta.num_decodes, len(lens)):
         lo, hi = starts[i], starts[i + 1]
         status = library.prefill_attention_bf16(
-            q[lo].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr() + i * row_bytes,
-            out[lo].data_ptr(), heads * head_dim, lens[i], hi - lo, heads, kv_heads, head_dim, block_size, scale, threads,
-        )  # fmt: skip
+            q[lo].data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr() + i * row_bytes,
+            out[lo].data_ptr(),
+            heads * head_dim,
+            lens[i],
+            hi - lo,
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            threads,
+        )
         if status != 0:  # shapes the kernel does not take: torch for the whole batch
             return prefill_attention(q, k_cache, v_cache, meta, scale, out)
 
@@ -199,8 +236,18 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         return rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
-    library.add_rms_norm_bf16(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, rows, hidden, x.stride(0),
-                              eps, torch.get_num_threads())  # fmt: skip
+    library.add_rms_norm_bf16(
+        x.data_ptr(),
+        None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        None,
+        rows,
+        hidden,
+        x.stride(0),
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -209,12 +256,27 @@ def add_rms_norm_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as norm.add_rms_norm."""
     library = _elementwise()
-    if library is None or not _rows(x) or not (_rows(residual) and residual.is_contiguous()) or weight.dtype != torch.bfloat16:
+    if (
+        library is None
+        or not _rows(x)
+        or not (_rows(residual) and residual.is_contiguous())
+        or weight.dtype != torch.bfloat16
+    ):
         return add_rms_norm(x, residual, weight, eps)
     out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
-    library.add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
-                              rows, hidden, x.stride(0), eps, torch.get_num_threads())  # fmt: skip
+    library.add_rms_norm_bf16(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        total.data_ptr(),
+        rows,
+        hidden,
+        x.stride(0),
+        eps,
+        torch.get_num_threads(),
+    )
     return out, total
 
 
@@ -225,7 +287,9 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up)
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    library.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
+    library.silu_mul_bf16(
+        gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads()
+    )
     return out
 
 
@@ -253,10 +317,22 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
     slots = slot_mapping.to(torch.int64).contiguous()
     q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
     library.rotary_write_kv_bf16(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), row_stride, cos_sin.data_ptr(), positions.data_ptr(),
-        slots.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, head_dim,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        row_stride,
+        cos_sin.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        q_out.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return q_out
 
 
@@ -267,8 +343,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if library is None or not _rows(logits) or logits.shape[1] == 0:
         return logits.max(dim=-1).indices.tolist()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    library.argmax_bf16(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
-                        torch.get_num_threads())
+    library.argmax_bf16(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(), torch.get_num_threads()
+    )
     return out.tolist()
 
 
@@ -304,7 +381,15 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
     bias = None if bias is None else bias.contiguous()
     status = _amx().linear_bf16(
-        x.data_ptr(), x.stride(0), packed.tiles.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        packed.out_features, rows, packed.out_features, packed.in_features, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        packed.tiles.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        packed.out_features,
+        rows,
+        packed.out_features,
+        packed.in_features,
+        torch.get_num_threads(),
+    )
     return y if status == 0 else None

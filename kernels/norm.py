@@ -1,4 +1,5 @@
 """RMSNorm, alone and fused with the residual add that precedes it; the MLP's gated activation."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half layout, as Hugging Face Llama), with llama3 frequency scaling."""
+
 from __future__ import annotations
 
 import math
@@ -7,9 +8,7 @@ import torch
 
 
 def rope_inv_freq(
-    head_dim: int,
-    theta: float,
-    llama3_scaling: tuple[float, float, float, int] | None = None,
+    head_dim: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None = None
 ) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,) in float32; llama3_scaling = (factor, low_freq_factor,
     high_freq_factor, original_max_position_embeddings)."""

@@ -7,6 +7,7 @@ Same call signatures and results as the torch references in this package:
 - `rotary_write_kv`: rotates q and k and scatters rotated k and plain v into their cache slots, one pass.
 - `rms_norm` / `add_rms_norm`: one program per row, float32 statistics.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,8 @@ import triton
 import triton.language as tl
 
 from . import Kernels
-from .norm import silu_mul
 from .attention import AttentionMetadata
+from .norm import silu_mul
 
 LOG2_E = 1.4426950408889634
 
@@ -47,12 +48,37 @@ def _rotate_half(x1, x2, cos, sin, dtype: tl.constexpr):
 
 @triton.jit
 def _rotary_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_sin_ptr, positions_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_cs,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    positions_ptr,
+    slots_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cs,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     block_size,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)  # one token per program: all its q, k and v heads
     dtype = q_out_ptr.dtype.element_ty
@@ -120,14 +146,36 @@ def rotary_write_kv(
         return q_out
     half = head_dim // 2
     _rotary_write_kv_kernel[(tokens,)](
-        q, k, v, cos_sin, positions, slot_mapping, q_out, k_cache, v_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k,
+        v,
+        cos_sin,
+        positions,
+        slot_mapping,
+        q_out,
+        k_cache,
+        v_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        cos_sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         k_cache.shape[1],
-        HEADS=heads, KV_HEADS=kv_heads, HALF=half,
-        HEADS_PAD=triton.next_power_of_2(heads), KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HALF=half,
+        HEADS_PAD=triton.next_power_of_2(heads),
+        KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         num_warps=4,
         enable_fp_fusion=False,  # no fused multiply-adds, so the rounding is torch's
@@ -142,12 +190,35 @@ def rotary_write_kv(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tiles_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-    num_tiles, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    tiles_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_tiles,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -245,16 +316,39 @@ def paged_attention(
     tiles = _tile_map(tuple(meta.query_start_host), tokens_per_tile, q.device)
     num_tiles = tiles.shape[1]
     _paged_attention_kernel[(num_tiles, kv_heads)](
-        q, k_cache, v_cache, out, tiles, meta.query_start, meta.seq_lens, meta.block_tables,
-        num_tiles, scale * LOG2_E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        tiles,
+        meta.query_start,
+        meta.seq_lens,
+        meta.block_tables,
+        num_tiles,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=group,
+        TOKENS_PER_TILE=tokens_per_tile,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         # fp32 inputs would otherwise go through tf32 tensor cores and lose ~3 digits
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2, enable_fp_fusion=True,
+        num_warps=num_warps,
+        num_stages=2,
+        enable_fp_fusion=True,
     )
     return out
 
@@ -266,9 +360,19 @@ def paged_attention(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -302,9 +406,19 @@ def _launch_rms_norm(x, residual, weight, eps):
     if x2.shape[0]:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, res_out,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x2,
+            r2,
+            weight,
+            out,
+            res_out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
             enable_fp_fusion=False,
         )

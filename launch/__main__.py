@@ -1,4 +1,5 @@
 """`python -m fastgen.launch` is `fastgen-deploy`."""
+
 import sys
 
 from .cli import main

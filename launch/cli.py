@@ -2,6 +2,7 @@
 
 Imports neither torch nor fastgen.replica, so every command answers at once; the model loads in the replicas.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,37 +59,74 @@ def add_start(sub) -> None:
     d = DeployConfig()
     p = sub.add_parser("start", help="launch a deployment and wait until it serves", epilog=PORTS_HELP)
     add_name(p)
-    p.add_argument("--model", default=d.model,
-                   help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--model", default=d.model, help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)"
+    )
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
-    p.add_argument("--tp", type=int, default=d.tp,
-                   help="tensor-parallel ranks per replica, one process each (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel ranks per replica, one process each (default: %(default)s)",
+    )
     p.add_argument("--policy", choices=POLICIES, default=d.policy, help="default: %(default)s")
     p.add_argument("--host", default=d.host, help="address every process binds to (default: %(default)s)")
-    p.add_argument("--port", type=int, default=d.port,
-                   help="balancer gRPC port; replica i: port+1+i (default: %(default)s)")  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
-                   help="balancer metrics port; replica i: metrics-port+1+i (default: %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=d.port, help="balancer gRPC port; replica i: port+1+i (default: %(default)s)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="balancer metrics port; replica i: metrics-port+1+i (default: %(default)s)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-                   help="token budget of one forward pass (default: %(default)s)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help="token budget of one forward pass (default: %(default)s)",
+    )
     p.add_argument("--max-seqs", type=int, default=d.max_seqs, help="sequences per forward pass (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="exact KV pool size; overrides --kv-cache-memory")
-    p.add_argument("--kv-cache-memory", type=size_arg, default=format_size(d.kv_cache_memory),
-                   help="KV pool per replica (per rank with --tp): 512MiB, 2GiB or bytes (default: %(default)s)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=size_arg,
+        default=format_size(d.kv_cache_memory),
+        help="KV pool per replica (per rank with --tp): 512MiB, 2GiB or bytes (default: %(default)s)",
+    )
     p.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="default: %(default)s")
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per replica process, so per rank with --tp "
-                   "(default: cores // (replicas * tp))")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="seconds to wait for every process to serve (default: %(default)s)")
-    p.add_argument("--sla-prompt-rate", type=float, default=d.sla_prompt_rate, metavar="P",
-                   help="SLA scored by every replica: first token within prompt_tokens / P s (default: %(default)g)")
-    p.add_argument("--sla-token-rate", dest="sla_token_rates", type=float, nargs="+", default=d.sla_token_rates,
-                   metavar="R", help="SLA: inter-token moving average at most 1 / R s; each R is exported as a "
-                   "token_rate label (default: 1 2 4)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per replica process, so per rank with --tp (default: cores // (replicas * tp))",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        help="seconds to wait for every process to serve (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sla-prompt-rate",
+        type=float,
+        default=d.sla_prompt_rate,
+        metavar="P",
+        help="SLA scored by every replica: first token within prompt_tokens / P s (default: %(default)g)",
+    )
+    p.add_argument(
+        "--sla-token-rate",
+        dest="sla_token_rates",
+        type=float,
+        nargs="+",
+        default=d.sla_token_rates,
+        metavar="R",
+        help="SLA: inter-token moving average at most 1 / R s; each R is exported as a "
+        "token_rate label (default: 1 2 4)",
+    )
 
 
 def add_status(sub) -> None:
@@ -106,9 +144,13 @@ def add_stop(sub) -> None:
 def add_logs(sub) -> None:
     p = sub.add_parser("logs", help="show a process's log")
     add_name(p)
-    p.add_argument("process", nargs="?", default=None, metavar="ROLE_OR_ID",
-                   help="supervisor (default), balancer, replica-N (rank 0 with --tp), replica-N-rank-R, "
-                   "or N")  # fmt: skip
+    p.add_argument(
+        "process",
+        nargs="?",
+        default=None,
+        metavar="ROLE_OR_ID",
+        help="supervisor (default), balancer, replica-N (rank 0 with --tp), replica-N-rank-R, or N",
+    )
     p.add_argument("-n", "--lines", type=int, default=50, help="lines from the end (default: 50)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
 
@@ -122,8 +164,11 @@ def add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="0: greedy")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user message, rendered with the model's chat template (instructions)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message, rendered with the model's chat template (instructions)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (default: 120)")
 
 
@@ -142,25 +187,36 @@ def config_from(args: argparse.Namespace) -> DeployConfig:
 
 def announce(config: DeployConfig) -> None:
     ranks = f" ({config.tp} ranks each)" if config.tp > 1 else ""
-    print(f"starting deployment {config.name!r}: {config.replicas} replica(s){ranks} of {config.model}; waiting until "
-          f"all serve (up to {config.timeout:g} s) …", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"starting deployment {config.name!r}: {config.replicas} replica(s){ranks} of {config.model}; waiting until "
+        f"all serve (up to {config.timeout:g} s) …",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def cmd_start(args: argparse.Namespace, home: Path) -> int:
     config = config_from(args)
     state = deployment.start(config, home, on_launch=announce)
-    print(f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
-          f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
+    print(
+        f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
+        f"supervisor pid {state['supervisor']['pid']}"
+    )
     for rec in state["processes"]:
         if rec["port"] is None:  # a TP rank > 0 serves through its rank 0
             print(f"  {rec['id']:<18} tp rank {rec['rank']} of {rec['replica']}  pid {rec['pid']}")
             continue
-        print(f"  {rec['id']:<18} grpc {address(state['host'], rec['port']):<22} "
-              f"metrics http://{address(state['host'], rec['metrics_port'])}/metrics  pid {rec['pid']}")  # fmt: skip
-    print(f"send requests to {address(state['host'], state['processes'][0]['port'])}; "
-          f"logs: {home / config.name / 'logs'}")  # fmt: skip
-    print(f"Prometheus targets: {paths_for(home, config.name).prometheus_targets} "
-          "(fastgen-deploy prometheus-config prints a prometheus.yml that reads them)")  # fmt: skip
+        print(
+            f"  {rec['id']:<18} grpc {address(state['host'], rec['port']):<22} "
+            f"metrics http://{address(state['host'], rec['metrics_port'])}/metrics  pid {rec['pid']}"
+        )
+    print(
+        f"send requests to {address(state['host'], state['processes'][0]['port'])}; logs: {home / config.name / 'logs'}"
+    )
+    print(
+        f"Prometheus targets: {paths_for(home, config.name).prometheus_targets} "
+        "(fastgen-deploy prometheus-config prints a prometheus.yml that reads them)"
+    )
     return 0
 
 
@@ -170,12 +226,16 @@ def cmd_status(args: argparse.Namespace, home: Path) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"deployment {args.name!r}: {state['status']}, model {state['model']}, policy {state['policy']}, "
-          f"supervisor pid {state['supervisor']['pid']}")  # fmt: skip
+    print(
+        f"deployment {args.name!r}: {state['status']}, model {state['model']}, policy {state['policy']}, "
+        f"supervisor pid {state['supervisor']['pid']}"
+    )
     print(f"{'PROCESS':<18} {'PID':>7} {'PORT':>6} {'METRICS':>7} {'HEALTH':<12} {'RESTARTS':>8}  LOAD")
     for r in rows:
-        print(f"{r['id']:<18} {r['pid'] or '-':>7} {r['port'] or '-':>6} {r['metrics_port'] or '-':>7} "
-              f"{r['health']:<12} {r['restarts']:>8}  {load_text(r)}")  # fmt: skip
+        print(
+            f"{r['id']:<18} {r['pid'] or '-':>7} {r['port'] or '-':>6} {r['metrics_port'] or '-':>7} "
+            f"{r['health']:<12} {r['restarts']:>8}  {load_text(r)}"
+        )
     return 0
 
 
@@ -183,8 +243,10 @@ def load_text(row: dict) -> str:
     if "in_flight" in row:
         return f"in flight {row['in_flight']}, replicas serving {row['replicas_serving']}"
     if "queued" in row:
-        return (f"queued {row['queued']}, running {row['running']}, "
-                f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}")  # fmt: skip
+        return (
+            f"queued {row['queued']}, running {row['running']}, "
+            f"KV blocks {row['kv_blocks_used']}/{row['kv_blocks_total']}"
+        )
     if row["role"] == "tp_rank":
         return f"tp rank {row['rank']} of {row['replica']}"
     return "-"
@@ -237,8 +299,9 @@ def cmd_generate(args: argparse.Namespace, home: Path) -> int:
     target = args.address or deployment.balancer_address(home, args.name)
     from ..server import Client, GenerationError  # here, not at the top: only this command needs the client
 
-    sampling = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
-                if v is not None}  # fmt: skip
+    sampling = {
+        k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)) if v is not None
+    }
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         with Client(target, timeout=args.timeout) as client:
@@ -249,8 +312,11 @@ def cmd_generate(args: argparse.Namespace, home: Path) -> int:
             else:
                 result = client.generate(prompt, **sampling)
                 print(result.text)
-                print(f"(served by {result.replica}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} "
-                      f"generated, {result.finish_reason})", file=sys.stderr)  # fmt: skip
+                print(
+                    f"(served by {result.replica}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} "
+                    f"generated, {result.finish_reason})",
+                    file=sys.stderr,
+                )
     except GenerationError as e:
         raise DeployError(f"request to {target} failed: {e}") from None
     return 0
@@ -262,9 +328,14 @@ def cmd_prometheus_config(args: argparse.Namespace, home: Path) -> int:
 
 
 COMMANDS = {
-    "start": cmd_start, "status": cmd_status, "stop": cmd_stop, "list": cmd_list, "logs": cmd_logs,
-    "generate": cmd_generate, "prometheus-config": cmd_prometheus_config,
-}  # fmt: skip
+    "start": cmd_start,
+    "status": cmd_status,
+    "stop": cmd_stop,
+    "list": cmd_list,
+    "logs": cmd_logs,
+    "generate": cmd_generate,
+    "prometheus-config": cmd_prometheus_config,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ Port layout of a deployment with N replicas (documented in the CLI's help):
 With --tp K, rank 0 of replica i holds these ports; its other ranks listen on none, and meet rank 0 on a free
 MASTER_PORT that the supervisor picks at every (re)start of the group.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,12 +26,21 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 # Bare K/M/G are binary, as in most serving tools' memory flags; KB/MB/GB are decimal.
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 @dataclass(frozen=True)
@@ -213,15 +223,22 @@ def replica_group(c: DeployConfig, python: str, index: int) -> list[ProcessSpec]
     head = replica_spec(c, python, index)
     if c.tp == 1:
         return [head]
-    ranks = [replace(head, id=f"{head.id}-rank-{r}", role="tp_rank", port=None, metrics_port=None, rank=r)
-             for r in range(1, c.tp)]  # fmt: skip
+    ranks = [
+        replace(head, id=f"{head.id}-rank-{r}", role="tp_rank", port=None, metrics_port=None, rank=r)
+        for r in range(1, c.tp)
+    ]
     return [replace(head, rank=0)] + ranks
 
 
 def rank_env(spec: ProcessSpec, tp: int, host: str, master_port: int) -> dict[str, str]:
     """torchrun's variables for one rank of a replica on this host; rank 0 hosts the rendezvous on master_port."""
-    return {"RANK": str(spec.rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(spec.rank),
-            "MASTER_ADDR": connect_host(host), "MASTER_PORT": str(master_port)}  # fmt: skip
+    return {
+        "RANK": str(spec.rank),
+        "WORLD_SIZE": str(tp),
+        "LOCAL_RANK": str(spec.rank),
+        "MASTER_ADDR": connect_host(host),
+        "MASTER_PORT": str(master_port),
+    }
 
 
 def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:

@@ -1,5 +1,6 @@
 """Starting, inspecting and stopping deployments from the CLI's side. The supervisor (supervisor.py) does the
 running; this module launches it, waits for it, and reads what it records."""
+
 from __future__ import annotations
 
 import os
@@ -7,10 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -18,9 +19,17 @@ from ..proto import fastgen_pb2
 from . import probe, prometheus
 from .config import DEFAULT_MODEL, DeployConfig, address, grpc_ports, looks_like_path, metrics_ports, plan, validate
 from .state import (
-    Paths, deployment_names, is_live, load_config, paths_for, read_json, remove_live_state, save_config, try_lock,
+    Paths,
+    deployment_names,
+    is_live,
+    load_config,
+    paths_for,
+    read_json,
+    remove_live_state,
+    save_config,
+    try_lock,
     write_json_atomic,
-)  # fmt: skip
+)
 from .supervisor import FAILED_START_DRAIN_S, log_tail
 
 # Beyond --timeout, how long `start` waits for the supervisor to give up and clean up by itself.
@@ -46,8 +55,12 @@ def prepare(config: DeployConfig) -> DeployConfig:
     return config
 
 
-def start(config: DeployConfig, home: Path, python: str = sys.executable,
-          on_launch: Callable[[DeployConfig], None] | None = None) -> dict:  # fmt: skip
+def start(
+    config: DeployConfig,
+    home: Path,
+    python: str = sys.executable,
+    on_launch: Callable[[DeployConfig], None] | None = None,
+) -> dict:
     """Launches the deployment and waits until every process is SERVING; returns the supervisor's state.
     on_launch runs once the checks have passed and the supervisor is on its way (to tell the user to wait)."""
     config = prepare(config)
@@ -115,10 +128,13 @@ def spawn_supervisor(paths: Paths, lock_fd: int, python: str) -> subprocess.Pope
     with open(paths.log("supervisor"), "w") as out:
         return subprocess.Popen(
             [python, "-m", "fastgen.launch.supervisor", str(paths.root), "--lock-fd", str(lock_fd)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=paths.root,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=paths.root,
             start_new_session=True,  # survives the terminal and Ctrl-C of the shell that ran `start`
             pass_fds=(lock_fd,),
-        )  # fmt: skip
+        )
 
 
 def wait_for_start(paths: Paths, supervisor: subprocess.Popen, timeout: float) -> dict:
@@ -281,13 +297,19 @@ def process_status(rec: dict, host: str, timeout: float) -> dict:
 
 def load_of(reply: fastgen_pb2.StatusResponse) -> dict:
     if reply.role == "balancer":
-        return {"in_flight": sum(r.in_flight for r in reply.replicas),
-                "replicas_serving": sum(r.health == fastgen_pb2.HEALTH_SERVING for r in reply.replicas)}  # fmt: skip
+        return {
+            "in_flight": sum(r.in_flight for r in reply.replicas),
+            "replicas_serving": sum(r.health == fastgen_pb2.HEALTH_SERVING for r in reply.replicas),
+        }
     if not reply.replicas:
         return {}
     r = reply.replicas[0]
-    return {"queued": r.queued_requests, "running": r.running_requests,
-            "kv_blocks_used": r.kv_blocks_used, "kv_blocks_total": r.kv_blocks_total}  # fmt: skip
+    return {
+        "queued": r.queued_requests,
+        "running": r.running_requests,
+        "kv_blocks_used": r.kv_blocks_used,
+        "kv_blocks_total": r.kv_blocks_total,
+    }
 
 
 def list_deployments(home: Path) -> list[dict]:
@@ -296,13 +318,18 @@ def list_deployments(home: Path) -> list[dict]:
         paths = paths_for(home, name)
         config, state = load_config(paths), read_json(paths.state) or {}
         live = is_live(paths)
-        rows.append({
-            "name": name, "status": state.get("status", "starting") if live else "dead",
-            "model": config.model, "replicas": config.replicas, "tp": config.tp,
-            "address": address(config.host, config.port),
-            "metrics_ports": f"{config.metrics_port}..{config.metrics_port + config.replicas}",
-            "supervisor_pid": (state.get("supervisor") or {}).get("pid") if live else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "status": state.get("status", "starting") if live else "dead",
+                "model": config.model,
+                "replicas": config.replicas,
+                "tp": config.tp,
+                "address": address(config.host, config.port),
+                "metrics_ports": f"{config.metrics_port}..{config.metrics_port + config.replicas}",
+                "supervisor_pid": (state.get("supervisor") or {}).get("pid") if live else None,
+            }
+        )
     return rows
 
 

@@ -1,4 +1,5 @@
 """Looking at running things: free ports, grpc.health.v1 checks, GetStatus, and processes by pid (psutil)."""
+
 from __future__ import annotations
 
 import os

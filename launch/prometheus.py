@@ -7,6 +7,7 @@ series, which rate() and increase() treat as a counter reset, and no stale serie
 summed twice. The `deployment` label is attached here, as a target label, rather than exported by each process.
 Pure: no sockets, no processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,15 @@ def scrape_config(home: Path, name: str | None = None, scrape_interval: str = "5
     """A complete prometheus.yml (only scrape_configs) that scrapes every deployment under `home`, or only `name`;
     the targets files appear and vanish with `fastgen-deploy start` and `stop`, and Prometheus follows them."""
     files = str(paths_for(home, name).prometheus_targets if name else prometheus_targets_dir(home) / "*.json")
-    return "\n".join([
-        f"# FastGen deployments under {home} (targets written by `fastgen-deploy start`, removed by `stop`).",
-        "scrape_configs:",
-        f"  - job_name: {JOB}",
-        f"    scrape_interval: {scrape_interval}",
-        "    file_sd_configs:",
-        f"      - files: [{json.dumps(files)}]",
-        "        refresh_interval: 30s",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"# FastGen deployments under {home} (targets written by `fastgen-deploy start`, removed by `stop`).",
+            "scrape_configs:",
+            f"  - job_name: {JOB}",
+            f"    scrape_interval: {scrape_interval}",
+            "    file_sd_configs:",
+            f"      - files: [{json.dumps(files)}]",
+            "        refresh_interval: 30s",
+            "",
+        ]
+    )

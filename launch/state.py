@@ -12,6 +12,7 @@ name starts with "_").
 
 Every JSON file is written atomically (temporary file + rename), so readers never see half a file.
 """
+
 from __future__ import annotations
 
 import fcntl

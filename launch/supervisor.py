@@ -8,6 +8,7 @@ SIGTERM it drains: balancer first (it finishes the requests in flight through it
 after the timeout.
 Only this process writes state.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,13 +73,16 @@ class StopFlag:
 def launch(child: Child, env: dict[str, str], first: bool) -> None:
     child.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(child.log_path, "w" if first else "a") as out:
-        out.write(f"==== fastgen-deploy: starting {child.spec.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                  f"{' '.join(child.spec.argv)}\n")  # fmt: skip
+        out.write(
+            f"==== fastgen-deploy: starting {child.spec.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+            f"{' '.join(child.spec.argv)}\n"
+        )
         out.flush()
         # Children stay in the supervisor's session and process group, so `stop` can find them even if the
         # supervisor itself was killed.
-        child.proc = subprocess.Popen(child.spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                      env=env)  # fmt: skip
+        child.proc = subprocess.Popen(
+            child.spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
     ref = probe.ProcessRef.of(child.proc.pid)
     child.create_time = ref.create_time if ref else None
     child.started_at = time.monotonic()
@@ -100,22 +104,38 @@ def process_record(child: Child) -> dict:
     spec = child.spec
     running = child.proc is not None and child.proc.poll() is None
     return {
-        "id": spec.id, "role": spec.role, "replica": spec.replica, "rank": spec.rank,
-        "pid": child.proc.pid if running else None, "create_time": child.create_time if running else None,
-        "port": spec.port, "metrics_port": spec.metrics_port, "master_port": child.master_port,
+        "id": spec.id,
+        "role": spec.role,
+        "replica": spec.replica,
+        "rank": spec.rank,
+        "pid": child.proc.pid if running else None,
+        "create_time": child.create_time if running else None,
+        "port": spec.port,
+        "metrics_port": spec.metrics_port,
+        "master_port": child.master_port,
         "log": str(child.log_path),
-        "restarts": child.restarts, "last_exit": child.last_exit,
+        "restarts": child.restarts,
+        "last_exit": child.last_exit,
         "state": "running" if running else ("restarting" if child.restart_at is not None else "exited"),
-    }  # fmt: skip
+    }
 
 
 def write_state(paths: Paths, config: DeployConfig, children: list[Child], status: str, error: str | None = None):
-    write_json_atomic(paths.state, {
-        "name": config.name, "status": status, "error": error,
-        "supervisor": {"pid": os.getpid(), "create_time": probe.ProcessRef.of(os.getpid()).create_time},
-        "host": config.host, "model": config.model, "policy": config.policy, "tp": config.tp,
-        "updated": time.time(), "processes": [process_record(c) for c in children],
-    })  # fmt: skip
+    write_json_atomic(
+        paths.state,
+        {
+            "name": config.name,
+            "status": status,
+            "error": error,
+            "supervisor": {"pid": os.getpid(), "create_time": probe.ProcessRef.of(os.getpid()).create_time},
+            "host": config.host,
+            "model": config.model,
+            "policy": config.policy,
+            "tp": config.tp,
+            "updated": time.time(),
+            "processes": [process_record(c) for c in children],
+        },
+    )
 
 
 def exit_message(child: Child, phase: str) -> str:
@@ -159,8 +179,13 @@ def reap(child: Child, backoff: Backoff, now: float) -> bool:
     child.last_exit = child.proc.returncode
     child.failures = backoff.failures_after_exit(child.failures, now - child.started_at)
     child.restart_at = now + backoff.delay(child.failures)
-    log.warning("%s (pid %d) exited with code %s; restarting in %.0f s", child.spec.id, child.proc.pid,
-                child.last_exit, child.restart_at - now)  # fmt: skip
+    log.warning(
+        "%s (pid %d) exited with code %s; restarting in %.0f s",
+        child.spec.id,
+        child.proc.pid,
+        child.last_exit,
+        child.restart_at - now,
+    )
     return True
 
 
@@ -202,8 +227,9 @@ def reap_group(group: list[Child], backoff: Backoff, now: float) -> bool:
     return True
 
 
-def supervise(paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag,
-              backoff: Backoff) -> None:  # fmt: skip
+def supervise(
+    paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag, backoff: Backoff
+) -> None:
     """Keeps every child running until a stop is requested."""
     groups = groups_of(children)
     while not stop.requested:
@@ -251,8 +277,9 @@ def live_process(child: Child):
     return probe.ProcessRef(child.proc.pid, child.create_time).process()
 
 
-def start_and_supervise(paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str],
-                        stop: StopFlag, backoff: Backoff) -> str | None:  # fmt: skip
+def start_and_supervise(
+    paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag, backoff: Backoff
+) -> str | None:
     """Runs until a stop is requested; returns why start-up failed, or None."""
     for g in groups_of(children):
         launch_group(g, env, config, first=True)

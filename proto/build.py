@@ -2,6 +2,7 @@
 
 The proto is compiled under the virtual path fastgen/proto/, so the generated gRPC module imports
 `fastgen.proto.fastgen_pb2` and needs no patching."""
+
 from __future__ import annotations
 
 import shutil

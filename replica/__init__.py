@@ -1,6 +1,7 @@
 """A replica: the Dynamic SplitFuse engine, its model runner and its gRPC service.
 
-`from fastgen.replica import pipeline` (defined in offline.py) loads lazily, so the pure-Python scheduler modules import without torch."""
+`from fastgen.replica import pipeline` (defined in offline.py) loads lazily, so the pure-Python scheduler modules
+import without torch."""
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 
 Binds its port first (health answers NOT_SERVING while the model loads), loads and warms the model, then
 serves until SIGTERM, which drains: no new requests, in-flight ones finish, then exit 0."""
+
 from __future__ import annotations
 
 import argparse
@@ -65,11 +66,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue-requests", type=positive, default=256)
     p.add_argument("--max-queue-tokens", type=positive, default=262144)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds SIGTERM waits for in-flight requests")
-    p.add_argument("--sla-prompt-rate", type=positive_float, default=DEFAULT_PROMPT_RATE, metavar="P",
-                   help="SLA: first token within prompt_tokens / P seconds (default: %(default)g)")
-    p.add_argument("--sla-token-rate", type=positive_float, nargs="+", default=list(DEFAULT_TOKEN_RATES),
-                   metavar="R", help="SLA: inter-token moving average at most 1 / R seconds; every R given is "
-                   "exported as its own token_rate label (default: 1 2 4)")  # fmt: skip
+    p.add_argument(
+        "--sla-prompt-rate",
+        type=positive_float,
+        default=DEFAULT_PROMPT_RATE,
+        metavar="P",
+        help="SLA: first token within prompt_tokens / P seconds (default: %(default)g)",
+    )
+    p.add_argument(
+        "--sla-token-rate",
+        type=positive_float,
+        nargs="+",
+        default=list(DEFAULT_TOKEN_RATES),
+        metavar="R",
+        help="SLA: inter-token moving average at most 1 / R seconds; every R given is "
+        "exported as its own token_rate label (default: 1 2 4)",
+    )
     return p.parse_args(argv)
 
 
@@ -79,7 +91,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=None if args.dtype == "auto" else args.dtype,
         device=args.device,
         kernels=args.kernels,
-        scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, policy=args.scheduler),
+        scheduler=SchedulerConfig(
+            max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, policy=args.scheduler
+        ),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, memory_bytes=args.kv_cache_memory),
         max_model_len=args.max_model_len,
         default_max_new_tokens=args.default_max_new_tokens,
@@ -94,8 +108,9 @@ def build_info(args: argparse.Namespace):
     from .weights import parse_dtype
 
     dtype = str(parse_dtype(args.dtype, torch.device(args.device)))
-    return BuildInfo(role="replica", replica=args.replica_id, model=args.model, dtype=dtype.removeprefix("torch."),
-                     tp=args.tp)  # fmt: skip
+    return BuildInfo(
+        role="replica", replica=args.replica_id, model=args.model, dtype=dtype.removeprefix("torch."), tp=args.tp
+    )
 
 
 def warm_up(engine) -> None:
@@ -120,16 +135,23 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
     torch.set_num_threads(args.threads)
     config = engine_config(args)  # flag errors surface before anything binds
     registry = CollectorRegistry()
-    metrics = ReplicaMetrics(registry, args.replica_id, args.model,
-                             SlaConfig(args.sla_prompt_rate, tuple(args.sla_token_rate)))  # fmt: skip
+    metrics = ReplicaMetrics(
+        registry, args.replica_id, args.model, SlaConfig(args.sla_prompt_rate, tuple(args.sla_token_rate))
+    )
     record_build_info(registry, build_info(args))
     service = ReplicaService(args.replica_id, args.model, metrics)
     server, health = create_server(service, args.host, args.port)
     await server.start()
     await set_serving(health, False)
     metrics_port = start_metrics_server(registry, args.host, args.metrics_port)
-    log.info("replica %s listening on %s:%d (metrics on %d); loading %s", args.replica_id, args.host, args.port,
-             metrics_port, args.model)  # fmt: skip
+    log.info(
+        "replica %s listening on %s:%d (metrics on %d); loading %s",
+        args.replica_id,
+        args.host,
+        args.port,
+        metrics_port,
+        args.model,
+    )
 
     started = time.monotonic()
 
@@ -138,8 +160,9 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
         warm_up(engine)
         return engine
 
-    loop = EngineLoop(build, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens),
-                      asyncio.get_running_loop())  # fmt: skip
+    loop = EngineLoop(
+        build, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens), asyncio.get_running_loop()
+    )
     await loop.start()
     service.engine_loop = loop
     await set_serving(health, True)

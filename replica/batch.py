@@ -1,4 +1,5 @@
 """The scheduled batch: the one seam between the scheduler and the model runner (no torch)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ one round trip per step, where a separate length would cost two. A length of -1 
 The group waits without a deadline: an idle replica sends nothing for hours, and that is not a failure. A peer that
 dies closes its sockets, which ends any wait at once with an error.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,6 @@
 """Pure-Python block allocator for the paged KV cache: one pool of fixed-size blocks, a free list, and
 per-sequence block tables (lists of block ids owned by the sequence)."""
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """Engine settings: small frozen dataclasses, validated once at start-up."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

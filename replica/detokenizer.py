@@ -1,4 +1,5 @@
 """Incremental detokenization: new text after every token, never half a multi-byte character."""
+
 from __future__ import annotations
 
 # Prompt tokens decoded along with the output, so the first generated token gets its leading space right.

@@ -2,17 +2,19 @@
 
 One thread owns an engine. `add_request` and `abort` between steps; `step()` runs
 schedule -> run -> sample -> emit and returns what changed plus one stats record."""
+
 from __future__ import annotations
 
 import dataclasses
 import random
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq, Union
 
 import torch
 
 from ..kernels import select_kernels
+from . import weights
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .block_allocator import BlockAllocator
@@ -26,10 +28,9 @@ from .parallel import TPGroup
 from .request import FinishReason, SamplingParams, Sequence
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
-from . import weights
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-Prompt = Union[str, Seq[int], Seq[dict]]
+Prompt = str | Seq[int] | Seq[dict]
 
 
 @dataclass(eq=False)
@@ -82,7 +83,9 @@ class Engine:
         if all(isinstance(m, dict) for m in items):
             return self._render_chat(items)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise ValueError("prompt must be a string, a list of token ids (ints) or a list of {role, content} messages")
+            raise ValueError(
+                "prompt must be a string, a list of token ids (ints) or a list of {role, content} messages"
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in items if not 0 <= t < vocab]
         if bad:
@@ -125,9 +128,13 @@ class Engine:
                 params.seed if params.seed is not None else random.getrandbits(63)
             )
         req = _Request(
-            request_id, seq, params, generator, IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            request_id,
+            seq,
+            params,
+            generator,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids),
             RequestTimings(arrival=time.monotonic()),
-        )  # fmt: skip
+        )
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
         return len(prompt_ids)

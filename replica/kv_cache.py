@@ -1,4 +1,5 @@
 """The paged KV cache tensors: per layer, keys and values of shape (num_blocks, block_size, kv_heads, head_dim)."""
+
 from __future__ import annotations
 
 import torch

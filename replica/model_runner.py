@@ -2,6 +2,7 @@
 
 With tensor parallelism, rank 0's runner sends every batch to the other ranks before running it (`run`), and their
 runners run each batch they receive (`follow`): every rank then takes part in the same collectives."""
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,14 @@ from .models.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_caches, block_size: int, device: torch.device,
-                 broadcast: BatchBroadcast | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches,
+        block_size: int,
+        device: torch.device,
+        broadcast: BatchBroadcast | None = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size

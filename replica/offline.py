@@ -1,14 +1,15 @@
 """The non-persistent API: load a model, run a list of prompts through the engine, return the outputs.
 
-    from fastgen.replica import pipeline
-    pipe = pipeline("smollm2-135m", dtype="bfloat16")
-    outs = pipe(["Hello,"], max_new_tokens=32)
-    print(outs[0].text)
+from fastgen.replica import pipeline
+pipe = pipeline("smollm2-135m", dtype="bfloat16")
+outs = pipe(["Hello,"], max_new_tokens=32)
+print(outs[0].text)
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import Engine, Prompt, build_engine
@@ -81,7 +82,9 @@ def pipeline(
         dtype=dtype,
         device=device,
         kernels=kernels,
-        scheduler=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_seqs=max_seqs or min(64, max_batch_tokens), policy=scheduler),
+        scheduler=SchedulerConfig(
+            max_batch_tokens=max_batch_tokens, max_seqs=max_seqs or min(64, max_batch_tokens), policy=scheduler
+        ),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory),
         max_model_len=max_model_len,
         progress=progress,

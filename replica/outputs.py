@@ -1,4 +1,5 @@
 """What the engine emits: per-request outputs after each step and one stats record per step (no torch)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -3,6 +3,7 @@
 Column-parallel layers split output features (no communication); row-parallel layers split input features and
 all-reduce their partial sums. The embedding splits the vocabulary; the LM head gathers the logits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,7 +54,9 @@ class PackedWeight:
     onednn: torch.Tensor | None = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> torch.Tensor:
     """x W^T + b, through the packed weight when there is one."""
     if packed is not None and packed.amx is not None:
         y = linear_amx(x, packed.amx, bias)
@@ -72,7 +75,11 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     faster; the AMX kernel, where it runs, streams the weight 1.3x faster than oneDNN at decode sizes (1-8 rows)
     and, on two threads, keeps level with it or ahead up to 512 rows; on one thread it is ~10% behind from 128 rows
     up (python -m fastgen.benchmarks.cpu_kernels --threads N). Both split their work over the torch threads."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
         return None
     amx = pack_linear(weight)
     if amx is not None:
@@ -209,7 +216,9 @@ class ParallelLMHead(nn.Module):
         self.vocab_size = embedding.vocab_size
         self.vocab_start = embedding.vocab_start
         self.local_vocab = embedding.local_vocab
-        self.weight = embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
+        self.weight = (
+            embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
+        )
         self.packed = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:

@@ -1,4 +1,5 @@
 """Request and sequence state as plain counters (no torch)."""
+
 from __future__ import annotations
 
 import enum

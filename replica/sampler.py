@@ -1,4 +1,5 @@
 """Sampling from the last logits of each sequence: greedy, temperature, top-k, top-p, per-request seeds."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

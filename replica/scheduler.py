@@ -4,6 +4,7 @@ Each `schedule()` call builds one forward pass. Sequences keep FCFS priority: ol
 and, when the KV pool runs short, the newest sequence is preempted (its blocks freed; it is recomputed later).
 The scheduler advances `num_computed` as it schedules: the batch it returns is what the model will cache.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -11,7 +12,7 @@ from collections import deque
 from .batch import Batch, ScheduledSeq
 from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
-from .request import Sequence, SeqStatus
+from .request import SeqStatus, Sequence
 
 # How many later requests may be admitted ahead of a waiting request that does not fit yet. Past this the
 # queue stops overtaking it, running sequences drain, and it gets its blocks: no starvation.
@@ -124,9 +125,7 @@ class Scheduler:
                     decodes.append(self._take(seq, 1, scheduled))
         return Batch(decodes, len(decodes), preempted)
 
-    def _admit(
-        self, budget: int, whole_prompts: bool, reserve_lifetime: bool = False
-    ) -> list[tuple[Sequence, int]]:
+    def _admit(self, budget: int, whole_prompts: bool, reserve_lifetime: bool = False) -> list[tuple[Sequence, int]]:
         """Moves waiting sequences to running while the budget, max_seqs and the KV pool allow.
 
         A request that does not fit now may be overtaken by later ones, at most MAX_OVERTAKES times."""

@@ -1,5 +1,6 @@
 """The replica's gRPC service. One thread owns the engine and steps it; gRPC handlers only enqueue work and
 await their request's outputs (grpc.aio)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
@@ -70,7 +71,9 @@ class EngineLoop:
     two pools, libgomp then counts more threads than cores and stops its workers spinning between parallel regions,
     and every region pays a wake-up (~70 us measured, against ~1 us with one pool)."""
 
-    def __init__(self, build: Callable[[], Engine], metrics, limits: QueueLimits, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, build: Callable[[], Engine], metrics, limits: QueueLimits, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.engine: Engine | None = None  # set on the engine thread by build()
         self.metrics = metrics
         self.limits = limits
@@ -191,9 +194,7 @@ class EngineLoop:
             kv_blocks_used=s.allocator.num_used,
             kv_blocks_total=s.allocator.num_blocks,
             tokens_generated=self._tokens_generated,
-            pending_prompt_tokens=sum(
-                max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)
-            ),
+            pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
         )
 
 

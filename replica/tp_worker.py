@@ -13,6 +13,7 @@ cache of their heads, and only run the model (ModelRunner.follow) until rank 0 s
 drained. A rank that loses a peer exits non-zero, so the launcher restarts the whole group. Each rank runs
 --threads torch threads; a CUDA rank takes the GPU of its LOCAL_RANK.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,11 @@ def init_process_group(env: RankEnv, device: torch.device) -> None:
         dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
 
 
-def run_tensor_parallel(args: argparse.Namespace, run_replica: Callable[..., int],
-                        engine_config: Callable[[argparse.Namespace], EngineConfig]) -> int:  # fmt: skip
+def run_tensor_parallel(
+    args: argparse.Namespace,
+    run_replica: Callable[..., int],
+    engine_config: Callable[[argparse.Namespace], EngineConfig],
+) -> int:
     """Runs this process as its rank of the replica; returns the exit status. run_replica(args, tp, broadcast) is
     the single-process replica's server, run by rank 0."""
     try:

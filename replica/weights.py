@@ -2,6 +2,7 @@
 
 A GGUF file is converted once through transformers (which dequantizes it) into a cached Hugging Face folder, so
 later starts read safetensors in seconds."""
+
 from __future__ import annotations
 
 import fcntl
@@ -11,8 +12,8 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -6,6 +6,7 @@ single replica alike.
         for text in client.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1):
             print(text, end="", flush=True)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,9 +21,7 @@ import grpc
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
 from .grpc_server import CHANNEL_OPTIONS
 
-SAMPLING_FIELDS = (
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-)  # fmt: skip
+SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 CALL_FIELDS = ("request_id", "timeout")
 # Requests of one batch in flight at once: enough to fill a deployment, few enough not to overflow its queues.
 DEFAULT_MAX_IN_FLIGHT = 128
@@ -39,6 +38,7 @@ HEALTH_NAMES = {
     fastgen_pb2.HEALTH_SERVING: "serving",
     fastgen_pb2.HEALTH_NOT_SERVING: "not_serving",
 }
+
 
 class GenerationError(Exception):
     """A failed call: `.code` is the grpc.StatusCode, `.details` the server's message (what to change)."""
@@ -152,28 +152,42 @@ def batch_requests(prompts: Sequence, kwargs: Mapping[str, object]) -> list[fast
 
 def to_result(resp: fastgen_pb2.GenerateResponse) -> GenerationResult:
     return GenerationResult(
-        text=resp.text, token_ids=list(resp.token_ids), finish_reason=FINISH_REASONS[resp.finish_reason],
-        prompt_tokens=resp.prompt_tokens, generated_tokens=resp.generated_tokens, replica=resp.replica,
+        text=resp.text,
+        token_ids=list(resp.token_ids),
+        finish_reason=FINISH_REASONS[resp.finish_reason],
+        prompt_tokens=resp.prompt_tokens,
+        generated_tokens=resp.generated_tokens,
+        replica=resp.replica,
         request_id=resp.request_id,
-    )  # fmt: skip
+    )
 
 
 def to_chunk(chunk: fastgen_pb2.GenerateChunk) -> GenerationChunk:
     return GenerationChunk(
-        text=chunk.text, token_ids=list(chunk.token_ids), finish_reason=FINISH_REASONS[chunk.finish_reason],
-        prompt_tokens=chunk.prompt_tokens, generated_tokens=chunk.generated_tokens, replica=chunk.replica,
+        text=chunk.text,
+        token_ids=list(chunk.token_ids),
+        finish_reason=FINISH_REASONS[chunk.finish_reason],
+        prompt_tokens=chunk.prompt_tokens,
+        generated_tokens=chunk.generated_tokens,
+        replica=chunk.replica,
         request_id=chunk.request_id,
-    )  # fmt: skip
+    )
 
 
 def to_status(resp: fastgen_pb2.StatusResponse) -> Status:
     replicas = [
         ReplicaInfo(
-            replica=r.replica, address=r.address, health=HEALTH_NAMES.get(r.health, "unknown"),
-            queued_requests=r.queued_requests, running_requests=r.running_requests, kv_blocks_used=r.kv_blocks_used,
-            kv_blocks_total=r.kv_blocks_total, tokens_generated=r.tokens_generated, in_flight=r.in_flight,
+            replica=r.replica,
+            address=r.address,
+            health=HEALTH_NAMES.get(r.health, "unknown"),
+            queued_requests=r.queued_requests,
+            running_requests=r.running_requests,
+            kv_blocks_used=r.kv_blocks_used,
+            kv_blocks_total=r.kv_blocks_total,
+            tokens_generated=r.tokens_generated,
+            in_flight=r.in_flight,
             pending_prompt_tokens=r.pending_prompt_tokens,
-        )  # fmt: skip
+        )
         for r in resp.replicas
     ]
     return Status(model=resp.model, role=resp.role, replicas=replicas)

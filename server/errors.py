@@ -1,4 +1,5 @@
 """Status codes and messages: how failures reach clients."""
+
 from __future__ import annotations
 
 import grpc

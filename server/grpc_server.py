@@ -1,9 +1,11 @@
 """What every FastGen gRPC server shares: the Generation service, grpc.health.v1, reflection, binding
 and graceful shutdown (grpc.aio)."""
+
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import _async as health_aio, health_pb2, health_pb2_grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
@@ -11,10 +13,7 @@ from ..proto import fastgen_pb2, fastgen_pb2_grpc
 SERVICE_NAME = fastgen_pb2.DESCRIPTOR.services_by_name["Generation"].full_name  # "fastgen.v1.Generation"
 # Large enough for long prompts given as token ids or long completions.
 MESSAGE_LIMIT = 64 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MESSAGE_LIMIT),
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-]
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_receive_message_length", MESSAGE_LIMIT)]
 # gRPC sets SO_REUSEPORT by default, so a second server on a busy port would bind "successfully" and steal
 # connections: turn it off so a port in use is an error.
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]

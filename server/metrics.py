@@ -5,6 +5,7 @@ Every metric lives on a `CollectorRegistry` the process creates and passes in, s
 (tests, the pipeline) never collide and nothing registers behind anyone's back. No torch here: the balancer and
 the deployment CLI import this module.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,12 +20,47 @@ from .sla import SlaConfig, meets_sla, rate_label
 
 # Latencies span GPU decode steps (a few ms) to CPU requests of many seconds.
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 REQUEST_LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 TOKENS_PER_FORWARD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
@@ -48,22 +84,31 @@ def _replica(name: str, kind: type, help: str, labels: tuple[str, ...] = (), buc
 # ---- The table. Names are what the Grafana dashboard and users query; change them only together. ----
 # Replica process.
 TIME_TO_FIRST_TOKEN = _replica(
-    "fastgen_time_to_first_token_seconds", Histogram, "Arrival to first generated token.", buckets=LATENCY_BUCKETS)
+    "fastgen_time_to_first_token_seconds", Histogram, "Arrival to first generated token.", buckets=LATENCY_BUCKETS
+)
 INTER_TOKEN_LATENCY = _replica(
-    "fastgen_inter_token_latency_seconds", Histogram, "Time between consecutive tokens of a request.",
-    buckets=LATENCY_BUCKETS)
+    "fastgen_inter_token_latency_seconds",
+    Histogram,
+    "Time between consecutive tokens of a request.",
+    buckets=LATENCY_BUCKETS,
+)
 E2E_LATENCY = _replica(
-    "fastgen_e2e_request_latency_seconds", Histogram, "Arrival to finish of a request.",
-    buckets=REQUEST_LATENCY_BUCKETS)
+    "fastgen_e2e_request_latency_seconds", Histogram, "Arrival to finish of a request.", buckets=REQUEST_LATENCY_BUCKETS
+)
 QUEUE_TIME = _replica(
-    "fastgen_request_queue_time_seconds", Histogram, "Arrival to first scheduled forward pass.",
-    buckets=REQUEST_LATENCY_BUCKETS)
+    "fastgen_request_queue_time_seconds",
+    Histogram,
+    "Arrival to first scheduled forward pass.",
+    buckets=REQUEST_LATENCY_BUCKETS,
+)
 PROMPT_TOKENS = _replica("fastgen_prompt_tokens_total", Counter, "Prompt tokens of admitted requests.")
 GENERATED_TOKENS = _replica("fastgen_generated_tokens_total", Counter, "Tokens generated.")
 REQUESTS_FINISHED = _replica(
-    "fastgen_requests_finished_total", Counter, "Finished requests by finish reason.", ("reason",))
+    "fastgen_requests_finished_total", Counter, "Finished requests by finish reason.", ("reason",)
+)
 REQUESTS = _replica(
-    "fastgen_requests_total", Counter, "RPCs answered by gRPC method and status code.", ("method", "code"))
+    "fastgen_requests_total", Counter, "RPCs answered by gRPC method and status code.", ("method", "code")
+)
 QUEUE_LENGTH = _replica("fastgen_queue_length", Gauge, "Requests waiting for their first forward pass.")
 RUNNING_SEQUENCES = _replica("fastgen_running_sequences", Gauge, "Sequences being prefilled or decoded.")
 KV_BLOCKS_USED = _replica("fastgen_kv_cache_blocks_used", Gauge, "KV cache blocks in use.")
@@ -71,54 +116,100 @@ KV_BLOCKS_TOTAL = _replica("fastgen_kv_cache_blocks_total", Gauge, "KV cache blo
 KV_USAGE = _replica("fastgen_kv_cache_usage_ratio", Gauge, "Fraction of KV cache blocks in use (0..1).")
 PREEMPTIONS = _replica("fastgen_preemptions_total", Counter, "Sequences preempted for lack of KV blocks.")
 TOKENS_PER_FORWARD = _replica(
-    "fastgen_tokens_per_forward", Histogram, "Tokens (prefill + decode) in one forward pass.",
-    buckets=TOKENS_PER_FORWARD_BUCKETS)
+    "fastgen_tokens_per_forward",
+    Histogram,
+    "Tokens (prefill + decode) in one forward pass.",
+    buckets=TOKENS_PER_FORWARD_BUCKETS,
+)
 BUDGET_FILL = _replica(
-    "fastgen_token_budget_fill_ratio", Histogram, "Tokens in a forward pass over the token budget.",
-    buckets=FILL_BUCKETS)
+    "fastgen_token_budget_fill_ratio",
+    Histogram,
+    "Tokens in a forward pass over the token budget.",
+    buckets=FILL_BUCKETS,
+)
 FORWARD_TIME = _replica(
-    "fastgen_forward_seconds", Histogram, "Model forward and sampling of one engine step.", buckets=LATENCY_BUCKETS)
+    "fastgen_forward_seconds", Histogram, "Model forward and sampling of one engine step.", buckets=LATENCY_BUCKETS
+)
 STEP_TIME = _replica(
-    "fastgen_step_seconds", Histogram, "One engine step, scheduling and detokenization included.",
-    buckets=LATENCY_BUCKETS)
+    "fastgen_step_seconds",
+    Histogram,
+    "One engine step, scheduling and detokenization included.",
+    buckets=LATENCY_BUCKETS,
+)
 SLA_REQUESTS = _replica(
-    "fastgen_sla_requests_total", Counter,
+    "fastgen_sla_requests_total",
+    Counter,
     "Finished requests (not cancelled) scored against the SLA: first token within prompt_tokens / prompt_rate s, "
     "every span-16 moving average of inter-token time at most 1 / token_rate s.",
-    ("prompt_rate", "token_rate", "result"))
+    ("prompt_rate", "token_rate", "result"),
+)
 
 # Balancer process.
 BALANCER_REQUESTS = MetricDef(
-    "fastgen_balancer_requests_total", Counter, "RPCs the balancer answered, by method and status code.",
-    ("method", "code"))
+    "fastgen_balancer_requests_total",
+    Counter,
+    "RPCs the balancer answered, by method and status code.",
+    ("method", "code"),
+)
 BALANCER_REPLICA_REQUESTS = MetricDef(
-    "fastgen_balancer_replica_requests_total", Counter, "Upstream calls to each replica by status code.",
-    ("replica", "code"))
+    "fastgen_balancer_replica_requests_total",
+    Counter,
+    "Upstream calls to each replica by status code.",
+    ("replica", "code"),
+)
 BALANCER_IN_FLIGHT = MetricDef(
-    "fastgen_balancer_in_flight_requests", Gauge, "Requests the balancer has in flight on each replica.",
-    ("replica",))
+    "fastgen_balancer_in_flight_requests", Gauge, "Requests the balancer has in flight on each replica.", ("replica",)
+)
 BALANCER_REPLICA_HEALTHY = MetricDef(
-    "fastgen_balancer_replica_healthy", Gauge, "1 when the replica passes health checks, else 0.", ("replica",))
+    "fastgen_balancer_replica_healthy", Gauge, "1 when the replica passes health checks, else 0.", ("replica",)
+)
 BALANCER_RETRIES = MetricDef(
-    "fastgen_balancer_retries_total", Counter, "Requests retried on another replica, by the failed replica.",
-    ("replica", "code"))
+    "fastgen_balancer_retries_total",
+    Counter,
+    "Requests retried on another replica, by the failed replica.",
+    ("replica", "code"),
+)
 BALANCER_ROUTING = MetricDef(
-    "fastgen_balancer_routing_decisions_total", Counter, "Replica picks by routing policy.", ("policy", "replica"))
+    "fastgen_balancer_routing_decisions_total", Counter, "Replica picks by routing policy.", ("policy", "replica")
+)
 
 # Every process.
 BUILD_INFO = MetricDef(
-    "fastgen_build_info", Gauge, "Always 1; the labels say what the process runs (empty where it does not apply).",
-    ("version", "role", "replica", "model", "dtype", "tp"))
+    "fastgen_build_info",
+    Gauge,
+    "Always 1; the labels say what the process runs (empty where it does not apply).",
+    ("version", "role", "replica", "model", "dtype", "tp"),
+)
 
 REPLICA_METRICS = (
-    TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, QUEUE_TIME, PROMPT_TOKENS, GENERATED_TOKENS,
-    REQUESTS_FINISHED, REQUESTS, QUEUE_LENGTH, RUNNING_SEQUENCES, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, KV_USAGE,
-    PREEMPTIONS, TOKENS_PER_FORWARD, BUDGET_FILL, FORWARD_TIME, STEP_TIME, SLA_REQUESTS,
-)  # fmt: skip
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    E2E_LATENCY,
+    QUEUE_TIME,
+    PROMPT_TOKENS,
+    GENERATED_TOKENS,
+    REQUESTS_FINISHED,
+    REQUESTS,
+    QUEUE_LENGTH,
+    RUNNING_SEQUENCES,
+    KV_BLOCKS_USED,
+    KV_BLOCKS_TOTAL,
+    KV_USAGE,
+    PREEMPTIONS,
+    TOKENS_PER_FORWARD,
+    BUDGET_FILL,
+    FORWARD_TIME,
+    STEP_TIME,
+    SLA_REQUESTS,
+)
 BALANCER_METRICS = (
-    BALANCER_REQUESTS, BALANCER_REPLICA_REQUESTS, BALANCER_IN_FLIGHT, BALANCER_REPLICA_HEALTHY, BALANCER_RETRIES,
+    BALANCER_REQUESTS,
+    BALANCER_REPLICA_REQUESTS,
+    BALANCER_IN_FLIGHT,
+    BALANCER_REPLICA_HEALTHY,
+    BALANCER_RETRIES,
     BALANCER_ROUTING,
-)  # fmt: skip
+)
 ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + (BUILD_INFO,)
 
 
@@ -149,8 +240,14 @@ def record_build_info(registry: CollectorRegistry, info: BuildInfo) -> None:
     """Exports fastgen_build_info{...} = 1. Nothing in it changes from one start of a process to the next (no pid,
     no start time), so a restarted process continues the same series."""
     gauge = register(registry, (BUILD_INFO,))[BUILD_INFO]
-    gauge.labels(version=info.version, role=info.role, replica=info.replica, model=info.model, dtype=info.dtype,
-                 tp="" if info.tp is None else str(info.tp)).set(1)  # fmt: skip
+    gauge.labels(
+        version=info.version,
+        role=info.role,
+        replica=info.replica,
+        model=info.model,
+        dtype=info.dtype,
+        tp="" if info.tp is None else str(info.tp),
+    ).set(1)
 
 
 # ---- What the recorders read: duck types of the engine's StepStats and RequestOutput. ----
@@ -211,10 +308,14 @@ class ReplicaMetrics:
         # (token rate, met?) -> its counter, every one present at 0 from the start for the same reason.
         self._sla_counters = {
             (rate, met): metrics[SLA_REQUESTS].labels(
-                **self._replica_labels, prompt_rate=rate_label(sla.prompt_rate), token_rate=rate_label(rate),
-                result="met" if met else "missed")
-            for rate in sla.token_rates for met in (True, False)
-        }  # fmt: skip
+                **self._replica_labels,
+                prompt_rate=rate_label(sla.prompt_rate),
+                token_rate=rate_label(rate),
+                result="met" if met else "missed",
+            )
+            for rate in sla.token_rates
+            for met in (True, False)
+        }
         # request_id -> arrival times (time.monotonic()) of its tokens; present from its first token to its finish.
         self._token_times: dict[str, list[float]] = {}
 

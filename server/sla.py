@@ -14,6 +14,7 @@ only (a) applies. Both bounds are inclusive; the update e += alpha * (d - e) kee
 interval is d, so a stream exactly at the threshold meets it without any tolerance. Tokens that arrive together
 (one chunk) have interval 0.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -10,6 +10,7 @@
 Output goes to a log file per process (a pipe nobody reads would block the process once full); failures quote its
 tail. Every process runs with one torch/BLAS thread: test machines have two cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Enough KV blocks for 40 concurrent short requests at block size 16 on the tiny model.
 REPLICA_DEFAULTS = (
-    "--dtype", "float32", "--max-batch-tokens", "256", "--max-seqs", "32", "--block-size", "16",
-    "--num-blocks", "512", "--scheduler", "splitfuse", "--threads", "1", "--max-queue-requests", "256",
-)  # fmt: skip
+    "--dtype",
+    "float32",
+    "--max-batch-tokens",
+    "256",
+    "--max-seqs",
+    "32",
+    "--block-size",
+    "16",
+    "--num-blocks",
+    "512",
+    "--scheduler",
+    "splitfuse",
+    "--threads",
+    "1",
+    "--max-queue-requests",
+    "256",
+)
 
 
 def free_port() -> int:
@@ -94,19 +109,27 @@ def spawn(name: str, args: list[str], port: int, metrics_port: int, log_dir: Pat
 
 
 def start_replica(
-    model: str | Path,
-    replica_id: str,
-    log_dir: Path,
-    port: int | None = None,
-    extra_args: Iterable[str] = (),
+    model: str | Path, replica_id: str, log_dir: Path, port: int | None = None, extra_args: Iterable[str] = ()
 ) -> Proc:
     """`python -m fastgen.replica` on a free port (or `port`, to restart one where it was)."""
     port = port or free_port()
     metrics_port = free_port()
     args = [
-        "-m", "fastgen.replica", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
-        "--replica-id", replica_id, "--model", str(model), *REPLICA_DEFAULTS, *extra_args,
-    ]  # fmt: skip
+        "-m",
+        "fastgen.replica",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--replica-id",
+        replica_id,
+        "--model",
+        str(model),
+        *REPLICA_DEFAULTS,
+        *extra_args,
+    ]
     return spawn(replica_id, args, port, metrics_port, log_dir)
 
 
@@ -178,5 +201,7 @@ def wait_balancer_sees(balancer: Proc, want: dict[str, str], timeout: float = 30
     """Waits until the balancer reports each replica id in `want` with that health."""
     wait_until(
         lambda: all(balancer_health_of_replicas(balancer).get(rid) == h for rid, h in want.items()),
-        timeout, interval=0.1, what=f"balancer seeing {want}",
-    )  # fmt: skip
+        timeout,
+        interval=0.1,
+        what=f"balancer seeing {want}",
+    )

@@ -1,6 +1,7 @@
 """End to end: two real replica processes on the tiny random model behind a real balancer process, driven through
 the Python clients. Tests run in file order and share the replicas; the crash test restarts the replica it kills
 and the last test takes the whole deployment down."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +12,18 @@ import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from fastgen.server import AsyncClient, Client, GenerationError
-
 from procs import (
-    Proc, free_port, start_balancer, start_replica, wait_balancer_sees, wait_health, wait_serving, wait_until,
-)  # fmt: skip
+    Proc,
+    free_port,
+    start_balancer,
+    start_replica,
+    wait_balancer_sees,
+    wait_health,
+    wait_serving,
+    wait_until,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +143,10 @@ def test_stream_equals_unary_equals_a_replica_direct(kind, client, replicas):
     assert [t for c in chunks for t in c.token_ids] == unary.token_ids
     last = chunks[-1]
     assert (last.finish_reason, last.prompt_tokens, last.generated_tokens) == (
-        unary.finish_reason, unary.prompt_tokens, unary.generated_tokens)  # fmt: skip
+        unary.finish_reason,
+        unary.prompt_tokens,
+        unary.generated_tokens,
+    )
     assert unary.generated_tokens == len(unary.token_ids) > 0
     with Client(replicas["r1"].address, timeout=60) as direct:
         alone = direct.generate(prompt, max_new_tokens=24)
@@ -325,8 +334,10 @@ def test_port_in_use_and_bad_flags_fail_clearly(balancer, logs):
         clash.kill()
     bad = subprocess.run(
         [sys.executable, "-m", "fastgen.balancer", "--replica", "r0=127.0.0.1:1", "--max-retries", "-1"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--max-retries" in bad.stderr
 
 

@@ -1,5 +1,6 @@
 """The balancer's proxying, retries, deadlines and cancellation against scripted in-process fake replicas (no model,
 no subprocesses): failures on cue, so each rule is checked deterministically and fast."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
-
 from fastgen.balancer.policy import Router
 from fastgen.balancer.pool import ReplicaPool, ReplicaSpec
 from fastgen.balancer.service import BalancerService
@@ -18,8 +17,8 @@ from fastgen.proto import fastgen_pb2_grpc
 from fastgen.server import AsyncClient, GenerationError
 from fastgen.server.grpc_server import create_server, set_serving
 from fastgen.server.metrics import BalancerMetrics
-
 from procs import free_port
+from prometheus_client import CollectorRegistry
 
 OK, SLOW = "ok", "slow"
 
@@ -62,9 +61,13 @@ class FakeReplica(fastgen_pb2_grpc.GenerationServicer):
         if action == SLOW:
             await self._hang()
         return pb.GenerateResponse(
-            request_id=request.request_id, text=f"text from {self.id}", token_ids=[1, 2],
-            finish_reason=pb.FINISH_REASON_LENGTH, generated_tokens=2, replica=self.id,
-        )  # fmt: skip
+            request_id=request.request_id,
+            text=f"text from {self.id}",
+            token_ids=[1, 2],
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            generated_tokens=2,
+            replica=self.id,
+        )
 
     async def GenerateStream(self, request, context):
         action = self._next(context)
@@ -97,8 +100,9 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def balancer_over(fakes: list[FakeReplica], max_retries: int = 2, healthy: bool = True,
-                        policy: str = "round_robin"):
+async def balancer_over(
+    fakes: list[FakeReplica], max_retries: int = 2, healthy: bool = True, policy: str = "round_robin"
+):
     servers, health, specs = [], {}, []
     for fake in fakes:
         port = free_port()
@@ -147,8 +151,9 @@ def test_unavailable_replica_is_retried_on_the_other():
     assert (a.calls, b.calls) == (1, 1)
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
-                                  grpc.StatusCode.FAILED_PRECONDITION])  # fmt: skip
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.FAILED_PRECONDITION]
+)
 def test_request_errors_pass_through_without_retry(code):
     a, b = FakeReplica("a", [code]), FakeReplica("b")
 

@@ -1,7 +1,7 @@
 """The Python client's argument handling, without a server (end-to-end use is in test_balancer.py)."""
+
 import grpc
 import pytest
-
 from fastgen.proto import fastgen_pb2 as pb
 from fastgen.server import Client, GenerationError
 from fastgen.server.client import build_request, check_kwargs, is_single_prompt, to_chunk, to_result
@@ -40,8 +40,13 @@ def test_single_or_batch():
 
 
 def test_sampling_params_and_stop():
-    req = build_request("x", "rid", dict(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=0,
-                                         stop="END", ignore_eos=True, min_new_tokens=2))  # fmt: skip
+    req = build_request(
+        "x",
+        "rid",
+        dict(
+            max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=0, stop="END", ignore_eos=True, min_new_tokens=2
+        ),
+    )
     p = req.params
     assert (p.max_new_tokens, p.min_new_tokens, p.top_k, p.ignore_eos) == (7, 2, 4, True)
     assert p.HasField("seed") and p.seed == 0  # seed 0 is a seed, not "unset"

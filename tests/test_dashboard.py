@@ -1,5 +1,6 @@
 """The Grafana dashboard and the Prometheus wiring, without running either: the committed JSON is what the code
 generates, every query uses only defined metrics and is templated, the scrape targets are stable."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from fastgen.launch import cli, prometheus, state
 from fastgen.launch.config import DeployConfig
 from fastgen.launch.grafana import DASHBOARD_JSON
@@ -28,7 +28,9 @@ def queries(board: dict) -> list[tuple[str, str]]:
 
 
 def test_committed_dashboard_is_what_the_code_generates():
-    pytest.importorskip("grafana_foundation_sdk", reason='grafana-foundation-sdk not installed: pip install -e ".[test]"')
+    pytest.importorskip(
+        "grafana_foundation_sdk", reason='grafana-foundation-sdk not installed: pip install -e ".[test]"'
+    )
     from fastgen.launch.grafana.dashboard import render
 
     assert DASHBOARD_JSON.read_text() == render(), "stale dashboard: run python -m fastgen.launch.grafana"
@@ -46,10 +48,22 @@ def test_the_dashboard_shows_what_operators_act_on():
     board = dashboard()
     titles = {p["title"] for p in board["panels"]}
     assert {
-        "Request rate", "Effective throughput", "SLA attainment", "Time to first token", "Inter-token latency",
-        "End-to-end latency", "Tokens per second", "Queued requests", "Running sequences", "KV cache usage",
-        "Preemptions", "Token-budget fill", "Traffic per replica", "Replica health", "Retries",
-    } <= titles  # fmt: skip
+        "Request rate",
+        "Effective throughput",
+        "SLA attainment",
+        "Time to first token",
+        "Inter-token latency",
+        "End-to-end latency",
+        "Tokens per second",
+        "Queued requests",
+        "Running sequences",
+        "KV cache usage",
+        "Preemptions",
+        "Token-budget fill",
+        "Traffic per replica",
+        "Replica health",
+        "Retries",
+    } <= titles
     assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "deployment", "replica", "token_rate"]
     exprs = " ".join(e for _, e in queries(board))
     for q in ("0.5", "0.95", "0.99"):
@@ -78,8 +92,9 @@ def test_promtool_accepts_the_scrape_config_and_targets(tmp_path):
     paths = state.paths_for(tmp_path, "prod")
     state.write_json_atomic(paths.prometheus_targets, prometheus.targets(DeployConfig(name="prod")))
     (tmp_path / "prometheus.yml").write_text(prometheus.scrape_config(tmp_path))
-    done = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -98,7 +113,14 @@ def test_cli_passes_the_sla_through():
     c = cli.config_from(args)
     assert (c.sla_prompt_rate, c.sla_token_rates) == (512, (2, 4, 6))
     argv = cli.deployment.plan(c, "PY")[1].argv
-    assert argv[argv.index("--sla-prompt-rate"):][:6] == ["--sla-prompt-rate", "512", "--sla-token-rate", "2", "4", "6"]
+    assert argv[argv.index("--sla-prompt-rate") :][:6] == [
+        "--sla-prompt-rate",
+        "512",
+        "--sla-token-rate",
+        "2",
+        "4",
+        "6",
+    ]
 
 
 def test_tp_ranks_are_not_targets():

@@ -1,6 +1,7 @@
 """fastgen-deploy end to end with real processes (balancer + 2 replicas of a tiny random model, 127.0.0.1):
 start → status → generate → kill -9 a replica (the supervisor restarts it) → a clashing start fails → stop leaves
 nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from fastgen.launch.probe import port_free
 
 pytestmark = pytest.mark.slow
@@ -36,13 +36,19 @@ class Deploy:
 
     def __init__(self, home: Path):
         # One BLAS thread per process: the test machine has two cores.
-        self.env = dict(os.environ, FASTGEN_HOME=str(home), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                        TOKENIZERS_PARALLELISM="false")  # fmt: skip
+        self.env = dict(
+            os.environ, FASTGEN_HOME=str(home), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
+        )
         self.seen_pids: set[int] = set()
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fastgen.launch", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "fastgen.launch", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def status(self, name: str = "e2e") -> list[dict]:
         done = self("status", "--name", name, "--json")
@@ -85,9 +91,27 @@ def wait_for(predicate, timeout: float, what: str):
 def test_deployment_lifecycle(deploy, tiny_model_dir):
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
-    start = ["start", "--name", "e2e", "--model", str(tiny_model_dir), "--replicas", "2", "--port", str(port),
-             "--metrics-port", str(metrics), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--threads", "1",
-             "--timeout", "120"]  # fmt: skip
+    start = [
+        "start",
+        "--name",
+        "e2e",
+        "--model",
+        str(tiny_model_dir),
+        "--replicas",
+        "2",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "8MiB",
+        "--threads",
+        "1",
+        "--timeout",
+        "120",
+    ]
     done = deploy(*start, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"127.0.0.1:{port}" in done.stdout and f"http://127.0.0.1:{metrics + 2}/metrics" in done.stdout
@@ -97,7 +121,7 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
         ("balancer", None, port, metrics, "SERVING"),
         ("replica", "replica-0", port + 1, metrics + 1, "SERVING"),
         ("replica", "replica-1", port + 2, metrics + 2, "SERVING"),
-    ]  # fmt: skip
+    ]
     assert all(alive(r["pid"]) for r in rows)
     assert rows[1]["kv_blocks_total"] > 0 and rows[1]["queued"] == 0
 
@@ -117,10 +141,14 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
     def replica_back():
         r = deploy.status()[1]
         return r["pid"] not in (None, old_pid) and r["health"] == "SERVING" and r
+
     back = wait_for(replica_back, 60, "replica-0 to be restarted and SERVING")
     assert back["restarts"] == 1 and not alive(old_pid)
-    wait_for(lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0, 20,
-             "the balancer to route again")  # fmt: skip
+    wait_for(
+        lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0,
+        20,
+        "the balancer to route again",
+    )
 
     done = deploy(*start)
     assert done.returncode != 0 and "already running" in done.stderr
@@ -145,9 +173,24 @@ def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
     port = free_port_range(2)
-    done = deploy("start", "--name", "e2e", "--model", str(not_a_model), "--replicas", "1", "--port", str(port),
-                  "--metrics-port", str(free_port_range(2, avoid={port, port + 1})), "--threads", "1",
-                  "--timeout", "120", timeout=180)  # fmt: skip
+    done = deploy(
+        "start",
+        "--name",
+        "e2e",
+        "--model",
+        str(not_a_model),
+        "--replicas",
+        "1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port_range(2, avoid={port, port + 1})),
+        "--threads",
+        "1",
+        "--timeout",
+        "120",
+        timeout=180,
+    )
     assert done.returncode != 0
     assert "replica-0 exited with code" in done.stderr and "not a Hugging Face model folder" in done.stderr
     assert "no deployments" in deploy("list").stdout
@@ -156,9 +199,28 @@ def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
 
 def test_stop_cleans_up_after_a_killed_supervisor(deploy, tiny_model_dir):
     port = free_port_range(2)
-    done = deploy("start", "--name", "e2e", "--model", str(tiny_model_dir), "--replicas", "1", "--port", str(port),
-                  "--metrics-port", str(free_port_range(2, avoid={port, port + 1})), "--dtype", "float32",
-                  "--kv-cache-memory", "8MiB", "--threads", "1", "--timeout", "120", timeout=180)  # fmt: skip
+    done = deploy(
+        "start",
+        "--name",
+        "e2e",
+        "--model",
+        str(tiny_model_dir),
+        "--replicas",
+        "1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port_range(2, avoid={port, port + 1})),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "8MiB",
+        "--threads",
+        "1",
+        "--timeout",
+        "120",
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     pids = [r["pid"] for r in deploy.status()]
     state = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())

@@ -1,17 +1,22 @@
 """Greedy output of the engine equals Hugging Face transformers `generate` in float32, token for token,
 whatever the token budget, the batch mix or preemption."""
+
 import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from fastgen.replica import pipeline
 from fastgen.replica.request import FinishReason
 from tiny_model import make_tiny_model
+from transformers import AutoModelForCausalLM
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 32}  # fmt: skip
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CONFIGS = {
     "llama-gqa-tied": dict(arch="llama", heads=4, kv_heads=2, tie=True),
     "llama-mha-untied": dict(arch="llama", heads=4, kv_heads=4, tie=False),
@@ -34,9 +39,14 @@ def hf_greedy(model_dir, prompts, max_new):
     refs = []
     for ids in prompts:
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-        )  # fmt: skip
+            torch.tensor([ids]),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         tokens = out.sequences[0, len(ids) :].tolist()
         for step, scores in enumerate(out.scores):
             top2 = scores[0].topk(2).values
@@ -85,8 +95,15 @@ def test_preemption_with_a_tiny_kv_pool(models, scheduler):
     model = models["llama-gqa-tied"]
     refs = hf_greedy(model, prompts, 16)
     # 20 blocks of 4 tokens: one sequence fits (at most 76 tokens), several do not.
-    pipe = pipeline(str(model), dtype="float32", max_batch_tokens=32, block_size=4, num_blocks=20,
-                    scheduler=scheduler, progress=False)  # fmt: skip
+    pipe = pipeline(
+        str(model),
+        dtype="float32",
+        max_batch_tokens=32,
+        block_size=4,
+        num_blocks=20,
+        scheduler=scheduler,
+        progress=False,
+    )
     outs = pipe(prompts, max_new_tokens=16, min_new_tokens=16)
     assert_matches(outs, refs)
     if scheduler == "splitfuse":
@@ -97,7 +114,9 @@ def test_preemption_with_a_tiny_kv_pool(models, scheduler):
 def test_bad_input_raises_and_engine_keeps_serving(models):
     pipe = pipeline(str(models["llama-gqa-tied"]), dtype="float32", max_model_len=128, progress=False)
     engine = pipe.engine
-    engine.add_request("good", [5, 6, 7], __import__("fastgen.replica.request", fromlist=["x"]).SamplingParams(max_new_tokens=4))
+    engine.add_request(
+        "good", [5, 6, 7], __import__("fastgen.replica.request", fromlist=["x"]).SamplingParams(max_new_tokens=4)
+    )
     cases = [
         ("", {}, "prompt is empty"),
         ([], {}, "prompt is empty"),

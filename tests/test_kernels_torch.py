@@ -1,12 +1,11 @@
 """The torch kernels against plain dense computations, on random ragged batches over a paged cache."""
+
 import contextlib
 import math
 import random
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 from fastgen.kernels import AttentionMetadata, add_rms_norm, paged_attention, rms_norm, rotary_write_kv
 from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
 
@@ -94,7 +93,9 @@ def test_paged_attention_matches_dense(block_size, kind):
     rng.seed(seed)
     torch.manual_seed(seed)
     decodes = [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 6))] if kind != "prefill" else []
-    prefills = [(rng.choice([0, rng.randrange(1, 200)]), rng.randrange(2, 70)) for _ in range(3)] if kind != "decode" else []
+    prefills = (
+        [(rng.choice([0, rng.randrange(1, 200)]), rng.randrange(2, 70)) for _ in range(3)] if kind != "decode" else []
+    )
     seqs = decodes + prefills
     q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads=2, head_dim=16)
     meta.num_decodes = len(decodes)
@@ -132,8 +133,13 @@ def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}  # fmt: skip
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0, rope_scaling=scaling)
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = rope_inv_freq(16, 500000.0, (8.0, 1.0, 4.0, 64))
@@ -151,8 +157,9 @@ def test_rms_norm_and_fused_residual():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])  # 16, 32: bf16 scores on AMX tiles; 1: vdpbf16ps
-@pytest.mark.parametrize("kv_heads, head_dim, group", [(2, 64, 3), (3, 128, 2), (1, 32, 1), (2, 80, 3), (1, 48, 9),
-                                                       (1, 40, 2)])  # 80, 48: masked chunks; 40: portable (f32)
+@pytest.mark.parametrize(
+    "kv_heads, head_dim, group", [(2, 64, 3), (3, 128, 2), (1, 32, 1), (2, 80, 3), (1, 48, 9), (1, 40, 2)]
+)  # 80, 48: masked chunks; 40: portable (f32)
 def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim, group, monkeypatch):
     """The compiled C decode attention against dense attention, on a mixed batch (decodes + prompt chunks), on one
     thread and split over several. Cache slots no sequence owns hold NaN, so a kernel that reads past a sequence's
@@ -271,8 +278,9 @@ def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim,
     for _ in range(3):
         rng.shuffle(chunks)
         decodes = [(rng.randrange(1, 200), 1) for _ in range(rng.randrange(0, 3))]
-        q, k_cache, v_cache, meta, dense = make_batch(rng, decodes + chunks[:4], block_size, kv_heads, head_dim,
-                                                      dtype=torch.bfloat16)  # fmt: skip
+        q, k_cache, v_cache, meta, dense = make_batch(
+            rng, decodes + chunks[:4], block_size, kv_heads, head_dim, dtype=torch.bfloat16
+        )
         meta.num_decodes = len(decodes)
         out = in_threads(1, cpu.paged_attention_cpu, q, k_cache, v_cache, meta, head_dim**-0.5)
         ref = dense_attention(q, k_cache, v_cache, meta, dense, head_dim**-0.5)

@@ -1,5 +1,6 @@
 """fastgen-deploy without a model: settings, sizes, ports, state files, backoff, and the supervisor's mechanics with a
 stand-in child (a few-line gRPC health server). Fast: no torch in any process started here."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from fastgen.launch import cli, config as cfg, deployment, probe, state, supervisor
+from fastgen.launch import cli, deployment, probe, state, supervisor
+from fastgen.launch import config as cfg
 from fastgen.launch.config import DeployConfig, ProcessSpec
 
 STAND_IN = textwrap.dedent(
@@ -62,9 +63,17 @@ def free_port() -> int:
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1073741824", 1 << 30), ("1.5g", 3 << 29), ("64KiB", 65536),
-     ("1GB", 10**9), (" 16 mib ", 16 << 20), ("100b", 100)],
-)  # fmt: skip
+    [
+        ("512MiB", 512 << 20),
+        ("2GiB", 2 << 30),
+        ("1073741824", 1 << 30),
+        ("1.5g", 3 << 29),
+        ("64KiB", 65536),
+        ("1GB", 10**9),
+        (" 16 mib ", 16 << 20),
+        ("100b", 100),
+    ],
+)
 def test_parse_size(text, expected):
     assert cfg.parse_size(text) == expected
 
@@ -87,16 +96,28 @@ def test_defaults_are_valid():
 @pytest.mark.parametrize(
     "change, flag",
     [
-        (dict(replicas=0), "--replicas"), (dict(tp=0), "--tp"), (dict(threads=0), "--threads"),
-        (dict(name="a b"), "--name"), (dict(name="../x"), "--name"), (dict(name=""), "--name"),
-        (dict(port=0), "--port"), (dict(port=65535), "--port"), (dict(metrics_port=70000), "--metrics-port"),
-        (dict(port=9400, metrics_port=9401), "overlap"), (dict(policy="random"), "--policy"),
-        (dict(dtype="int8"), "--dtype"), (dict(scheduler="fifo"), "--scheduler"),
-        (dict(max_seqs=1000), "--max-seqs"), (dict(block_size=0), "--block-size"), (dict(num_blocks=0), "--num-blocks"),
-        (dict(max_model_len=1), "--max-model-len"), (dict(timeout=0), "--timeout"),
-        (dict(model="/no/such/model"), "--model"), (dict(model="missing.gguf"), "--model"),
+        (dict(replicas=0), "--replicas"),
+        (dict(tp=0), "--tp"),
+        (dict(threads=0), "--threads"),
+        (dict(name="a b"), "--name"),
+        (dict(name="../x"), "--name"),
+        (dict(name=""), "--name"),
+        (dict(port=0), "--port"),
+        (dict(port=65535), "--port"),
+        (dict(metrics_port=70000), "--metrics-port"),
+        (dict(port=9400, metrics_port=9401), "overlap"),
+        (dict(policy="random"), "--policy"),
+        (dict(dtype="int8"), "--dtype"),
+        (dict(scheduler="fifo"), "--scheduler"),
+        (dict(max_seqs=1000), "--max-seqs"),
+        (dict(block_size=0), "--block-size"),
+        (dict(num_blocks=0), "--num-blocks"),
+        (dict(max_model_len=1), "--max-model-len"),
+        (dict(timeout=0), "--timeout"),
+        (dict(model="/no/such/model"), "--model"),
+        (dict(model="missing.gguf"), "--model"),
     ],
-)  # fmt: skip
+)
 def test_validate_names_the_flag(change, flag):
     problems = cfg.validate(replace(DeployConfig(), **change))
     assert len(problems) == 1 and flag in problems[0], problems
@@ -113,18 +134,30 @@ def test_default_threads():
 
 
 def test_port_layout_and_commands():
-    c = DeployConfig(replicas=3, port=7000, metrics_port=8000, dtype="float32", num_blocks=64, max_model_len=256,
-                     kv_cache_memory=1 << 20, threads=2)  # fmt: skip
+    c = DeployConfig(
+        replicas=3,
+        port=7000,
+        metrics_port=8000,
+        dtype="float32",
+        num_blocks=64,
+        max_model_len=256,
+        kv_cache_memory=1 << 20,
+        threads=2,
+    )
     specs = cfg.plan(c, python="PY")
     assert [(s.id, s.role, s.port, s.metrics_port) for s in specs] == [
-        ("balancer", "balancer", 7000, 8000), ("replica-0", "replica", 7001, 8001),
-        ("replica-1", "replica", 7002, 8002), ("replica-2", "replica", 7003, 8003),
-    ]  # fmt: skip
+        ("balancer", "balancer", 7000, 8000),
+        ("replica-0", "replica", 7001, 8001),
+        ("replica-1", "replica", 7002, 8002),
+        ("replica-2", "replica", 7003, 8003),
+    ]
     bal = specs[0].argv
     assert bal[:3] == ["PY", "-m", "fastgen.balancer"]
     assert [bal[i + 1] for i, a in enumerate(bal) if a == "--replica"] == [
-        "replica-0=127.0.0.1:7001", "replica-1=127.0.0.1:7002", "replica-2=127.0.0.1:7003",
-    ]  # fmt: skip
+        "replica-0=127.0.0.1:7001",
+        "replica-1=127.0.0.1:7002",
+        "replica-2=127.0.0.1:7003",
+    ]
     assert bal[bal.index("--policy") + 1] == "round_robin"
     rep = specs[2].argv
     sla = rep.index("--sla-prompt-rate")  # last, as --sla-token-rate takes several values
@@ -133,11 +166,21 @@ def test_port_layout_and_commands():
     flags = dict(zip(rep[3::2], rep[4::2]))
     assert rep[:3] == ["PY", "-m", "fastgen.replica"]
     assert flags == {
-        "--host": "127.0.0.1", "--port": "7002", "--metrics-port": "8002", "--replica-id": "replica-1",
-        "--model": "smollm2-135m", "--dtype": "float32", "--max-batch-tokens": "512", "--max-seqs": "64",
-        "--block-size": "16", "--num-blocks": "64", "--kv-cache-memory": str(1 << 20), "--scheduler": "splitfuse",
-        "--max-model-len": "256", "--threads": "2",
-    }  # fmt: skip
+        "--host": "127.0.0.1",
+        "--port": "7002",
+        "--metrics-port": "8002",
+        "--replica-id": "replica-1",
+        "--model": "smollm2-135m",
+        "--dtype": "float32",
+        "--max-batch-tokens": "512",
+        "--max-seqs": "64",
+        "--block-size": "16",
+        "--num-blocks": "64",
+        "--kv-cache-memory": str(1 << 20),
+        "--scheduler": "splitfuse",
+        "--max-model-len": "256",
+        "--threads": "2",
+    }
 
 
 def test_optional_flags_left_out_and_tp_passed_through():
@@ -168,8 +211,10 @@ def test_cli_rejects_a_bad_size(capsys):
 
 
 def test_cli_imports_neither_torch_nor_the_replica():
-    code = "import sys, fastgen.launch.cli, fastgen.launch.supervisor; print(sorted(m for m in sys.modules " \
-           "if m.split('.')[0] in ('torch', 'transformers') or m.startswith('fastgen.replica')))"  # fmt: skip
+    code = (
+        "import sys, fastgen.launch.cli, fastgen.launch.supervisor; print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'transformers') or m.startswith('fastgen.replica')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -302,8 +347,9 @@ def test_backoff_schedule():
 def stand_in(tmp_path: Path, pid: str, role: str, port: int, *extra: str) -> supervisor.Child:
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    spec = ProcessSpec(id=pid, role=role, port=port, metrics_port=0,
-                       argv=[sys.executable, str(script), "--port", str(port), *extra])  # fmt: skip
+    spec = ProcessSpec(
+        id=pid, role=role, port=port, metrics_port=0, argv=[sys.executable, str(script), "--port", str(port), *extra]
+    )
     return supervisor.Child(spec, tmp_path / "logs" / f"{pid}.log")
 
 
@@ -345,8 +391,9 @@ def test_wait_until_serving_then_restart_then_drain_in_order(tmp_path):
 
 def test_start_up_fails_with_the_log_tail_when_a_child_exits(tmp_path):
     child = stand_in(tmp_path, "replica-0", "replica", free_port())
-    child = supervisor.Child(replace(child.spec, argv=[sys.executable, "-c", "raise SystemExit('model not found')"]),
-                             child.log_path)  # fmt: skip
+    child = supervisor.Child(
+        replace(child.spec, argv=[sys.executable, "-c", "raise SystemExit('model not found')"]), child.log_path
+    )
     supervisor.launch(child, dict(os.environ), first=True)
     error = supervisor.wait_until_serving([child], "127.0.0.1", 30, supervisor.StopFlag())
     assert "replica-0 exited with code 1 during start-up" in error and "model not found" in error
@@ -365,10 +412,17 @@ def test_start_up_times_out_with_the_health(tmp_path):
 def test_terminate_kills_what_ignores_sigterm(tmp_path):
     child = stand_in(tmp_path, "replica-0", "replica", free_port())
     child = supervisor.Child(
-        replace(child.spec, argv=[sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                                  "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"]),
+        replace(
+            child.spec,
+            argv=[
+                sys.executable,
+                "-c",
+                "import signal, time; signal.signal(signal.SIGTERM, "
+                "signal.SIG_IGN); print('up', flush=True); time.sleep(60)",
+            ],
+        ),
         child.log_path,
-    )  # fmt: skip
+    )
     supervisor.launch(child, dict(os.environ), first=True)
     deadline = time.monotonic() + 10
     while "\nup\n" not in child.log_path.read_text() and time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """The serving benchmark's load generator: statistics and SLA on synthetic timings, closed- and open-loop drivers
 on a fake backend, the OpenAI streaming backend against a fake server, and a smoke run of the comparison
 command on the tiny model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-
 from fastgen.benchmarks import balancer_overhead, report
 from fastgen.benchmarks.backends import OpenAIBackend
 from fastgen.benchmarks.loadgen import RunResult, closed_loop, open_loop
@@ -202,15 +202,28 @@ def test_openai_backend_times_every_streamed_token():
 # ---- report and balancer-overhead arithmetic ----
 def fake_run(throughput: float, eff2: float, itl95: float) -> dict:
     pct = {"p50": 0.1, "p95": itl95, "p99": itl95}
-    summary = {"requests": 10, "failed": 0, "duration_s": 10.0, "throughput": throughput, "token_throughput": 1.0,
-               "effective": {"1": throughput, "2": eff2, "4": 0.0}, "sla_missed": {"1": 0.0, "2": 0.5, "4": 1.0},
-               "ttft": pct, "inter_token": pct, "latency": {"p50": 1.0, "p95": 2.0, "p99": 2.0}}  # fmt: skip
+    summary = {
+        "requests": 10,
+        "failed": 0,
+        "duration_s": 10.0,
+        "throughput": throughput,
+        "token_throughput": 1.0,
+        "effective": {"1": throughput, "2": eff2, "4": 0.0},
+        "sla_missed": {"1": 0.0, "2": 0.5, "4": 1.0},
+        "ttft": pct,
+        "inter_token": pct,
+        "latency": {"p50": 1.0, "p95": 2.0, "p99": 2.0},
+    }
     return {"meta": {}, "summary": summary, "records": []}
 
 
 def test_report_finds_prefill_first_peak_and_checks_the_floor(tmp_path):
-    runs = {("splitfuse", 2): (0.5, 0.40, 0.2), ("splitfuse", 4): (0.6, 0.45, 0.25),
-            ("prefill_first", 2): (0.5, 0.30, 0.5), ("prefill_first", 4): (0.55, 0.2, 0.6)}  # fmt: skip
+    runs = {
+        ("splitfuse", 2): (0.5, 0.40, 0.2),
+        ("splitfuse", 4): (0.6, 0.45, 0.25),
+        ("prefill_first", 2): (0.5, 0.30, 0.5),
+        ("prefill_first", 4): (0.55, 0.2, 0.6),
+    }
     for (system, n), values in runs.items():
         RunResult(**fake_run(*values)).save(tmp_path / "C1" / system / f"c{n}.json")
     text = report.report(tmp_path, "C1", plots=True)
@@ -250,10 +263,35 @@ def test_serving_comparison_smoke(tiny_model_dir, tmp_path):
     requests each; then a resumed run does nothing and the report has the table and the plots."""
     out = tmp_path / "out"
     env = dict(os.environ, FASTGEN_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "fastgen.benchmarks.serving", "run", "--model", str(tiny_model_dir), "--dtype",
-           "float32", "--workloads", "24x4", "--systems", "splitfuse,hf", "--clients", "1", "--requests", "2",
-           "--threads", "1", "--max-batch-tokens", "64", "--max-seqs", "8", "--quiet-cores", "0", "--no-progress",
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastgen.benchmarks.serving",
+        "run",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--workloads",
+        "24x4",
+        "--systems",
+        "splitfuse,hf",
+        "--clients",
+        "1",
+        "--requests",
+        "2",
+        "--threads",
+        "1",
+        "--max-batch-tokens",
+        "64",
+        "--max-seqs",
+        "8",
+        "--quiet-cores",
+        "0",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     for system in ("splitfuse", "hf"):

@@ -1,4 +1,5 @@
 """Metric definitions and recorders, fed with duck-typed engine stats and outputs."""
+
 import subprocess
 import sys
 import urllib.request
@@ -7,13 +8,18 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from fastgen.server.metrics import (
+    ALL_METRICS,
+    BalancerMetrics,
+    BuildInfo,
+    ReplicaMetrics,
+    record_build_info,
+    start_metrics_server,
+)
+from fastgen.server.sla import SlaConfig
 from prometheus_client import CollectorRegistry
 
 import fastgen
-from fastgen.server.metrics import (
-    ALL_METRICS, BalancerMetrics, BuildInfo, ReplicaMetrics, record_build_info, start_metrics_server,
-)  # fmt: skip
-from fastgen.server.sla import SlaConfig
 
 LABELS = {"replica": "r0", "model": "tiny"}
 
@@ -24,9 +30,19 @@ class Reason(Enum):
 
 
 def stats(**overrides):
-    fields = dict(num_seqs=3, num_decode_tokens=2, num_prefill_tokens=14, token_budget=32, num_preempted=1,
-                  forward_s=0.004, step_s=0.005, num_waiting=4, num_running=3, kv_blocks_used=6,
-                  kv_blocks_total=24)  # fmt: skip
+    fields = dict(
+        num_seqs=3,
+        num_decode_tokens=2,
+        num_prefill_tokens=14,
+        token_budget=32,
+        num_preempted=1,
+        forward_s=0.004,
+        step_s=0.005,
+        num_waiting=4,
+        num_running=3,
+        kv_blocks_used=6,
+        kv_blocks_total=24,
+    )
     fields.update(overrides)
     s = SimpleNamespace(**fields)
     s.num_tokens = s.num_decode_tokens + s.num_prefill_tokens
@@ -34,11 +50,19 @@ def stats(**overrides):
 
 
 def output(request_id, new_ids, time, reason=None, arrival=0.0, first_scheduled=0.1, first_token=None, prompt=5):
-    timings = SimpleNamespace(arrival=arrival, first_scheduled=first_scheduled, first_token=first_token,
-                              finished=time if reason else None)  # fmt: skip
-    return SimpleNamespace(request_id=request_id, new_token_ids=new_ids, finished=reason is not None,
-                           finish_reason=reason, prompt_tokens=prompt, generated_tokens=0, time=time,
-                           timings=timings)  # fmt: skip
+    timings = SimpleNamespace(
+        arrival=arrival, first_scheduled=first_scheduled, first_token=first_token, finished=time if reason else None
+    )
+    return SimpleNamespace(
+        request_id=request_id,
+        new_token_ids=new_ids,
+        finished=reason is not None,
+        finish_reason=reason,
+        prompt_tokens=prompt,
+        generated_tokens=0,
+        time=time,
+        timings=timings,
+    )
 
 
 @pytest.fixture
@@ -138,8 +162,10 @@ def test_metrics_server_picks_a_port_and_serves(registry):
 
 
 def test_metrics_and_balancer_do_not_import_torch():
-    code = ("import sys, fastgen.server.metrics, fastgen.server, fastgen.balancer.__main__; "
-            "bad = [m for m in ('torch', 'fastgen.replica') if m in sys.modules]; assert not bad, bad")  # fmt: skip
+    code = (
+        "import sys, fastgen.server.metrics, fastgen.server, fastgen.balancer.__main__; "
+        "bad = [m for m in ('torch', 'fastgen.replica') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -174,14 +200,29 @@ def test_cancelled_requests_are_not_scored(registry):
 
 def test_build_info(registry):
     record_build_info(registry, BuildInfo(role="replica", replica="r0", model="tiny", dtype="float32", tp=2))
-    assert value(registry, "fastgen_build_info", version=fastgen.__version__, role="replica", replica="r0",
-                 model="tiny", dtype="float32", tp="2") == 1  # fmt: skip
+    assert (
+        value(
+            registry,
+            "fastgen_build_info",
+            version=fastgen.__version__,
+            role="replica",
+            replica="r0",
+            model="tiny",
+            dtype="float32",
+            tp="2",
+        )
+        == 1
+    )
 
 
 def series(registry) -> set[tuple]:
     """What identifies each exported series: its name and labels (values aside)."""
-    return {(s.name, tuple(sorted(s.labels.items()))) for metric in registry.collect() for s in metric.samples
-            if not s.name.endswith("_created")}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items())))
+        for metric in registry.collect()
+        for s in metric.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def test_a_restarted_replica_continues_the_same_series():

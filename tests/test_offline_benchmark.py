@@ -1,4 +1,5 @@
 """A smoke run of the offline comparison (benchmarks/offline.py) at a tiny size, so the command cannot rot."""
+
 import json
 import subprocess
 import sys
@@ -7,8 +8,21 @@ import sys
 def test_offline_benchmark_smoke(tmp_path):
     """Both workloads, FastGen and transformers in turn, each repeat's own ratio in the JSON."""
     out = tmp_path / "offline.json"
-    cmd = [sys.executable, "-m", "fastgen.benchmarks.offline", "--dtype", "bfloat16", "--threads", "1",
-           "--repeats", "2", "--scale", "0.02", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastgen.benchmarks.offline",
+        "--dtype",
+        "bfloat16",
+        "--threads",
+        "1",
+        "--repeats",
+        "2",
+        "--scale",
+        "0.02",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -1,9 +1,14 @@
 """Routing policies: pure functions, no processes."""
-import pytest
 
+import pytest
 from fastgen.balancer.policy import (
-    ReplicaLoad, Router, estimate_prompt_tokens, least_loaded, outstanding_work, round_robin,
-)  # fmt: skip
+    ReplicaLoad,
+    Router,
+    estimate_prompt_tokens,
+    least_loaded,
+    outstanding_work,
+    round_robin,
+)
 from fastgen.proto import fastgen_pb2
 
 IDLE = ReplicaLoad()
@@ -43,8 +48,14 @@ def test_unknown_policy_is_refused_with_the_choices():
 
 
 def test_outstanding_work_counts_unprefilled_prompt_tokens_and_sequences():
-    load = ReplicaLoad(in_flight=2, unreported_prompt_tokens=30, pending_prompt_tokens=100, running_requests=3,
-                       queued_requests=1, in_flight_at_report=2)  # fmt: skip
+    load = ReplicaLoad(
+        in_flight=2,
+        unreported_prompt_tokens=30,
+        pending_prompt_tokens=100,
+        running_requests=3,
+        queued_requests=1,
+        in_flight_at_report=2,
+    )
     assert outstanding_work(load) == 100 + 30 + 2 + 2  # 2 of ours live now, 2 others' in the report
 
 

@@ -6,6 +6,7 @@ scraped every second; then
     Prometheus holds (raw samples and the dashboard's increase()) count every request exactly once;
   - every PromQL expression of every panel of the committed dashboard returns data.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_deploy_e2e import Deploy, alive, free_port_range, wait_for
-
 from fastgen.launch.grafana import DASHBOARD_JSON
 from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
+from test_deploy_e2e import Deploy, alive, free_port_range, wait_for
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("prometheus") is None,
-                       reason="the prometheus binary is missing: apt-get install prometheus (.ci/run installs it)"),
-]  # fmt: skip
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None,
+        reason="the prometheus binary is missing: apt-get install prometheus (.ci/run installs it)",
+    ),
+]
 
 NAME = "e2e"
 PROMPT_RATE = 100.0
@@ -73,8 +75,12 @@ class Prometheus:
 
 
 def start_prometheus(config: Path, data: Path, log_path: Path, port: int) -> Prometheus:
-    argv = [shutil.which("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+    argv = [
+        shutil.which("prometheus"),
+        f"--config.file={config}",
+        f"--storage.tsdb.path={data}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
     with open(log_path, "w") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     prom = Prometheus(popen, f"http://127.0.0.1:{port}", log_path)
@@ -212,10 +218,32 @@ def check_every_panel_returns_data(prom: Prometheus) -> int:
 def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, prometheus_server, tiny_model_dir):
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
-    done = deploy("start", "--name", NAME, "--model", str(tiny_model_dir), "--replicas", "2", "--port", str(port),
-                  "--metrics-port", str(metrics), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--threads", "1",
-                  "--timeout", "120", "--sla-prompt-rate", f"{PROMPT_RATE:g}",
-                  "--sla-token-rate", *(f"{r:g}" for r in TOKEN_RATES), timeout=180)  # fmt: skip
+    done = deploy(
+        "start",
+        "--name",
+        NAME,
+        "--model",
+        str(tiny_model_dir),
+        "--replicas",
+        "2",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "8MiB",
+        "--threads",
+        "1",
+        "--timeout",
+        "120",
+        "--sla-prompt-rate",
+        f"{PROMPT_RATE:g}",
+        "--sla-token-rate",
+        *(f"{r:g}" for r in TOKEN_RATES),
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     targets_file = Path(deploy.env["FASTGEN_HOME"]) / "_prometheus" / f"{NAME}.json"
     assert str(targets_file) in done.stdout
@@ -232,8 +260,9 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
     assert {m.replica for m in first} == {"replica-0", "replica-1"}
     prom.wait_for_value(f'sum(fastgen_requests_finished_total{{deployment="{NAME}"}})', len(first))
     for rate in TOKEN_RATES:
-        prom.wait_for_value(f'sum(fastgen_sla_requests_total{{deployment="{NAME}", token_rate="{rate_label(rate)}"}})',
-                            len(first))  # fmt: skip
+        prom.wait_for_value(
+            f'sum(fastgen_sla_requests_total{{deployment="{NAME}", token_rate="{rate_label(rate)}"}})', len(first)
+        )
     check_sla_counters(prom, first)
 
     # A replica killed outright comes back on the same port: the same target and series, its counters reset.
@@ -245,8 +274,11 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
         return row["pid"] not in (None, old_pid) and row["health"] == "SERVING"
 
     wait_for(replica_back, 60, "replica-0 to be restarted")
-    wait_for(lambda: prom.scalar(f'fastgen_balancer_replica_healthy{{deployment="{NAME}", replica="replica-0"}}') == 1,
-             30, "the balancer to route to replica-0 again")  # fmt: skip
+    wait_for(
+        lambda: prom.scalar(f'fastgen_balancer_replica_healthy{{deployment="{NAME}", replica="replica-0"}}') == 1,
+        30,
+        "the balancer to route to replica-0 again",
+    )
     second = run_load(balancer, 8, seed=2)
     assert "replica-0" in {m.replica for m in second}
     total = len(first) + len(second)
@@ -254,7 +286,7 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
     wait_for(lambda: reset_aware_total(prom, finished) == total, 30, f"Prometheus to hold {total} finished requests")
     assert json.loads(targets_file.read_text()) == targets
     assert prom.scalar(f'count(fastgen_build_info{{deployment="{NAME}"}})') == 3  # no second series of replica-0
-    assert prom.scalar(f'sum(resets({finished}[{WINDOW}]))') >= 1  # Prometheus did see the counters restart
+    assert prom.scalar(f"sum(resets({finished}[{WINDOW}]))") >= 1  # Prometheus did see the counters restart
     # The dashboard's kind of expression: increase() extrapolates a little past the samples, but never counts the
     # restarted replica's requests twice.
     increase = prom.scalar(f"sum(increase({finished}[{WINDOW}]))")

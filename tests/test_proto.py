@@ -1,4 +1,5 @@
 """The committed stubs are exactly what the proto generates today."""
+
 from pathlib import Path
 
 from fastgen.proto.build import HERE, STUBS, generate

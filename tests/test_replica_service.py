@@ -1,10 +1,10 @@
 """One replica process on its own: cancellation frees KV blocks at once, a full queue answers
 RESOURCE_EXHAUSTED, and neither disturbs the other requests."""
+
 import threading
 
 import grpc
 import pytest
-
 from fastgen.server import Client, GenerationError
 from procs import start_replica, wait_serving, wait_until
 
@@ -14,8 +14,12 @@ LONG = dict(max_new_tokens=600, ignore_eos=True)
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir, tmp_path_factory):
     # One sequence at a time and one waiting request: the third concurrent request finds the queue full.
-    proc = start_replica(tiny_model_dir, "solo", tmp_path_factory.mktemp("logs"),
-                         extra_args=["--max-seqs", "2", "--max-queue-requests", "1"])  # fmt: skip
+    proc = start_replica(
+        tiny_model_dir,
+        "solo",
+        tmp_path_factory.mktemp("logs"),
+        extra_args=["--max-seqs", "2", "--max-queue-requests", "1"],
+    )
     try:
         wait_serving(proc)
         yield proc
@@ -90,14 +94,13 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
     request submitted from asyncio is served there, and a model that fails to build fails start() with its error."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry
-
     from fastgen.replica.config import CacheConfig, EngineConfig
     from fastgen.replica.engine import build_engine
     from fastgen.replica.parallel import TPGroup
     from fastgen.replica.request import SamplingParams
     from fastgen.replica.service import EngineLoop, QueueLimits
     from fastgen.server.metrics import ReplicaMetrics
+    from prometheus_client import CollectorRegistry
 
     threads = {}
 
@@ -115,8 +118,12 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
         return engine
 
     async def serve_one():
-        loop = EngineLoop(lambda: build(str(tiny_model_dir)), ReplicaMetrics(CollectorRegistry(), "r0", "tiny"),
-                          QueueLimits(), asyncio.get_running_loop())  # fmt: skip
+        loop = EngineLoop(
+            lambda: build(str(tiny_model_dir)),
+            ReplicaMetrics(CollectorRegistry(), "r0", "tiny"),
+            QueueLimits(),
+            asyncio.get_running_loop(),
+        )
         await loop.start()
         try:
             assert loop.load.kv_blocks_total == 64  # published once built
@@ -132,8 +139,12 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
     assert threads["build"] is threads["step"] and threads["build"].name == "engine"
 
     async def fail_to_build():
-        loop = EngineLoop(lambda: build("/nonexistent/model"), ReplicaMetrics(CollectorRegistry(), "r1", "none"),
-                          QueueLimits(), asyncio.get_running_loop())  # fmt: skip
+        loop = EngineLoop(
+            lambda: build("/nonexistent/model"),
+            ReplicaMetrics(CollectorRegistry(), "r1", "none"),
+            QueueLimits(),
+            asyncio.get_running_loop(),
+        )
         await loop.start()
 
     with pytest.raises(ValueError, match="nonexistent"):

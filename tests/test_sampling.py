@@ -1,8 +1,8 @@
 """Sampling, stopping and detokenization."""
+
 import random
 
 import pytest
-
 from fastgen.replica import pipeline
 from fastgen.replica.detokenizer import IncrementalDetokenizer
 from fastgen.replica.request import FinishReason, SamplingParams
@@ -29,9 +29,13 @@ def test_same_seed_same_tokens_whatever_the_batch(pipe):
     params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = run(pipe, {"a": ([11, 12, 13], params)})["a"].token_ids
     rng = random.Random(0)
-    crowd = {f"x{i}": ([rng.randrange(3, 49152) for _ in range(rng.randint(1, 90))],
-                       SamplingParams(max_new_tokens=rng.randint(1, 30), temperature=0.8, ignore_eos=True))
-             for i in range(6)}  # fmt: skip
+    crowd = {
+        f"x{i}": (
+            [rng.randrange(3, 49152) for _ in range(rng.randint(1, 90))],
+            SamplingParams(max_new_tokens=rng.randint(1, 30), temperature=0.8, ignore_eos=True),
+        )
+        for i in range(6)
+    }
     crowd["a"] = ([11, 12, 13], params)
     assert run(pipe, crowd)["a"].token_ids == alone
     other_seed = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True)

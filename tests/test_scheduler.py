@@ -1,14 +1,15 @@
 """Scheduler and block allocator, without torch or weights: a simulated engine drives random workloads."""
+
 import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
-
 from fastgen.replica.block_allocator import BlockAllocator
 from fastgen.replica.config import SchedulerConfig
-from fastgen.replica.request import Sequence, SeqStatus
+from fastgen.replica.request import SeqStatus, Sequence
 from fastgen.replica.scheduler import Scheduler
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def fake_token(seq: Sequence) -> int:
@@ -19,7 +20,9 @@ def fake_token(seq: Sequence) -> int:
 def simulate(policy, budget, max_seqs, num_blocks, block_size, requests, max_steps=20000):
     """Runs requests [(prompt_len, max_new)] to completion, checking invariants at every step.
     Returns (final tokens per request, steps, batches)."""
-    sched = Scheduler(SchedulerConfig(budget, max_seqs, policy, max_model_len=10**6), BlockAllocator(num_blocks, block_size))
+    sched = Scheduler(
+        SchedulerConfig(budget, max_seqs, policy, max_model_len=10**6), BlockAllocator(num_blocks, block_size)
+    )
     seqs = []
     for i, (prompt_len, max_new) in enumerate(requests):
         seq = Sequence(i, [(i * 7 + j) % 1000 for j in range(prompt_len)], prompt_len, max_new)
@@ -112,7 +115,7 @@ def test_big_request_is_not_starved_by_a_stream_of_small_ones():
     big = Sequence(100, [2] * 120, 120, 10)
     sched.add(big)
     next_id = 200
-    for step in range(2000):
+    for _ in range(2000):
         if big.status is SeqStatus.RUNNING:
             break
         sched.add(Sequence(next_id, [3] * 8, 8, 30))  # a new small request every step

@@ -1,11 +1,11 @@
 """The embedded SmolLM2-135M-Instruct: real text, exact against transformers in float32."""
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from fastgen.replica import pipeline
 from fastgen.replica.request import FinishReason
 from fastgen.replica.weights import resolve_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
     "The capital of France is",
@@ -62,8 +62,13 @@ def test_smollm2_bf16_cpu_kernels_agree_with_torch_kernels():
 
     if cpu._elementwise() is None:
         pytest.skip("no C compiler, or a CPU without AVX-512 bf16: the torch kernels serve there")
-    config = EngineConfig(dtype="bfloat16", kernels="cpu", scheduler=SchedulerConfig(max_batch_tokens=16, max_seqs=8),
-                          cache=CacheConfig(num_blocks=64), progress=False)  # fmt: skip
+    config = EngineConfig(
+        dtype="bfloat16",
+        kernels="cpu",
+        scheduler=SchedulerConfig(max_batch_tokens=16, max_seqs=8),
+        cache=CacheConfig(num_blocks=64),
+        progress=False,
+    )
     engine = build_engine(config)
     reference, _ = build_runner(replace(config, kernels="torch"))
     pairs = []

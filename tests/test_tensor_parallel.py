@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo: the parallel layers equal their single-process versions, a tp=2 engine
 gives tp=1's greedy tokens (mixed batches, preemption), the rank processes of a replica start, serve and stop
 together, and a lost rank ends its group; fastgen-deploy runs replicas of 2 ranks and restarts them as groups."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-
-from fastgen.launch import cli, config as cfg, supervisor
+from fastgen.launch import cli, supervisor
+from fastgen.launch import config as cfg
 from fastgen.launch.config import DeployConfig
 from fastgen.replica.batch import Batch, ScheduledSeq
 from fastgen.replica.batch_broadcast import EXIT_GROUP_BROKEN, decode_batch, encode_batch
@@ -64,24 +65,35 @@ def test_plan_starts_every_rank_with_torchrun_variables():
         ("replica-1", "replica", "replica-1", 0, 7002, 8002),
         ("replica-1-rank-1", "tp_rank", "replica-1", 1, None, None),
         ("replica-1-rank-2", "tp_rank", "replica-1", 2, None, None),
-    ]  # fmt: skip
+    ]
     assert specs[1].argv == specs[2].argv and specs[1].argv[specs[1].argv.index("--tp") + 1] == "3"
     balancer = specs[0].argv
     assert [balancer[i + 1] for i, a in enumerate(balancer) if a == "--replica"] == [
-        "replica-0=127.0.0.1:7001", "replica-1=127.0.0.1:7002"]  # fmt: skip
+        "replica-0=127.0.0.1:7001",
+        "replica-1=127.0.0.1:7002",
+    ]
     assert cfg.rank_env(specs[3], 3, c.host, 29400) == {
-        "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+        "RANK": "2",
+        "WORLD_SIZE": "3",
+        "LOCAL_RANK": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29400",
+    }
     children = [supervisor.Child(s, Path(s.id)) for s in specs]
     assert [[c.spec.id for c in g] for g in supervisor.groups_of(children)] == [
-        ["balancer"], ["replica-0", "replica-0-rank-1", "replica-0-rank-2"],
-        ["replica-1", "replica-1-rank-1", "replica-1-rank-2"]]  # fmt: skip
+        ["balancer"],
+        ["replica-0", "replica-0-rank-1", "replica-0-rank-2"],
+        ["replica-1", "replica-1-rank-1", "replica-1-rank-2"],
+    ]
     args = cli.build_parser().parse_args(["start", "--replicas", "2", "--tp", "2"])
     assert cli.config_from(args).threads == cfg.default_threads(cli.cpu_count(), 4)  # threads are per rank
 
 
 def test_supervisor_starts_and_restarts_the_ranks_of_a_replica_together(tmp_path):
-    report = "import os, time; print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT')), flush=True); " \
-             "time.sleep(60)"  # fmt: skip
+    report = (
+        "import os, time; print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_PORT')), flush=True); "
+        "time.sleep(60)"
+    )
     config = DeployConfig(replicas=1, tp=2)
     specs = cfg.plan(config, "PY")[1:]
     group = [supervisor.Child(replace(s, argv=[sys.executable, "-c", report]), tmp_path / f"{s.id}.log") for s in specs]
@@ -136,16 +148,28 @@ def test_tp2_engine_gives_tp1_greedy_tokens(tp_models, tmp_path):
     rng = random.Random(5)
     runs = [  # mixed prefill/decode batches split over steps, then preemption in a 20-block pool of 4 tokens
         dict(model=str(tp_models["gqa"]), prompts=random_prompts(8, rng, 1, 80), new=10, budget=32),
-        dict(model=str(tp_models["gqa"]), prompts=random_prompts(10, rng, 20, 60), new=16, budget=32, block_size=4,
-             num_blocks=20),
+        dict(
+            model=str(tp_models["gqa"]),
+            prompts=random_prompts(10, rng, 20, 60),
+            new=16,
+            budget=32,
+            block_size=4,
+            num_blocks=20,
+        ),
         dict(model=str(tp_models["qwen2"]), prompts=random_prompts(8, rng, 1, 80), new=10, budget=24),
-    ]  # fmt: skip
+    ]
     run_ranks(engine_rank, runs, str(tmp_path / "out"), timeout=150)
     rank0, rank1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
     for run, got, other in zip(runs, rank0, rank1):
         refs = hf_greedy(run["model"], run["prompts"], run["new"])
-        single = pipeline(run["model"], dtype="float32", max_batch_tokens=run["budget"], progress=False,
-                          block_size=run.get("block_size", 16), num_blocks=run.get("num_blocks", 256))  # fmt: skip
+        single = pipeline(
+            run["model"],
+            dtype="float32",
+            max_batch_tokens=run["budget"],
+            progress=False,
+            block_size=run.get("block_size", 16),
+            num_blocks=run.get("num_blocks", 256),
+        )
         tp1 = single(run["prompts"], max_new_tokens=run["new"], min_new_tokens=run["new"])
         tp2 = [SimpleNamespace(token_ids=t) for t in got["tokens"]]
         assert_matches(tp1, refs)
@@ -163,12 +187,35 @@ def test_tp2_engine_gives_tp1_greedy_tokens(tp_models, tmp_path):
 def start_ranks(model, log_dir: Path, name: str, tp: int = 2) -> list[Proc]:
     """A replica's rank processes as torchrun would start them: same command, RANK etc. in the environment."""
     port, metrics_port, master_port = free_port(), free_port(), free_port()
-    argv = [sys.executable, "-m", "fastgen.replica", "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
-            str(metrics_port), "--replica-id", name, "--model", str(model), *REPLICA_DEFAULTS, "--tp", str(tp)]
+    argv = [
+        sys.executable,
+        "-m",
+        "fastgen.replica",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--replica-id",
+        name,
+        "--model",
+        str(model),
+        *REPLICA_DEFAULTS,
+        "--tp",
+        str(tp),
+    ]
     procs = []
     for rank in range(tp):
-        env = {**os.environ, **SINGLE_THREAD_ENV, "RANK": str(rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}  # fmt: skip
+        env = {
+            **os.environ,
+            **SINGLE_THREAD_ENV,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(tp),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+        }
         log_path = log_dir / f"{name}-rank-{rank}.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -226,9 +273,30 @@ def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
     try:
-        done = deploy("start", "--name", "e2e", "--model", str(tiny_model_dir), "--replicas", "2", "--tp", "2",
-                      "--port", str(port), "--metrics-port", str(metrics), "--dtype", "float32", "--num-blocks", "128",
-                      "--threads", "1", "--timeout", "150", timeout=200)  # fmt: skip
+        done = deploy(
+            "start",
+            "--name",
+            "e2e",
+            "--model",
+            str(tiny_model_dir),
+            "--replicas",
+            "2",
+            "--tp",
+            "2",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics),
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            "128",
+            "--threads",
+            "1",
+            "--timeout",
+            "150",
+            timeout=200,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert "replica-1-rank-1" in done.stdout and "tp rank 1 of replica-1" in done.stdout
         rows = deploy.status()
@@ -238,7 +306,7 @@ def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
             ("replica-0-rank-1", "tp_rank", 1, None, "SERVING"),
             ("replica-1", "replica", 0, port + 2, "SERVING"),
             ("replica-1-rank-1", "tp_rank", 1, None, "SERVING"),
-        ]  # fmt: skip
+        ]
         assert all(alive(r["pid"]) for r in rows) and rows[1]["kv_blocks_total"] == 128
         table = deploy("status", "--name", "e2e")
         assert table.returncode == 0 and "tp rank 1 of replica-0" in table.stdout, table.stderr
@@ -258,11 +326,15 @@ def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
             now = {r["id"]: r for r in deploy.status()}
             group = [now["replica-0"], now["replica-0-rank-1"]]
             return all(r["pid"] not in (None, old[r["id"]]) and r["health"] == "SERVING" for r in group) and group
+
         back = wait_for(group_back, 90, "replica-0's ranks to be restarted and SERVING")
         assert [r["restarts"] for r in back] == [1, 1]
         assert deploy.status()[3]["pid"] == old["replica-1"]  # the other replica kept running
-        wait_for(lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0, 20,
-                 "the balancer to route again")  # fmt: skip
+        wait_for(
+            lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0,
+            20,
+            "the balancer to route again",
+        )
 
         pids = {r["pid"] for r in deploy.status()} | deploy.seen_pids | set(old.values())
         done = deploy("stop", "--name", "e2e", "--timeout", "30")

@@ -1,5 +1,6 @@
 """The engine on the Triton kernels (run by Triton's interpreter on CPU) gives the same greedy tokens as on
 the torch kernels. A subprocess, so TRITON_INTERPRET=1 is set before triton is first imported."""
+
 import json
 import os
 import subprocess
@@ -32,8 +33,9 @@ SCRIPT = textwrap.dedent(
 
 def test_triton_backend_matches_torch_backend(tiny_model_dir):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_model_dir)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["triton"] == result["torch"]

@@ -4,6 +4,7 @@ Inputs are random on every run; the seed is printed on failure and FASTGEN_TEST_
 Outputs are allocated NaN-filled (see `poisoned_empty`) so an element the kernel forgets to write fails the test,
 and cache slots no sequence owns hold NaN so a read past a sequence's end poisons the result.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,7 @@ import os
 import random
 import sys
 
+import fastgen.kernels as K
 import pytest
 import torch
 
@@ -20,8 +22,6 @@ import torch
 # pytest session, by any test module, would fail. The flag only matters when a kernel is decorated, so it is set
 # just while a private copy of triton_kernels is imported (see `_import_interpreted`).
 import triton
-
-import fastgen.kernels as K
 from fastgen.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq
 
 MODULE = "fastgen.kernels.triton_kernels"
@@ -386,8 +386,16 @@ def test_kernels_compile_for_sm90(monkeypatch):
         q, k_cache, v_cache, meta = make_batch(q_lens, [50, 60], kv_heads, heads, head_dim, 16, dtype)
         compiled.paged_attention(q, k_cache, v_cache, meta, 0.1)
         k = torch.zeros(q.shape[0], kv_heads, head_dim, dtype=dtype)
-        compiled.rotary_write_kv(q, k, k, torch.zeros(64, head_dim), torch.zeros(q.shape[0], dtype=torch.long),
-                                 k_cache, v_cache, meta.slot_mapping)
+        compiled.rotary_write_kv(
+            q,
+            k,
+            k,
+            torch.zeros(64, head_dim),
+            torch.zeros(q.shape[0], dtype=torch.long),
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
         x = torch.zeros(4, 4096, dtype=dtype)
         compiled.rms_norm(x, x[0], 1e-6)
         compiled.add_rms_norm(x, x, x[0], 1e-6)

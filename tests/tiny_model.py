@@ -1,12 +1,12 @@
 """Small random-weight models for tests, saved as Hugging Face folders with SmolLM2's tokenizer, so text,
 chat templates and EOS handling are real while forwards take milliseconds."""
+
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
 import torch
-
 from fastgen.replica.weights import resolve_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -34,10 +34,19 @@ def make_tiny_model(
     smol = resolve_model("smollm2-135m")
     vocab = 49152
     common = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=tie, initializer_range=std, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+        initializer_range=std,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     if arch == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0, rope_scaling=rope_scaling)
         cls = transformers.LlamaForCausalLM

@@ -2,6 +2,7 @@
 
 `run_ranks(fn, *args)` starts `world` processes that each call fn(rank, world, port, *args) and waits for all of
 them within a deadline; an exception in any rank fails the test with that rank's traceback."""
+
 from __future__ import annotations
 
 import json
@@ -167,10 +168,12 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
     results = []
     for run in runs:
         config = EngineConfig(
-            model=run["model"], dtype="float32", progress=False,
+            model=run["model"],
+            dtype="float32",
+            progress=False,
             scheduler=SchedulerConfig(max_batch_tokens=run["budget"], max_seqs=min(64, run["budget"])),
             cache=CacheConfig(block_size=run.get("block_size", 16), num_blocks=run.get("num_blocks", 256)),
-        )  # fmt: skip
+        )
         if rank == 0:
             engine = build_engine(config, tp, channel)
             outs = Pipeline(engine)(run["prompts"], max_new_tokens=run["new"], min_new_tokens=run["new"])

@@ -4,6 +4,7 @@ launch/grafana/fastgen.json, the file users import; a test checks that the commi
 Every query is templated by $deployment (the `deployment` target label of the scrape targets `fastgen-deploy start`
 writes) and $replica, and uses only the metric names of fastgen.server.metrics. $token_rate picks the SLA's R.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,88 +73,210 @@ def sla(extra: str) -> str:
 
 # ---- The panels, row by row --------------------------------------------------------------------------------------
 SERVICE = (
-    StatPanel("Effective throughput", "Requests per second that met the SLA at R = $token_rate tokens/s: the paper's "
-              "effective throughput.", "reqps",
-              (Query(rate("fastgen_sla_requests_total", sla(MET)), "meets SLA"),)),
-    StatPanel("SLA attainment", "Fraction of finished requests that met the SLA at R = $token_rate tokens/s.",
-              "percentunit",
-              (Query(f'{rate("fastgen_sla_requests_total", sla(MET))} / {rate("fastgen_sla_requests_total", sla(""))}',
-                     "attainment"),)),
-    StatPanel("Request rate", "Requests finished per second, all reasons.", "reqps",
-              (Query(rate("fastgen_requests_finished_total"), "requests"),)),
-    Panel("Throughput and effective throughput",
-          "Finished requests per second (cancelled ones excluded) and those meeting the SLA, at R = $token_rate.",
-          "reqps",
-          (Query(rate("fastgen_sla_requests_total", sla("")), "throughput"),
-           Query(rate("fastgen_sla_requests_total", sla(MET)), "effective throughput"))),
-    Panel("SLA attainment by R", "Fraction of requests meeting the SLA, for every generation rate R exported.",
-          "percentunit",
-          (Query(f'{rate("fastgen_sla_requests_total", REPLICA + MET, "token_rate")} / '
-                 f'{rate("fastgen_sla_requests_total", REPLICA, "token_rate")}', "R = {{token_rate}} tokens/s"),)),
-    Panel("Requests by finish reason", "Finished requests per second by finish reason.", "reqps",
-          (Query(rate("fastgen_requests_finished_total", by="reason"), "{{reason}}"),)),
-    Panel("Requests by gRPC status", "RPCs per second answered by the balancer and by the replicas, by status code.",
-          "reqps",
-          (Query(rate("fastgen_balancer_requests_total", DEPLOYMENT, "code"), "balancer {{code}}"),
-           Query(rate("fastgen_requests_total", by="code"), "replicas {{code}}"))),
-)  # fmt: skip
+    StatPanel(
+        "Effective throughput",
+        "Requests per second that met the SLA at R = $token_rate tokens/s: the paper's effective throughput.",
+        "reqps",
+        (Query(rate("fastgen_sla_requests_total", sla(MET)), "meets SLA"),),
+    ),
+    StatPanel(
+        "SLA attainment",
+        "Fraction of finished requests that met the SLA at R = $token_rate tokens/s.",
+        "percentunit",
+        (
+            Query(
+                f"{rate('fastgen_sla_requests_total', sla(MET))} / {rate('fastgen_sla_requests_total', sla(''))}",
+                "attainment",
+            ),
+        ),
+    ),
+    StatPanel(
+        "Request rate",
+        "Requests finished per second, all reasons.",
+        "reqps",
+        (Query(rate("fastgen_requests_finished_total"), "requests"),),
+    ),
+    Panel(
+        "Throughput and effective throughput",
+        "Finished requests per second (cancelled ones excluded) and those meeting the SLA, at R = $token_rate.",
+        "reqps",
+        (
+            Query(rate("fastgen_sla_requests_total", sla("")), "throughput"),
+            Query(rate("fastgen_sla_requests_total", sla(MET)), "effective throughput"),
+        ),
+    ),
+    Panel(
+        "SLA attainment by R",
+        "Fraction of requests meeting the SLA, for every generation rate R exported.",
+        "percentunit",
+        (
+            Query(
+                f"{rate('fastgen_sla_requests_total', REPLICA + MET, 'token_rate')} / "
+                f"{rate('fastgen_sla_requests_total', REPLICA, 'token_rate')}",
+                "R = {{token_rate}} tokens/s",
+            ),
+        ),
+    ),
+    Panel(
+        "Requests by finish reason",
+        "Finished requests per second by finish reason.",
+        "reqps",
+        (Query(rate("fastgen_requests_finished_total", by="reason"), "{{reason}}"),),
+    ),
+    Panel(
+        "Requests by gRPC status",
+        "RPCs per second answered by the balancer and by the replicas, by status code.",
+        "reqps",
+        (
+            Query(rate("fastgen_balancer_requests_total", DEPLOYMENT, "code"), "balancer {{code}}"),
+            Query(rate("fastgen_requests_total", by="code"), "replicas {{code}}"),
+        ),
+    ),
+)
 
 LATENCY = (
-    Panel("Time to first token", "Arrival at the replica to first generated token.", "s",
-          quantiles("fastgen_time_to_first_token_seconds")),
-    Panel("Inter-token latency", "Time between consecutive tokens of a request.", "s",
-          quantiles("fastgen_inter_token_latency_seconds")),
-    Panel("End-to-end latency", "Arrival at the replica to the request's last token.", "s",
-          quantiles("fastgen_e2e_request_latency_seconds")),
-    Panel("Queue time", "Arrival to the first forward pass that includes the request.", "s",
-          quantiles("fastgen_request_queue_time_seconds")),
-)  # fmt: skip
+    Panel(
+        "Time to first token",
+        "Arrival at the replica to first generated token.",
+        "s",
+        quantiles("fastgen_time_to_first_token_seconds"),
+    ),
+    Panel(
+        "Inter-token latency",
+        "Time between consecutive tokens of a request.",
+        "s",
+        quantiles("fastgen_inter_token_latency_seconds"),
+    ),
+    Panel(
+        "End-to-end latency",
+        "Arrival at the replica to the request's last token.",
+        "s",
+        quantiles("fastgen_e2e_request_latency_seconds"),
+    ),
+    Panel(
+        "Queue time",
+        "Arrival to the first forward pass that includes the request.",
+        "s",
+        quantiles("fastgen_request_queue_time_seconds"),
+    ),
+)
 
 ENGINE = (
-    Panel("Tokens per second", "Generated tokens and admitted prompt tokens per second.", "short",
-          (Query(rate("fastgen_generated_tokens_total"), "generated"),
-           Query(rate("fastgen_prompt_tokens_total"), "prompt"))),
-    Panel("Queued requests", "Requests waiting for their first forward pass.", "short",
-          (Query(f"sum by (replica) (fastgen_queue_length{{{REPLICA}}})", "{{replica}}"),)),
-    Panel("Running sequences", "Sequences being prefilled or decoded.", "short",
-          (Query(f"sum by (replica) (fastgen_running_sequences{{{REPLICA}}})", "{{replica}}"),)),
-    Panel("KV cache usage", "Fraction of the KV block pool in use.", "percentunit",
-          (Query(f"max by (replica) (fastgen_kv_cache_usage_ratio{{{REPLICA}}})", "{{replica}}"),)),
-    Panel("Preemptions", "Sequences preempted per second for lack of KV blocks (recomputed later).", "short",
-          (Query(rate("fastgen_preemptions_total", by="replica"), "{{replica}}"),)),
-    Panel("Token-budget fill", "Tokens in a forward pass over the token budget: how tightly Dynamic SplitFuse "
-          "packs the batch (1 = full).", "percentunit",
-          (Query(mean("fastgen_token_budget_fill_ratio"), "mean"),
-           Query(f"histogram_quantile(0.5, {rate('fastgen_token_budget_fill_ratio_bucket', by='le')})", "p50"))),
-    Panel("Tokens per forward pass", "Prefill and decode tokens in one forward pass.", "short",
-          (Query(mean("fastgen_tokens_per_forward"), "mean"),
-           Query(f"histogram_quantile(0.95, {rate('fastgen_tokens_per_forward_bucket', by='le')})", "p95"))),
-    Panel("Forward-pass time", "Model forward and sampling of one engine step.", "s",
-          quantiles("fastgen_forward_seconds")),
-)  # fmt: skip
+    Panel(
+        "Tokens per second",
+        "Generated tokens and admitted prompt tokens per second.",
+        "short",
+        (
+            Query(rate("fastgen_generated_tokens_total"), "generated"),
+            Query(rate("fastgen_prompt_tokens_total"), "prompt"),
+        ),
+    ),
+    Panel(
+        "Queued requests",
+        "Requests waiting for their first forward pass.",
+        "short",
+        (Query(f"sum by (replica) (fastgen_queue_length{{{REPLICA}}})", "{{replica}}"),),
+    ),
+    Panel(
+        "Running sequences",
+        "Sequences being prefilled or decoded.",
+        "short",
+        (Query(f"sum by (replica) (fastgen_running_sequences{{{REPLICA}}})", "{{replica}}"),),
+    ),
+    Panel(
+        "KV cache usage",
+        "Fraction of the KV block pool in use.",
+        "percentunit",
+        (Query(f"max by (replica) (fastgen_kv_cache_usage_ratio{{{REPLICA}}})", "{{replica}}"),),
+    ),
+    Panel(
+        "Preemptions",
+        "Sequences preempted per second for lack of KV blocks (recomputed later).",
+        "short",
+        (Query(rate("fastgen_preemptions_total", by="replica"), "{{replica}}"),),
+    ),
+    Panel(
+        "Token-budget fill",
+        "Tokens in a forward pass over the token budget: how tightly Dynamic SplitFuse packs the batch (1 = full).",
+        "percentunit",
+        (
+            Query(mean("fastgen_token_budget_fill_ratio"), "mean"),
+            Query(f"histogram_quantile(0.5, {rate('fastgen_token_budget_fill_ratio_bucket', by='le')})", "p50"),
+        ),
+    ),
+    Panel(
+        "Tokens per forward pass",
+        "Prefill and decode tokens in one forward pass.",
+        "short",
+        (
+            Query(mean("fastgen_tokens_per_forward"), "mean"),
+            Query(f"histogram_quantile(0.95, {rate('fastgen_tokens_per_forward_bucket', by='le')})", "p95"),
+        ),
+    ),
+    Panel(
+        "Forward-pass time", "Model forward and sampling of one engine step.", "s", quantiles("fastgen_forward_seconds")
+    ),
+)
 
 BALANCER = (
-    Panel("Traffic per replica", "Calls the balancer sent to each replica per second.", "reqps",
-          (Query(rate("fastgen_balancer_replica_requests_total", UPSTREAM, "replica"), "{{replica}}"),)),
-    Panel("In flight per replica", "Requests the balancer has in flight on each replica.", "short",
-          (Query(f"sum by (replica) (fastgen_balancer_in_flight_requests{{{UPSTREAM}}})", "{{replica}}"),)),
-    Panel("Replica health", "1 while the balancer's health checks pass for the replica, else 0.", "short",
-          (Query(f"max by (replica) (fastgen_balancer_replica_healthy{{{UPSTREAM}}})", "{{replica}}"),)),
-    Panel("Scrape targets up", "1 while Prometheus can scrape the process's /metrics.", "short",
-          (Query(f"up{{{DEPLOYMENT}}}", "{{instance}}"),)),
+    Panel(
+        "Traffic per replica",
+        "Calls the balancer sent to each replica per second.",
+        "reqps",
+        (Query(rate("fastgen_balancer_replica_requests_total", UPSTREAM, "replica"), "{{replica}}"),),
+    ),
+    Panel(
+        "In flight per replica",
+        "Requests the balancer has in flight on each replica.",
+        "short",
+        (Query(f"sum by (replica) (fastgen_balancer_in_flight_requests{{{UPSTREAM}}})", "{{replica}}"),),
+    ),
+    Panel(
+        "Replica health",
+        "1 while the balancer's health checks pass for the replica, else 0.",
+        "short",
+        (Query(f"max by (replica) (fastgen_balancer_replica_healthy{{{UPSTREAM}}})", "{{replica}}"),),
+    ),
+    Panel(
+        "Scrape targets up",
+        "1 while Prometheus can scrape the process's /metrics.",
+        "short",
+        (Query(f"up{{{DEPLOYMENT}}}", "{{instance}}"),),
+    ),
     # `or`: a replica without retries has no retry series yet; show it at 0 rather than "no data".
-    Panel("Retries", "Requests retried on another replica per second, by the replica that failed.", "reqps",
-          (Query(f"{rate('fastgen_balancer_retries_total', UPSTREAM, 'replica')} or "
-                 f"0 * max by (replica) (fastgen_balancer_replica_healthy{{{UPSTREAM}}})", "{{replica}}"),)),
-    Panel("Routing decisions", "Replica picks per second, by routing policy.", "short",
-          (Query(rate("fastgen_balancer_routing_decisions_total", UPSTREAM, "policy, replica"),
-                 "{{policy}} → {{replica}}"),)),
-)  # fmt: skip
+    Panel(
+        "Retries",
+        "Requests retried on another replica per second, by the replica that failed.",
+        "reqps",
+        (
+            Query(
+                f"{rate('fastgen_balancer_retries_total', UPSTREAM, 'replica')} or "
+                f"0 * max by (replica) (fastgen_balancer_replica_healthy{{{UPSTREAM}}})",
+                "{{replica}}",
+            ),
+        ),
+    ),
+    Panel(
+        "Routing decisions",
+        "Replica picks per second, by routing policy.",
+        "short",
+        (
+            Query(
+                rate("fastgen_balancer_routing_decisions_total", UPSTREAM, "policy, replica"),
+                "{{policy}} → {{replica}}",
+            ),
+        ),
+    ),
+)
 
 PROCESSES = (
-    TablePanel("Processes", "fastgen_build_info of every process: version, role, model, dtype, tensor parallelism.",
-               "short", (Query(f"fastgen_build_info{{{DEPLOYMENT}}}", ""),)),
-)  # fmt: skip
+    TablePanel(
+        "Processes",
+        "fastgen_build_info of every process: version, role, model, dtype, tensor parallelism.",
+        "short",
+        (Query(f"fastgen_build_info{{{DEPLOYMENT}}}", ""),),
+    ),
+)
 
 ROWS = (
     ("Service level", SERVICE),
@@ -186,29 +309,46 @@ def panel(spec: Panel, panel_id: int):
 
 def variables() -> list:
     def query_variable(name: str, label: str, query: str):
-        return (dashboard.QueryVariable(name).label(label).query(query).datasource(DATASOURCE)
-                .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))  # fmt: skip
+        return (
+            dashboard.QueryVariable(name)
+            .label(label)
+            .query(query)
+            .datasource(DATASOURCE)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+        )
 
     default_rate = VariableOption(text="2", value="2", selected=True)
     return [
         dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         query_variable("deployment", "Deployment", "label_values(fastgen_build_info, deployment)")
-        .multi(True).include_all(True).all_value(".*"),
-        query_variable("replica", "Replica",
-                       'label_values(fastgen_build_info{deployment=~"$deployment", role="replica"}, replica)')
-        .multi(True).include_all(True).all_value(".*"),
-        query_variable("token_rate", "SLA R (tokens/s)",
-                       'label_values(fastgen_sla_requests_total{deployment=~"$deployment"}, token_rate)')
-        .current(default_rate),
-    ]  # fmt: skip
+        .multi(True)
+        .include_all(True)
+        .all_value(".*"),
+        query_variable(
+            "replica", "Replica", 'label_values(fastgen_build_info{deployment=~"$deployment", role="replica"}, replica)'
+        )
+        .multi(True)
+        .include_all(True)
+        .all_value(".*"),
+        query_variable(
+            "token_rate",
+            "SLA R (tokens/s)",
+            'label_values(fastgen_sla_requests_total{deployment=~"$deployment"}, token_rate)',
+        ).current(default_rate),
+    ]
 
 
 def build():
     board = (
-        dashboard.Dashboard("FastGen").uid(UID).tags(["fastgen", "llm-serving"]).refresh("10s")
-        .time("now-30m", "now").timezone("browser")
+        dashboard.Dashboard("FastGen")
+        .uid(UID)
+        .tags(["fastgen", "llm-serving"])
+        .refresh("10s")
+        .time("now-30m", "now")
+        .timezone("browser")
         .description("FastGen deployments: SLA attainment, latency, engine packing and the load balancer.")
-    )  # fmt: skip
+    )
     for v in variables():
         board.with_variable(v)
     next_id = 1

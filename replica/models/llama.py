@@ -1,9 +1,11 @@
 """Llama-family decoder over ragged batches: Llama 2/3 (llama3 rope scaling), Mistral, Qwen2 (qkv bias),
 SmolLM2 (tied embeddings); GQA and MHA. Every linear layer is tensor-parallel (one rank: a plain layer)."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +42,7 @@ class ModelConfig:
     sliding_window: int | None
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Reads a Hugging Face config.json (transformers 4.x and 5.x spellings)."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
@@ -102,7 +104,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, tp)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, tp
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.heads, self.qkv_proj.kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -174,8 +178,13 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
         modules = dict(self.named_modules())
         seen = set()
         for name, tensor in weights:
@@ -193,7 +202,9 @@ class LlamaModel(nn.Module):
             modules[module_name].load(param, tensor, part)
             seen.add((module_name, param, part))
         tied_head = self.lm_head if self.config.tie_word_embeddings else None
-        expected = sum(len(getattr(m, "local_parts", [0])) for m in modules.values() if hasattr(m, "load") and m is not tied_head)
+        expected = sum(
+            len(getattr(m, "local_parts", [0])) for m in modules.values() if hasattr(m, "load") and m is not tied_head
+        )
         loaded_weights = {s for s in seen if s[1] == "weight"}
         if len(loaded_weights) != expected:
             raise ValueError(f"checkpoint is incomplete: {len(loaded_weights)} of {expected} weight tensors found")
