@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+
 from fastgen.kernels import AttentionMetadata, cpu, paged_attention
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from fastgen.kernels import TORCH_KERNELS, AttentionMetadata, rope_cos_sin, rope_inv_freq, select_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -132,8 +132,9 @@ def main() -> None:
     pipe([[1, 2, 3]], max_new_tokens=2)  # warm-up
     hf = None
     if not args.skip_hf:
-        from fastgen.replica.weights import resolve_model
         from transformers import AutoModelForCausalLM
+
+        from fastgen.replica.weights import resolve_model
 
         hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=dtype).eval()
     load = os.getloadavg()

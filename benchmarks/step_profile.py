@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     import torch
+
     from fastgen.replica.config import EngineConfig, SchedulerConfig
     from fastgen.replica.engine import build_engine
 

@@ -30,6 +30,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from fastgen.replica.batch_broadcast import BatchBroadcast
 from fastgen.replica.parallel import TPGroup
 
@@ -95,7 +96,7 @@ class TimedBroadcast(BatchBroadcast):
 # ---- the run ------------------------------------------------------------------------------------------------------
 def model_dir() -> Path:
     from fastgen.replica.weights import cache_root
-    from fastgen.tests.tiny_model import make_tiny_model
+    from fastgen.testing import make_tiny_model
 
     path = cache_root() / "bench-models" / "llama-1024x8"
     if not (path / "config.json").is_file():

@@ -1,15 +1,12 @@
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from fastgen.testing import make_tiny_model
+
 # One thread per test process: the CI machine has two cores and servers spawned by tests need the other.
 torch.set_num_threads(1)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

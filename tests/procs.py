@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastgen.testing import free_port, wait_until
 
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Enough KV blocks for 40 concurrent short requests at block size 16 on the tiny model.
@@ -46,13 +47,6 @@ REPLICA_DEFAULTS = (
     "--max-queue-requests",
     "256",
 )
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it; a tiny race with other processes remains)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -178,15 +172,6 @@ def wait_health(proc: Proc, want: str = "SERVING", timeout: float = 120.0) -> No
 
 def wait_serving(proc: Proc, timeout: float = 120.0) -> None:
     wait_health(proc, "SERVING", timeout)
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not reached within {timeout} s")
 
 
 def balancer_health_of_replicas(balancer: Proc) -> dict[str, str]:

@@ -12,8 +12,11 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from fastgen.server import AsyncClient, Client, GenerationError
-from procs import (
+
+from .procs import (
     Proc,
     free_port,
     start_balancer,
@@ -23,7 +26,6 @@ from procs import (
     wait_serving,
     wait_until,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
+
 from fastgen.balancer.policy import Router
 from fastgen.balancer.pool import ReplicaPool, ReplicaSpec
 from fastgen.balancer.service import BalancerService
@@ -17,8 +19,7 @@ from fastgen.proto import fastgen_pb2_grpc
 from fastgen.server import AsyncClient, GenerationError
 from fastgen.server.grpc_server import create_server, set_serving
 from fastgen.server.metrics import BalancerMetrics
-from procs import free_port
-from prometheus_client import CollectorRegistry
+from fastgen.testing import free_port
 
 OK, SLOW = "ok", "slow"
 

@@ -2,6 +2,7 @@
 
 import grpc
 import pytest
+
 from fastgen.proto import fastgen_pb2 as pb
 from fastgen.server import Client, GenerationError
 from fastgen.server.client import build_request, check_kwargs, is_single_prompt, to_chunk, to_result

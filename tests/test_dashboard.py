@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import yaml
+
 from fastgen.launch import cli, prometheus, state
 from fastgen.launch.config import DeployConfig
 from fastgen.launch.grafana import DASHBOARD_JSON

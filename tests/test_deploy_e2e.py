@@ -11,12 +11,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+
 from fastgen.launch.probe import port_free
+from fastgen.testing import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,16 +79,6 @@ def deploy(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_deployment_lifecycle(deploy, tiny_model_dir):
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
@@ -142,11 +133,12 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
         r = deploy.status()[1]
         return r["pid"] not in (None, old_pid) and r["health"] == "SERVING" and r
 
-    back = wait_for(replica_back, 60, "replica-0 to be restarted and SERVING")
+    back = wait_until(replica_back, 60, 0.5, "replica-0 to be restarted and SERVING")
     assert back["restarts"] == 1 and not alive(old_pid)
-    wait_for(
+    wait_until(
         lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0,
         20,
+        0.5,
         "the balancer to route again",
     )
 
@@ -225,7 +217,7 @@ def test_stop_cleans_up_after_a_killed_supervisor(deploy, tiny_model_dir):
     pids = [r["pid"] for r in deploy.status()]
     state = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())
     os.kill(state["supervisor"]["pid"], signal.SIGKILL)
-    wait_for(lambda: not alive(state["supervisor"]["pid"]), 10, "the supervisor to die")
+    wait_until(lambda: not alive(state["supervisor"]["pid"]), 10, 0.5, "the supervisor to die")
     done = deploy("status", "--name", "e2e")
     assert done.returncode != 0 and "is not running" in done.stderr
     assert "dead" in deploy("list").stdout

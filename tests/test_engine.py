@@ -5,10 +5,11 @@ import random
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from fastgen.replica import pipeline
 from fastgen.replica.request import FinishReason
-from tiny_model import make_tiny_model
-from transformers import AutoModelForCausalLM
+from fastgen.testing import make_tiny_model
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

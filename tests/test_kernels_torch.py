@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from fastgen.kernels import AttentionMetadata, add_rms_norm, paged_attention, rms_norm, rotary_write_kv
 from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
 

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from fastgen.launch import cli, deployment, probe, state, supervisor
 from fastgen.launch import config as cfg
 from fastgen.launch.config import DeployConfig, ProcessSpec
+from fastgen.testing import free_port
 
 STAND_IN = textwrap.dedent(
     """
@@ -50,12 +52,6 @@ STAND_IN = textwrap.dedent(
         time.sleep(1)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- settings ---------------------------------------------------------------------------------------------------

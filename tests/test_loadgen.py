@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+
 from fastgen.benchmarks import balancer_overhead, report
 from fastgen.benchmarks.backends import OpenAIBackend
 from fastgen.benchmarks.loadgen import RunResult, closed_loop, open_loop

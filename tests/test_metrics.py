@@ -8,6 +8,9 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
+
+import fastgen
 from fastgen.server.metrics import (
     ALL_METRICS,
     BalancerMetrics,
@@ -17,9 +20,6 @@ from fastgen.server.metrics import (
     start_metrics_server,
 )
 from fastgen.server.sla import SlaConfig
-from prometheus_client import CollectorRegistry
-
-import fastgen
 
 LABELS = {"replica": "r0", "model": "tiny"}
 

@@ -1,6 +1,7 @@
 """Routing policies: pure functions, no processes."""
 
 import pytest
+
 from fastgen.balancer.policy import (
     ReplicaLoad,
     Router,

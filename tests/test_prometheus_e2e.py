@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from test_deploy_e2e import Deploy, alive, free_port_range, wait_for
+
 from fastgen.launch.grafana import DASHBOARD_JSON
 from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
-from test_deploy_e2e import Deploy, alive, free_port_range, wait_for
 
 pytestmark = [
     pytest.mark.slow,

@@ -5,8 +5,11 @@ import threading
 
 import grpc
 import pytest
+
 from fastgen.server import Client, GenerationError
-from procs import start_replica, wait_serving, wait_until
+from fastgen.testing import wait_until
+
+from .procs import start_replica, wait_serving
 
 LONG = dict(max_new_tokens=600, ignore_eos=True)
 
@@ -94,13 +97,14 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
     request submitted from asyncio is served there, and a model that fails to build fails start() with its error."""
     import asyncio
 
+    from prometheus_client import CollectorRegistry
+
     from fastgen.replica.config import CacheConfig, EngineConfig
     from fastgen.replica.engine import build_engine
     from fastgen.replica.parallel import TPGroup
     from fastgen.replica.request import SamplingParams
     from fastgen.replica.service import EngineLoop, QueueLimits
     from fastgen.server.metrics import ReplicaMetrics
-    from prometheus_client import CollectorRegistry
 
     threads = {}
 

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+
 from fastgen.replica import pipeline
 from fastgen.replica.detokenizer import IncrementalDetokenizer
 from fastgen.replica.request import FinishReason, SamplingParams

@@ -4,12 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fastgen.replica.block_allocator import BlockAllocator
 from fastgen.replica.config import SchedulerConfig
 from fastgen.replica.request import SeqStatus, Sequence
 from fastgen.replica.scheduler import Scheduler
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def fake_token(seq: Sequence) -> int:

@@ -1,6 +1,7 @@
 """The SLA scorer on hand-made timings: thresholds, the moving average, edge cases."""
 
 import pytest
+
 from fastgen.server.sla import SlaConfig, ema_alpha, max_inter_token_ema, meets_sla, rate_label
 
 P, R = 100.0, 2.0  # first token within prompt_tokens / 100 s; moving average of intervals at most 0.5 s

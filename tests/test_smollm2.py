@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from fastgen.replica import pipeline
 from fastgen.replica.request import FinishReason
 from fastgen.replica.weights import resolve_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
     "The capital of France is",

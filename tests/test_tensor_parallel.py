@@ -17,16 +17,18 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from test_engine import assert_matches, hf_greedy, random_prompts
+
 from fastgen.launch import cli, supervisor
 from fastgen.launch import config as cfg
 from fastgen.launch.config import DeployConfig
 from fastgen.replica.batch import Batch, ScheduledSeq
 from fastgen.replica.batch_broadcast import EXIT_GROUP_BROKEN, decode_batch, encode_batch
 from fastgen.replica.tp_worker import RankEnv, rank_device
-from procs import REPLICA_DEFAULTS, SINGLE_THREAD_ENV, Proc, free_port, wait_serving, wait_until
-from test_engine import assert_matches, hf_greedy, random_prompts
-from tiny_model import make_tiny_model
-from tp_ranks import broadcast_rank, engine_rank, layers_rank, run_ranks
+from fastgen.testing import free_port, make_tiny_model, wait_until
+
+from .procs import REPLICA_DEFAULTS, SINGLE_THREAD_ENV, Proc, wait_serving
+from .tp_ranks import broadcast_rank, engine_rank, layers_rank, run_ranks
 
 BATCHES = [
     Batch([ScheduledSeq(7, [5], 40, [3, 1, 4], True), ScheduledSeq(2, [9, 8, 7], 0, [0], False)], 1, []),

@@ -13,7 +13,6 @@ import os
 import random
 import sys
 
-import fastgen.kernels as K
 import pytest
 import torch
 
@@ -22,6 +21,8 @@ import torch
 # pytest session, by any test module, would fail. The flag only matters when a kernel is decorated, so it is set
 # just while a private copy of triton_kernels is imported (see `_import_interpreted`).
 import triton
+
+import fastgen.kernels as K
 from fastgen.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq
 
 MODULE = "fastgen.kernels.triton_kernels"

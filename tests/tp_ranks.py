@@ -6,7 +6,6 @@ them within a deadline; an exception in any rank fails the test with that rank's
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -15,11 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fastgen.testing import free_port
 
 
 def run_ranks(fn, *args, world: int = 2, timeout: float = 120.0) -> None:

@@ -1,13 +1,13 @@
-"""Small random-weight models for tests, saved as Hugging Face folders with SmolLM2's tokenizer, so text,
-chat templates and EOS handling are real while forwards take milliseconds."""
+"""What tests and benchmarks share: small random-weight models saved as Hugging Face folders with SmolLM2's
+tokenizer (text, chat templates and EOS handling are real while forwards take milliseconds), free ports and
+polling."""
 
 from __future__ import annotations
 
 import shutil
+import socket
+import time
 from pathlib import Path
-
-import torch
-from fastgen.replica.weights import resolve_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -29,7 +29,10 @@ def make_tiny_model(
     """Writes config.json, model.safetensors and SmolLM2's tokenizer files into path; returns path.
 
     A large init std makes logits decisive, so greedy comparisons rarely hit near-ties."""
+    import torch
     import transformers
+
+    from fastgen.replica.weights import resolve_model
 
     smol = resolve_model("smollm2-135m")
     vocab = 49152
@@ -70,3 +73,22 @@ def make_tiny_model(
         if (smol / name).exists():
             shutil.copy(smol / name, path / name)
     return path
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the OS picks it; a tiny race with other processes remains)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Polls predicate until it returns something true, and returns that; TimeoutError naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout} s")
