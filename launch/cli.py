@@ -14,8 +14,9 @@ from collections import deque
 from dataclasses import fields
 from pathlib import Path
 
+from ..replica.config import DTYPES, SCHEDULERS, parse_size
 from . import deployment, prometheus
-from .config import DTYPES, POLICIES, SCHEDULERS, DeployConfig, address, default_threads, format_size, parse_size
+from .config import POLICIES, DeployConfig, address, default_threads, format_size
 from .deployment import DeployError
 from .state import fastgen_home, paths_for
 

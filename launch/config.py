@@ -1,6 +1,7 @@
 """What a deployment is: its settings, their validation, its port layout and the command of every process.
 
-Pure: no sockets, no processes, no imports of torch or of fastgen.replica (the CLI must answer instantly).
+Pure: no sockets, no processes, no torch (the CLI must answer instantly). The engine's names and defaults come from
+fastgen.replica.config, which imports no torch either.
 
 Port layout of a deployment with N replicas (documented in the CLI's help):
     balancer   gRPC --port          metrics --metrics-port
@@ -15,32 +16,13 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..replica.config import DTYPES, SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
 
 POLICIES = ("round_robin", "least_loaded")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULERS = ("splitfuse", "prefill_first", "static")
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = EngineConfig.model
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-# Bare K/M/G are binary, as in most serving tools' memory flags; KB/MB/GB are decimal.
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
 
 
 @dataclass(frozen=True)
@@ -54,12 +36,12 @@ class DeployConfig:
     port: int = 50050
     metrics_port: int = 9400
     dtype: str = "auto"
-    max_batch_tokens: int = 512
-    max_seqs: int = 64
-    block_size: int = 16
+    max_batch_tokens: int = SchedulerConfig.max_batch_tokens
+    max_seqs: int = SchedulerConfig.max_seqs
+    block_size: int = CacheConfig.block_size
     num_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30  # bytes
-    scheduler: str = "splitfuse"
+    kv_cache_memory: int = CacheConfig.memory_bytes  # bytes
+    scheduler: str = SchedulerConfig.policy
     max_model_len: int | None = None
     threads: int = 1  # torch threads per process: per replica, or per rank with --tp
     timeout: float = 600.0  # seconds for every process to become SERVING
@@ -83,18 +65,6 @@ class ProcessSpec:
     argv: list[str] = field(default_factory=list)
     replica: str | None = None
     rank: int | None = None
-
-
-def parse_size(text: str) -> int:
-    """Bytes in '512MiB', '2GiB', '1.5G', '1073741824'."""
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: write e.g. 512MiB, 2GiB or a number of bytes")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value < 1:
-        raise ValueError(f"size {text!r} is zero: give a positive size such as 512MiB")
-    return value
 
 
 def format_size(n: int) -> str:

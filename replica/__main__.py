@@ -8,25 +8,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import signal
 import sys
 import time
 
 from ..server.grpc_server import PortInUseError, create_server, set_serving
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
-from .config import SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig
+from .config import DTYPES, SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig, parse_size
 
 log = logging.getLogger("fastgen.replica")
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_SCHEDULER, _CACHE, _ENGINE = SchedulerConfig(), CacheConfig(), EngineConfig()
 
 
-def parse_size(text: str) -> int:
+def size(text: str) -> int:
     """'512MiB', '2GiB', '1073741824' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 512MiB, 2GiB or a byte count")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive(text: str) -> int:
@@ -49,18 +48,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: pick a free one)")
     p.add_argument("--replica-id", default="replica-0")
-    p.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--model", default=_ENGINE.model, help="alias, Hugging Face folder or .gguf file")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="cpu")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
-    p.add_argument("--max-batch-tokens", type=positive, default=512)
-    p.add_argument("--max-seqs", type=positive, default=64)
-    p.add_argument("--block-size", type=positive, default=16)
+    p.add_argument("--max-batch-tokens", type=positive, default=_SCHEDULER.max_batch_tokens)
+    p.add_argument("--max-seqs", type=positive, default=_SCHEDULER.max_seqs)
+    p.add_argument("--block-size", type=positive, default=_CACHE.block_size)
     p.add_argument("--num-blocks", type=positive, default=None)
-    p.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30)
-    p.add_argument("--scheduler", default="splitfuse", choices=SCHEDULERS)
+    p.add_argument("--kv-cache-memory", type=size, default=_CACHE.memory_bytes)
+    p.add_argument("--scheduler", default=_SCHEDULER.policy, choices=SCHEDULERS)
     p.add_argument("--max-model-len", type=positive, default=None)
-    p.add_argument("--default-max-new-tokens", type=positive, default=256)
+    p.add_argument("--default-max-new-tokens", type=positive, default=_ENGINE.default_max_new_tokens)
     p.add_argument("--threads", type=positive, default=1, help="torch threads for this process")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel ranks of this replica")
     p.add_argument("--max-queue-requests", type=positive, default=256)
@@ -128,7 +127,7 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
     from prometheus_client import CollectorRegistry
 
     from ..server.metrics import ReplicaMetrics, record_build_info, start_metrics_server
-    from .engine import build_engine
+    from .builder import build_engine
     from .parallel import TPGroup
     from .service import EngineLoop, QueueLimits, ReplicaService
 

@@ -26,20 +26,19 @@ class BlockAllocator:
         """Blocks a table must gain to hold num_tokens."""
         return max(0, self.blocks_for(num_tokens) - len(block_table))
 
-    def can_grow(self, block_table: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return self.extra_blocks(block_table, num_tokens) + reserve <= len(self._free)
-
-    def grow(self, block_table: list[int], num_tokens: int) -> None:
-        """Appends blocks so the table holds num_tokens; the caller checked can_grow."""
+    def allocate(self, block_table: list[int], num_tokens: int) -> list[int] | None:
+        """Appends blocks so the table holds num_tokens and returns them (empty when it already does); None, with
+        the table unchanged, when the pool is short."""
         need = self.extra_blocks(block_table, num_tokens)
         if need > len(self._free):
-            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self._free)} free")
-        for _ in range(need):
-            block_table.append(self._free.pop())
+            return None
+        blocks = [self._free.pop() for _ in range(need)]
+        block_table.extend(blocks)
+        return blocks
 
-    def tokens_fitting(self, block_table: list[int], start: int, reserve: int = 0) -> int:
-        """How many tokens past position `start` the table can hold after taking every free block beyond reserve."""
-        blocks = len(block_table) + max(0, len(self._free) - reserve)
+    def tokens_fitting(self, block_table: list[int], start: int) -> int:
+        """How many tokens past position `start` the table can hold after taking every free block."""
+        blocks = len(block_table) + len(self._free)
         return max(0, blocks * self.block_size - start)
 
     def free(self, block_table: list[int]) -> None:

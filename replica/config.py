@@ -1,10 +1,33 @@
-"""Engine settings: small frozen dataclasses, validated once at start-up."""
+"""Engine settings: small frozen dataclasses, validated once at start-up (no torch).
+
+The one home of the engine's names and defaults: the replica's flags and `fastgen-deploy` (launch/config.py) read
+them from here."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SCHEDULERS = ("splitfuse", "prefill_first", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where the hardware has it, else float32
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+# Bare K/M/G are binary, as in most serving tools' memory flags; KB/MB/GB are decimal.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 @dataclass(frozen=True)
@@ -13,6 +36,12 @@ class SchedulerConfig:
     max_seqs: int = 64  # sequences in one forward pass
     policy: str = "splitfuse"  # splitfuse | prefill_first | static
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    # How many later requests may be admitted ahead of a waiting request that does not fit yet. Past this the queue
+    # stops overtaking it, running sequences drain, and it gets its blocks: no starvation.
+    max_overtakes: int = 16
+    # Share of the KV pool that admission keeps free (at least one block) for running sequences to decode into, so
+    # that admitting a prompt does not preempt a decode at the next step. Not applied when nothing runs.
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:
@@ -28,6 +57,10 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_overtakes < 0:
+            raise ValueError(f"max_overtakes must be >= 0, got {self.max_overtakes}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark is a share of the KV pool in [0, 1), got {self.watermark}")
 
 
 @dataclass(frozen=True)
@@ -50,9 +83,21 @@ class EngineConfig:
     model: str = "smollm2-135m"  # alias, Hugging Face folder or .gguf file
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 where the hardware has it
     device: str = "cpu"
-    kernels: str = "auto"  # auto | torch | triton
+    kernels: str = "auto"  # auto | torch | cpu | triton
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     max_model_len: int | None = None  # None: the model's own context
     default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
     progress: bool = True  # show weight-loading progress
+
+
+def parse_size(text: str) -> int:
+    """Bytes in '512MiB', '2GiB', '1.5G', '1073741824'."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: write e.g. 512MiB, 2GiB or a number of bytes")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"size {text!r} is zero: give a positive size such as 512MiB")
+    return value

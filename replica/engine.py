@@ -5,32 +5,21 @@ schedule -> run -> sample -> emit and returns what changed plus one stats record
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels import select_kernels
-from . import weights
 from .batch import Batch
-from .batch_broadcast import BatchBroadcast
-from .block_allocator import BlockAllocator
-from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .kv_cache import allocate_kv_cache, bytes_per_block
 from .model_runner import ModelRunner
-from .models.llama import LlamaModel, ModelConfig
-from .outputs import RequestOutput, RequestTimings, StepResult, StepStats
-from .parallel import TPGroup
+from .models.llama import ModelConfig
+from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats
+from .prompts import Prompt, PromptEncoder
 from .request import FinishReason, SamplingParams, Sequence
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-Prompt = str | Seq[int] | Seq[dict]
 
 
 @dataclass(eq=False)
@@ -60,6 +49,7 @@ class Engine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.prompts = PromptEncoder(tokenizer, model_config.vocab_size)
         self.eos_token_ids = eos_token_ids
         self.default_max_new_tokens = default_max_new_tokens
         self._requests: dict[str, _Request] = {}
@@ -71,44 +61,12 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Text, token ids or chat messages ({role, content} dicts) -> token ids; ValueError on bad input."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: send some text, token ids or chat messages")
-            return self.tokenizer.encode(prompt)
-        items = list(prompt)
-        if not items:
-            raise ValueError("prompt is empty: send some text, token ids or chat messages")
-        if all(isinstance(m, dict) for m in items):
-            return self._render_chat(items)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise ValueError(
-                "prompt must be a string, a list of token ids (ints) or a list of {role, content} messages"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in items if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
-        return items
-
-    def _render_chat(self, messages: list[dict]) -> list[int]:
-        for i, m in enumerate(messages):
-            if m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"message {i} has unknown role {m.get('role')!r}: use one of {', '.join(CHAT_ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i} needs a string 'content'")
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template: send plain text or token ids instead of messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams = SamplingParams()) -> int:
         """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use: choose a unique id")
         params.validate()
-        prompt_ids = self.encode(prompt)
+        prompt_ids = self.prompts.encode(prompt)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
@@ -153,9 +111,17 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
+    def load(self) -> EngineLoad:
+        """What is queued and running now, and how full the KV pool is."""
+        s = self.scheduler
+        return EngineLoad(
+            queued=len(s.waiting),
+            running=len(s.running),
+            kv_blocks_used=s.allocator.num_used,
+            kv_blocks_total=s.allocator.num_blocks,
+            queued_prompt_tokens=sum(q.num_uncomputed for q in s.waiting),
+            pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
+        )
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -249,56 +215,3 @@ def _find_stop(text: str, stops: tuple[str, ...], previous: int) -> int | None:
         if i >= 0 and (best is None or i < best):
             best = i
     return best
-
-
-def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None) -> Engine:
-    """Loads the model and tokenizer, sizes the KV pool and wires up the engine. With tensor parallelism this is
-    rank 0's part: it sends every batch through `broadcast` to the other ranks (which run `build_runner` only)."""
-    folder = weights.resolve_model(config.model)
-    hf_config = weights.load_hf_config(folder)
-    model_config = ModelConfig.from_hf(hf_config)
-    tokenizer = weights.load_tokenizer(folder)
-
-    max_len = config.max_model_len or model_config.max_position_embeddings
-    if model_config.sliding_window:
-        max_len = min(max_len, model_config.sliding_window)  # attention here is full, so stay inside the window
-    if max_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_len} exceeds the model's {model_config.max_position_embeddings} positions"
-        )
-    sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
-
-    runner, num_blocks = build_runner(config, tp, broadcast)
-    scheduler = Scheduler(sched_config, BlockAllocator(num_blocks, config.cache.block_size))
-    eos = weights.eos_token_ids(folder, hf_config, tokenizer)
-    return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
-
-
-def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None):
-    """This rank's shards of the weights and its KV cache (for its KV heads), in a model runner; returns the runner
-    and the number of KV blocks, the same on every rank."""
-    device = torch.device(config.device)
-    dtype = weights.parse_dtype(config.dtype, device)
-    folder = weights.resolve_model(config.model)
-    model_config = ModelConfig.from_hf(weights.load_hf_config(folder))
-    kernels = select_kernels(config.kernels, device)
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaModel(model_config, tp, kernels)
-    finally:
-        torch.set_default_dtype(previous)
-    # Tensors are memory-mapped: each rank reads only the pages of its own shards.
-    model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
-    model.eval()
-    model.pack_weights()
-
-    attn = model.layers[0].self_attn
-    block_size = config.cache.block_size
-    # The memory budget is per rank; each block holds only this rank's KV heads.
-    per_block = bytes_per_block(model_config.num_layers, block_size, attn.kv_heads, attn.head_dim, dtype)
-    num_blocks = tp.agree_min(config.cache.num_blocks or max(1, config.cache.memory_bytes // per_block), device)
-    kv = allocate_kv_cache(model_config.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype, device)
-    return ModelRunner(model, kv, block_size, device, broadcast), num_blocks

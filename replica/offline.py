@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from .builder import build_engine
 from .config import CacheConfig, EngineConfig, SchedulerConfig
-from .engine import Engine, Prompt, build_engine
+from .engine import Engine
+from .prompts import Prompt
 from .request import FinishReason, SamplingParams
 
 
@@ -64,27 +66,27 @@ class Pipeline:
 
 
 def pipeline(
-    model: str = "smollm2-135m",
+    model: str = EngineConfig.model,
     dtype: str | None = None,
-    max_batch_tokens: int = 512,
+    max_batch_tokens: int = SchedulerConfig.max_batch_tokens,
     max_seqs: int | None = None,
-    block_size: int = 16,
+    block_size: int = CacheConfig.block_size,
     num_blocks: int | None = None,
-    kv_cache_memory: int = 1 << 30,
-    scheduler: str = "splitfuse",
+    kv_cache_memory: int = CacheConfig.memory_bytes,
+    scheduler: str = SchedulerConfig.policy,
     max_model_len: int | None = None,
-    device: str = "cpu",
-    kernels: str = "auto",
+    device: str = EngineConfig.device,
+    kernels: str = EngineConfig.kernels,
     progress: bool = True,
 ) -> Pipeline:
+    """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget."""
+    max_seqs = max_seqs or min(SchedulerConfig.max_seqs, max_batch_tokens)
     config = EngineConfig(
         model=model,
         dtype=dtype,
         device=device,
         kernels=kernels,
-        scheduler=SchedulerConfig(
-            max_batch_tokens=max_batch_tokens, max_seqs=max_seqs or min(64, max_batch_tokens), policy=scheduler
-        ),
+        scheduler=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory),
         max_model_len=max_model_len,
         progress=progress,

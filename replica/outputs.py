@@ -60,3 +60,15 @@ class StepStats:
 class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: StepStats | None = None  # None when there was nothing to run
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's load, for admission limits and status reports."""
+
+    queued: int = 0  # requests waiting for their first forward pass (or preempted, waiting to be recomputed)
+    running: int = 0  # sequences being prefilled or decoded
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    queued_prompt_tokens: int = 0  # tokens the queued requests still have to prefill
+    pending_prompt_tokens: int = 0  # prompt tokens not yet prefilled, queued and running

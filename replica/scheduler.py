@@ -14,10 +14,6 @@ from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
 from .request import SeqStatus, Sequence
 
-# How many later requests may be admitted ahead of a waiting request that does not fit yet. Past this the
-# queue stops overtaking it, running sequences drain, and it gets its blocks: no starvation.
-MAX_OVERTAKES = 16
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
@@ -27,6 +23,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
         self._overtakes = 0
+        self._watermark_blocks = max(1, int(allocator.num_blocks * config.watermark)) if config.watermark else 0
         self._schedule = {
             "splitfuse": self._schedule_splitfuse,
             "prefill_first": self._schedule_prefill_first,
@@ -128,7 +125,7 @@ class Scheduler:
     def _admit(self, budget: int, whole_prompts: bool, reserve_lifetime: bool = False) -> list[tuple[Sequence, int]]:
         """Moves waiting sequences to running while the budget, max_seqs and the KV pool allow.
 
-        A request that does not fit now may be overtaken by later ones, at most MAX_OVERTAKES times."""
+        A request that does not fit now may be overtaken by later ones, at most `max_overtakes` times."""
         admitted: list[tuple[Sequence, int]] = []
         claimed = 0  # blocks promised to sequences admitted by this call (for their whole life when static)
         i = 0
@@ -137,8 +134,7 @@ class Scheduler:
             n = seq.num_uncomputed if whole_prompts else min(seq.num_uncomputed, budget)
             if whole_prompts and n > budget and admitted:
                 break  # whole prompts only; the first one may exceed the budget so it can run at all
-            # Keep a few blocks back for running sequences to decode into, unless the pool is otherwise idle.
-            watermark = max(1, self.allocator.num_blocks // 100) if self.running else 0
+            watermark = self._watermark_blocks if self.running else 0
             need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else n)
             if claimed + need + watermark <= self.allocator.num_free:
                 del self.waiting[i]
@@ -148,7 +144,7 @@ class Scheduler:
                 budget -= n
                 claimed += need
                 self._overtakes = 0 if i == 0 else self._overtakes + 1
-            elif i == 0 and self._overtakes >= MAX_OVERTAKES:
+            elif i == 0 and self._overtakes >= self.config.max_overtakes:
                 break
             elif reserve_lifetime:
                 break  # static batches keep arrival order
@@ -159,9 +155,9 @@ class Scheduler:
     def _make_room(
         self, seq: Sequence, num_tokens: int, scheduled: set[int], preempted: list[int], preempt_self: bool
     ) -> bool:
-        """Frees blocks for seq to hold num_tokens by preempting newer sequences not yet in this batch.
+        """Gives seq the blocks to hold num_tokens, preempting newer sequences not yet in this batch to free them.
         When none is left, a decode preempts itself (preempt_self) and a prompt chunk takes what fits."""
-        while not self.allocator.can_grow(seq.block_table, num_tokens):
+        while self.allocator.allocate(seq.block_table, num_tokens) is None:
             victim = self.running[-1]
             if victim is seq or victim.seq_id in scheduled:
                 if preempt_self:
@@ -182,7 +178,8 @@ class Scheduler:
 
     def _take(self, seq: Sequence, n: int, scheduled: set[int]) -> ScheduledSeq:
         start = seq.num_computed
-        self.allocator.grow(seq.block_table, start + n)
+        if self.allocator.allocate(seq.block_table, start + n) is None:
+            raise RuntimeError(f"KV pool exhausted while scheduling {n} tokens of sequence {seq.seq_id}")
         seq.num_computed += n
         scheduled.add(seq.seq_id)
         return ScheduledSeq(

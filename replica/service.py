@@ -16,8 +16,9 @@ import grpc
 from ..proto import fastgen_pb2 as pb
 from ..proto import fastgen_pb2_grpc
 from ..server.errors import QueueFullError, status_for
-from .engine import Engine, Prompt
-from .outputs import RequestOutput
+from .engine import Engine
+from .outputs import EngineLoad, RequestOutput
+from .prompts import Prompt
 from .request import FinishReason, SamplingParams
 
 log = logging.getLogger("fastgen.replica")
@@ -50,18 +51,6 @@ class QueueLimits:
     max_prompt_tokens: int = 262144  # prompt tokens of those requests
 
 
-@dataclass(frozen=True)
-class Load:
-    """What GetStatus reports; replaced whole by the engine thread after every step."""
-
-    queued: int = 0
-    running: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    tokens_generated: int = 0
-    pending_prompt_tokens: int = 0
-
-
 class EngineLoop:
     """Owns the engine on a thread of its own, from building it to its last step; asyncio callers talk to it through
     `submit` and `abort`.
@@ -78,12 +67,12 @@ class EngineLoop:
         self.metrics = metrics
         self.limits = limits
         self.loop = loop
-        self.load = Load()
+        self.load = EngineLoad()  # replaced whole by the engine thread after every step; read by GetStatus
+        self.tokens_generated = 0  # written by the engine thread only
         self._build = build
         self._ready: asyncio.Future = loop.create_future()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # engine thread only
-        self._tokens_generated = 0
         self._in_flight = 0  # requests submitted and not finished (read from the event loop)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -135,7 +124,7 @@ class EngineLoop:
                 self._fail_all(exc)
                 continue
             for out in result.outputs:
-                self._tokens_generated += len(out.new_token_ids)
+                self.tokens_generated += len(out.new_token_ids)
                 self._deliver(out)
             if result.stats is not None:
                 self.metrics.on_step(result.stats)
@@ -161,10 +150,10 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         try:
-            waiting = self.engine.scheduler.waiting
-            if len(waiting) >= self.limits.max_requests:
-                raise QueueFullError(f"queue full ({len(waiting)} requests waiting): back off and retry")
-            if sum(s.num_uncomputed for s in waiting) >= self.limits.max_prompt_tokens:
+            load = self.engine.load()
+            if load.queued >= self.limits.max_requests:
+                raise QueueFullError(f"queue full ({load.queued} requests waiting): back off and retry")
+            if load.queued_prompt_tokens >= self.limits.max_prompt_tokens:
                 raise QueueFullError(
                     f"queue full (over {self.limits.max_prompt_tokens} prompt tokens waiting): back off and retry"
                 )
@@ -187,15 +176,7 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(stream.put_nowait, RuntimeError(f"engine step failed: {exc}"))
 
     def _publish_load(self) -> None:
-        s = self.engine.scheduler
-        self.load = Load(
-            queued=len(s.waiting),
-            running=len(s.running),
-            kv_blocks_used=s.allocator.num_used,
-            kv_blocks_total=s.allocator.num_blocks,
-            tokens_generated=self._tokens_generated,
-            pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
-        )
+        self.load = self.engine.load()
 
 
 # ---- proto <-> engine --------------------------------------------------------------------------------------
@@ -293,7 +274,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
 
     async def GetStatus(self, request, context):
         loading = self.engine_loop is None
-        load = Load() if loading else self.engine_loop.load
+        load = EngineLoad() if loading else self.engine_loop.load
         status = pb.ReplicaStatus(
             replica=self.replica_id,
             health=pb.HEALTH_NOT_SERVING if self.draining or loading else pb.HEALTH_SERVING,
@@ -301,7 +282,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             running_requests=load.running,
             kv_blocks_used=load.kv_blocks_used,
             kv_blocks_total=load.kv_blocks_total,
-            tokens_generated=load.tokens_generated,
+            tokens_generated=0 if loading else self.engine_loop.tokens_generated,
             pending_prompt_tokens=load.pending_prompt_tokens,
             in_flight=0 if loading else self.engine_loop.in_flight,
         )

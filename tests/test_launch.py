@@ -20,6 +20,7 @@ import pytest
 from fastgen.launch import cli, deployment, probe, state, supervisor
 from fastgen.launch import config as cfg
 from fastgen.launch.config import DeployConfig, ProcessSpec
+from fastgen.replica.config import parse_size
 from fastgen.testing import free_port
 
 STAND_IN = textwrap.dedent(
@@ -71,18 +72,18 @@ STAND_IN = textwrap.dedent(
     ],
 )
 def test_parse_size(text, expected):
-    assert cfg.parse_size(text) == expected
+    assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "abc", "12XB", "-1GiB", "0", "1.5.2M", "MiB"])
 def test_parse_size_rejects_with_a_hint(text):
     with pytest.raises(ValueError, match="512MiB"):
-        cfg.parse_size(text)
+        parse_size(text)
 
 
 def test_format_size_round_trips():
     for n in (512 << 20, 2 << 30, 1000, 3 << 10):
-        assert cfg.parse_size(cfg.format_size(n)) == n
+        assert parse_size(cfg.format_size(n)) == n
 
 
 def test_defaults_are_valid():
@@ -206,13 +207,13 @@ def test_cli_rejects_a_bad_size(capsys):
     assert e.value.code == 2 and "512MiB" in capsys.readouterr().err
 
 
-def test_cli_imports_neither_torch_nor_the_replica():
+def test_cli_imports_no_torch_and_of_the_replica_only_its_config():
     code = (
         "import sys, fastgen.launch.cli, fastgen.launch.supervisor; print(sorted(m for m in sys.modules "
         "if m.split('.')[0] in ('torch', 'transformers') or m.startswith('fastgen.replica')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == "['fastgen.replica', 'fastgen.replica.config']"
 
 
 # ---- state and ports --------------------------------------------------------------------------------------------

@@ -157,9 +157,10 @@ def test_static_batches_run_to_completion_before_admitting():
 def test_allocator_free_list():
     alloc = BlockAllocator(4, 16)
     table: list[int] = []
-    alloc.grow(table, 33)
-    assert len(table) == 3 and alloc.num_free == 1
-    assert not alloc.can_grow(table, 65)
+    assert alloc.allocate(table, 33) == table and len(table) == 3 and alloc.num_free == 1
+    assert alloc.allocate(table, 40) == [] and len(table) == 3
+    assert alloc.allocate(table, 65) is None and len(table) == 3 and alloc.num_free == 1
+    assert alloc.allocate(table, 64) == table[3:] and alloc.num_free == 0
     alloc.free(table)
     assert table == [] and alloc.num_free == 4
 
@@ -167,3 +168,22 @@ def test_allocator_free_list():
 def test_scheduler_modules_import_no_torch():
     code = "import sys, fastgen.replica.scheduler, fastgen.replica.block_allocator; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("max_overtakes, small_admitted", [(16, True), (0, False)])
+def test_max_overtakes_bounds_how_often_a_waiting_request_is_passed(max_overtakes, small_admitted):
+    config = SchedulerConfig(64, 8, "splitfuse", 10**6, max_overtakes=max_overtakes, watermark=0.0)
+    sched = Scheduler(config, BlockAllocator(10, 4))
+    sched.add(Sequence(0, [1] * 32, 32, 4))  # takes 8 of the 10 blocks
+    sched.schedule()
+    big, small = Sequence(1, [2] * 16, 16, 4), Sequence(2, [3] * 4, 4, 4)  # 4 blocks (do not fit) and 1 block
+    sched.add(big)
+    sched.add(small)
+    scheduled = {s.seq_id for s in sched.schedule().seqs}
+    assert (small.seq_id in scheduled) is small_admitted and big.seq_id not in scheduled
+
+
+@pytest.mark.parametrize("field, value", [("max_overtakes", -1), ("watermark", 1.0), ("watermark", -0.1)])
+def test_scheduler_config_refuses_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
