@@ -21,7 +21,7 @@ from ..server.grpc_server import PortInUseError, create_server, set_serving
 from ..server.metrics import BalancerMetrics, BuildInfo, record_build_info, start_metrics_server
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
-from .service import BalancerService
+from .service import RETRY_CODES, BalancerService
 
 log = logging.getLogger("fastgen.balancer")
 
@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
-    metrics = BalancerMetrics(registry)
+    ids = tuple(r.id for r in args.replica)
+    metrics = BalancerMetrics(registry, ids, args.policy, RETRY_CODES)
     record_build_info(registry, BuildInfo(role="balancer"))
 
     async def on_health_change() -> None:

@@ -66,6 +66,12 @@ FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 REPLICA_LABELS = ("replica", "model")
 FINISH_REASONS = ("length", "stop", "eos", "cancelled")
+# Label values known before anything happens are exported at 0 from the first scrape, so that rates and ratios over
+# them are defined (and no dashboard panel reads "No data") on a healthy deployment. The status codes are the wire
+# contract's outcomes; any other code appears when it first happens.
+EXPECTED_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+REPLICA_METHODS = ("Generate", "GenerateStream")
+BALANCER_METHODS = ("Generate", "GenerateStream", "GetStatus")
 
 
 @dataclass(frozen=True)
@@ -303,8 +309,11 @@ class ReplicaMetrics:
         self._bound = {d: m.labels(**self._replica_labels) for d, m in metrics.items() if d.labels == REPLICA_LABELS}
         self._by_reason = metrics[REQUESTS_FINISHED]
         self._by_code = metrics[REQUESTS]
-        for reason in FINISH_REASONS:  # present from the start, so rates over them are defined before any finish
+        for reason in FINISH_REASONS:
             self._by_reason.labels(**self._replica_labels, reason=reason)
+        for method in REPLICA_METHODS:
+            for code in EXPECTED_CODES:
+                self._by_code.labels(**self._replica_labels, method=method, code=code)
         # (token rate, met?) -> its counter, every one present at 0 from the start for the same reason.
         self._sla_counters = {
             (rate, met): metrics[SLA_REQUESTS].labels(
@@ -386,10 +395,31 @@ class ReplicaMetrics:
 
 
 class BalancerMetrics:
-    """The balancer's view: calls per replica, in flight, health, retries and routing decisions."""
+    """The balancer's view: calls per replica, in flight, health, retries and routing decisions.
 
-    def __init__(self, registry: CollectorRegistry):
-        self._m = register(registry, BALANCER_METRICS)
+    Every series whose labels are known at start (the replicas, the routing policy, the codes the balancer retries
+    on) is exported from the first scrape: counters at 0, replicas unhealthy until their first health check."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        replicas: tuple[str, ...] = (),
+        policy: str | None = None,
+        retry_codes: tuple[grpc.StatusCode, ...] = (),
+    ):
+        self._m = m = register(registry, BALANCER_METRICS)
+        for method in BALANCER_METHODS:
+            for code in EXPECTED_CODES:
+                m[BALANCER_REQUESTS].labels(method=method, code=code)
+        for replica in replicas:
+            for code in EXPECTED_CODES:
+                m[BALANCER_REPLICA_REQUESTS].labels(replica=replica, code=code)
+            for code in retry_codes:
+                m[BALANCER_RETRIES].labels(replica=replica, code=code_name(code))
+            m[BALANCER_IN_FLIGHT].labels(replica=replica).set(0)
+            m[BALANCER_REPLICA_HEALTHY].labels(replica=replica).set(0)
+            if policy is not None:
+                m[BALANCER_ROUTING].labels(policy=policy, replica=replica)
 
     def on_rpc(self, method: str, code: grpc.StatusCode) -> None:
         """A client-facing RPC finished with `code`."""

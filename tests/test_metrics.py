@@ -130,6 +130,25 @@ def test_rpc_codes_are_counted(registry):
     assert value(registry, "fastgen_requests_total", method="Generate", code="INVALID_ARGUMENT", **LABELS) == 1
 
 
+def test_every_series_known_at_start_is_exported_from_the_first_scrape(registry):
+    ReplicaMetrics(registry, "r0", "tiny")
+    balancer = CollectorRegistry()
+    BalancerMetrics(balancer, ("r0", "r1"), "least_loaded", (grpc.StatusCode.UNAVAILABLE,))
+
+    def zero(reg, name, **labels) -> bool:
+        return reg.get_sample_value(name, labels) == 0  # None where the series is not exported
+
+    for code in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
+        assert zero(registry, "fastgen_requests_total", method="GenerateStream", code=code, **LABELS)
+        assert zero(balancer, "fastgen_balancer_requests_total", method="Generate", code=code)
+        assert zero(balancer, "fastgen_balancer_replica_requests_total", replica="r1", code=code)
+    for replica in ("r0", "r1"):
+        assert zero(balancer, "fastgen_balancer_retries_total", replica=replica, code="UNAVAILABLE")
+        assert zero(balancer, "fastgen_balancer_routing_decisions_total", policy="least_loaded", replica=replica)
+        assert zero(balancer, "fastgen_balancer_in_flight_requests", replica=replica)
+        assert zero(balancer, "fastgen_balancer_replica_healthy", replica=replica)
+
+
 def test_balancer_metrics(registry):
     m = BalancerMetrics(registry)
     m.on_rpc("Generate", grpc.StatusCode.UNAVAILABLE)
