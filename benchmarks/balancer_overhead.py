@@ -7,6 +7,10 @@ One deployment (`fastgen-deploy`, 1 replica) serves both paths: its balancer and
 generations keep the engine's time per request small, so the balancer's per-request cost (an extra gRPC hop and
 a routing decision per request, a forwarded message per chunk) is as visible as it gets. Floors (issue #3): at
 most 5% lower throughput and at most 2 ms added p50 latency per request through the balancer.
+
+--json writes the summary (medians over rounds with their range, paired medians, the verdict, the command, commit,
+date and machine); every round's own figures go to --raw (default benchmarks/out/balancer_overhead/<the summary's
+name>, ignored by git).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .backends import FastGenBackend
-from .loadgen import closed_loop, git_commit, machine_name
+from .loadgen import closed_loop
+from .provenance import default_raw, run_info
 from .serving import System, cpu_count, fastgen_deployment, tokenizer_dir, wait_quiet
 from .stats import percentile
 from .workload import make_requests, parse_workload
@@ -158,8 +163,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet-cores", type=float, default=0.7, help="wait until fewer cores are busy (0: don't wait)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the summary here (e.g. benchmarks/results/NAME.json)")
+    p.add_argument("--raw", type=Path, default=None, help="every round's figures (default: benchmarks/out/...)")
     args = p.parse_args(argv)
+    args.argv = argv
     # fastgen_deployment's settings for a one-replica splitfuse deployment
     args.max_batch_tokens, args.max_seqs, args.direct, args.start_timeout = 512, 64, False, 600.0
     args.threads = args.threads or max(1, cpu_count() // 2)
@@ -178,19 +185,21 @@ def main(argv=None) -> int:
     v = verdict(m, paired(rounds))
     print(markdown(m, v))
     if args.json:
-        meta = {
-            "args": {k: v for k, v in vars(args).items() if k != "json"},
+        meta = run_info("balancer_overhead", args.argv) | {
+            "args": {
+                k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "argv")
+            },
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "busy_cores_before": busy,
             "wall_s": time.monotonic() - started,
-            "commit": git_commit(),
-            "machine": machine_name(),
         }
+        raw = args.raw or default_raw(args.json, "balancer_overhead")
+        meta["raw"] = str(raw)
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        raw.write_text(json.dumps({"meta": meta, "rounds": [asdict(r) for r in rounds]}, indent=1))
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"meta": meta, "medians": m, "verdict": v, "rounds": [asdict(r) for r in rounds]}, indent=1)
-        )
+        args.json.write_text(json.dumps({"meta": meta, "medians": m, "verdict": v}, indent=1))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Load generator: one measured run against a running server, closed-loop (the paper's) or open-loop Poisson.
 
-    python -m fastgen.benchmarks.loadgen --target 127.0.0.1:50050 --workload C1 --clients 4 --json run.json
+    python -m fastgen.benchmarks.loadgen --target 127.0.0.1:50050 --workload C1 --clients 4 --json summary.json
     python -m fastgen.benchmarks.loadgen --target 127.0.0.1:50050 --workload C2 --rate 0.5 --requests 40
     python -m fastgen.benchmarks.loadgen --openai http://127.0.0.1:8000 --openai-model /path/to/hf-folder ...
 
@@ -8,6 +8,9 @@ Closed loop: N clients each send one warm-up request, wait at a barrier, then se
 the previous one finished, until 4 x N + 16 requests (the CPU profile) have completed. Open loop: requests arrive
 as a Poisson process of the given rate, whatever is still in flight. Prompts are token ids, so the tokenizer of the
 served model must be given (`--tokenizer`, default: the embedded SmolLM2's folder).
+
+`--json` writes the run's summary (percentiles, SLA figures, the command, commit and machine); the raw per-request
+records (every token's arrival time) go to `--raw`, by default benchmarks/out/loadgen/<tag>.json, which git ignores.
 """
 
 from __future__ import annotations
@@ -17,14 +20,13 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import random
-import subprocess
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .provenance import RAW_DIR, git_commit, machine, machine_name  # noqa: F401 (re-exported)
 from .stats import SLA, RequestRecord, summarize
 from .workload import Workload, make_requests, parse_workload
 
@@ -49,17 +51,29 @@ class RunSpec:
 class RunResult:
     meta: dict
     summary: dict
-    records: list[dict] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # raw: one per request, every token's arrival time
 
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)  # a run killed half-way leaves no file, so resuming redoes it
+    def summary_json(self) -> dict:
+        """What a results table is built from: meta and summary, no per-request records."""
+        return {"meta": self.meta, "summary": self.summary}
+
+    def save_summary(self, path: Path) -> None:
+        write_json(path, self.summary_json(), indent=1)
+
+    def save_raw(self, path: Path) -> None:
+        """Everything, records included: for benchmarks/out/ (ignored by git), not for the tracked results."""
+        write_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> RunResult:
         return cls(**json.loads(path.read_text()))
+
+
+def write_json(path: Path, data, indent: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)  # a run killed half-way leaves no file
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -142,40 +156,11 @@ def run_meta(spec: RunSpec, n: int, load_before) -> dict:
         "tag": spec.tag,
         "load_before": list(load_before),
         "load_after": list(os.getloadavg()),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "machine": machine_name(),
-        "python": platform.python_version(),
+        "machine": machine(),
+        "python": sys.version.split()[0],
     }
-
-
-def git_commit() -> str:
-    """Short HEAD, '+dirty' when tracked files differ from it (the numbers are then not HEAD's alone)."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=here,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head + ("+dirty" if dirty else "")) or "unknown"
-
-
-def machine_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def default_tokenizer() -> str:
@@ -218,7 +203,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="prompt header tag (default: unique per run)")
     p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P, prompt tokens/s (default 100)")
     p.add_argument("--token-rates", default="1,2,4", help="SLA R values, tokens/s (default 1,2,4)")
-    p.add_argument("--json", type=Path, default=None, help="write raw results here")
+    p.add_argument("--json", type=Path, default=None, help="write the run's summary here (no per-request records)")
+    p.add_argument(
+        "--raw", type=Path, default=None, help="raw per-request records (default: benchmarks/out/loadgen/<tag>.json)"
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -234,13 +222,7 @@ def make_backend(args: argparse.Namespace):
 async def main_async(args: argparse.Namespace) -> RunResult:
     backend = make_backend(args)
     spec = RunSpec(
-        parse_workload(args.workload),
-        args.clients,
-        args.rate,
-        args.requests,
-        args.requests_scale,
-        args.seed,
-        args.tag or f"{os.getpid()}-{datetime.datetime.now():%H%M%S}",
+        parse_workload(args.workload), args.clients, args.rate, args.requests, args.requests_scale, args.seed, args.tag
     )
     sla = SLA(args.prompt_rate, tuple(float(r) for r in args.token_rates.split(",")))
     await backend.open()
@@ -251,11 +233,18 @@ async def main_async(args: argparse.Namespace) -> RunResult:
 
 
 def main(argv=None) -> int:
+    from .provenance import command
+
     args = parse_args(argv)
+    args.tag = args.tag or f"{os.getpid()}-{datetime.datetime.now():%H%M%S}"
     result = asyncio.run(main_async(args))
+    result.meta["command"] = command("loadgen", argv)
+    raw = args.raw or RAW_DIR / "loadgen" / f"{args.tag}.json"
+    result.meta["raw"] = str(raw)
     print_summary(result, args.workload)
+    result.save_raw(raw)
     if args.json:
-        result.save(args.json)
+        result.save_summary(args.json)
     return 0
 
 

@@ -12,20 +12,25 @@ reported too.
 
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
-Also reports model FLOP/s of a 512-token prefill against a large matmul's FLOP/s measured in the same run."""
+Also reports model FLOP/s of a 512-token prefill against a large matmul's FLOP/s measured in the same run.
+
+--json writes the summary RESULTS.md's tables are built from (small: every repeat's seconds, medians, ratios, the
+command, commit, date and machine); this benchmark keeps no per-request records. Print its table with
+`python -m fastgen.benchmarks.report FILE`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from .provenance import run_info
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 WORKLOADS = {"W1": dict(n=64, prompt=(128, 512), gen=128), "W2": dict(n=16, prompt=(1024, 1024), gen=64)}
@@ -122,7 +127,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts (smoke runs)")
     p.add_argument("--vllm-url", default=None, help="also time a running vLLM OpenAI server on the same prompts")
     p.add_argument("--vllm-model", default="smollm2-135m", help="the model name that server serves")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the summary here (e.g. benchmarks/results/NAME.json)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from fastgen.replica import pipeline
@@ -155,7 +160,14 @@ def main() -> None:
                 theirs.append(run_transformers(hf, prompts, w["gen"]))
             if args.vllm_url and r < args.repeats:
                 vllm.append(run_vllm(args.vllm_url, args.vllm_model, prompts, w["gen"]))
-        results[name] = dict(requests=n, generated_tokens=tokens, fastgen_s=ours, transformers_s=theirs)
+        results[name] = dict(
+            requests=n,
+            generated_tokens=tokens,
+            fastgen_s=ours,
+            transformers_s=theirs,
+            fastgen_median_s=statistics.median(ours),
+            fastgen_tok_s=tokens / statistics.median(ours),
+        )
         line = f"{name}: FastGen median {statistics.median(ours):.1f} s ({tokens / statistics.median(ours):.0f} tok/s)"
         if theirs:
             ratio = statistics.median(theirs) / statistics.median(ours)
@@ -164,10 +176,12 @@ def main() -> None:
                 f", transformers {statistics.median(theirs):.1f} s -> {ratio:.2f}x "
                 f"(per repeat {min(paired):.2f}-{max(paired):.2f}x)"
             )
+            results[name]["transformers_median_s"] = statistics.median(theirs)
             results[name]["speedup"] = ratio
             results[name]["speedup_per_repeat"] = paired
         if vllm:
             results[name]["vllm_s"] = vllm
+            results[name]["vllm_median_s"] = statistics.median(vllm)
             results[name]["speedup_vs_vllm"] = statistics.median(vllm) / statistics.median(ours)
             line += f", vLLM {statistics.median(vllm):.1f} s -> {results[name]['speedup_vs_vllm']:.2f}x"
         print(line, flush=True)
@@ -177,17 +191,13 @@ def main() -> None:
         f"prefill 512: {model_flops / 1e9:.1f} GFLOP/s vs matmul {matmul_flops / 1e9:.1f} GFLOP/s "
         f"({model_flops / matmul_flops:.0%})"
     )
-    results["meta"] = dict(
-        dtype=args.dtype,
-        threads=args.threads,
-        load_before=load,
-        load_after=os.getloadavg(),
-        machine=platform.processor() or platform.machine(),
-        torch=torch.__version__,
+    results["meta"] = run_info("offline") | dict(
+        dtype=args.dtype, threads=args.threads, load_before=load, load_after=os.getloadavg()
     )
     print(json.dumps(results["meta"]))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

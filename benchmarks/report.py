@@ -1,46 +1,101 @@
-"""Tables, the SplitFuse-vs-prefill-first check and PNG plots from a folder of serving runs
-(OUT/<workload>/<system>/c<N>.json, as `python -m fastgen.benchmarks.serving run` writes them)."""
+"""Tables, the SplitFuse-vs-prefill-first check and PNG plots, built from a results folder's summary file
+(OUT/summary.json, one line per run: workload, system, clients, repeat, meta and summary; written by
+`python -m fastgen.benchmarks.serving run`). The raw per-request records are not needed: they go to benchmarks/out/.
+
+    python -m fastgen.benchmarks.report benchmarks/results/serving-threads            # serving tables + PNGs
+    python -m fastgen.benchmarks.report benchmarks/results/offline_bf16_threads2.json  # an offline summary's table
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
-from dataclasses import asdict
 from pathlib import Path
-
-from .stats import SLA, RequestRecord, summarize
 
 # Order of systems in tables and legends; others follow alphabetically.
 SYSTEM_ORDER = ("splitfuse", "prefill_first", "static", "hf", "vllm")
+SUMMARY_FILE = "summary.json"
+PLOT_DPI = 80
+
+
+# ---- the summary file ----
+def run_key(run: dict) -> tuple:
+    return (run["workload"], run["system"], run["clients"], -1 if run.get("repeat") is None else run["repeat"])
+
+
+def read_summary(out: Path) -> dict:
+    """{"runs": [...], and any notes}; empty when the folder has none."""
+    path = Path(out) / SUMMARY_FILE
+    return json.loads(path.read_text()) if path.exists() else {"runs": []}
+
+
+def write_summary(out: Path, data: dict) -> Path:
+    """One run per line, sorted, so that a new run is a one-line diff."""
+    path = Path(out) / SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = sorted(data.get("runs", []), key=run_key)
+    head = {k: v for k, v in data.items() if k != "runs"}
+    lines = [json.dumps(head, ensure_ascii=False)[:-1] + (', "runs": [' if head else '"runs": [')]
+    lines.append(",\n".join(json.dumps(r, ensure_ascii=False) for r in runs))
+    text = "\n".join(lines) + "\n]}\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # a run killed half-way leaves the previous summary
+    return path
+
+
+def add_run(out: Path, workload: str, system: str, clients: int, repeat: int | None, result: dict) -> Path:
+    """Records one run ({"meta", "summary"}) in OUT/summary.json, replacing an earlier run of the same point."""
+    data = read_summary(out)
+    run = {"workload": workload, "system": system, "clients": clients, "repeat": repeat} | result
+    data["runs"] = [r for r in data["runs"] if run_key(r) != run_key(run)] + [run]
+    return write_summary(out, data)
+
+
+def has_run(out: Path, workload: str, system: str, clients: int, repeat: int | None = None) -> bool:
+    key = run_key({"workload": workload, "system": system, "clients": clients, "repeat": repeat})
+    return any(run_key(r) == key for r in read_summary(out)["runs"])
 
 
 def load_runs(out: Path) -> dict[str, dict[str, dict[int, dict]]]:
-    """workload -> system -> clients -> run (meta + summary; raw records dropped)."""
+    """workload -> system -> clients -> run (meta + summary), single runs."""
     runs: dict = defaultdict(lambda: defaultdict(dict))
-    for path in sorted(out.glob("*/*/c*.json")):
-        runs[path.parent.parent.name][path.parent.name][int(path.stem[1:])] = load_run(path)
+    for r in read_summary(out)["runs"]:
+        if r.get("repeat") is None:
+            runs[r["workload"]][r["system"]][r["clients"]] = r
     return runs
 
 
 def load_repeats(out: Path) -> dict[str, dict[str, dict[int, dict[int, dict]]]]:
     """workload -> system -> clients -> repeat -> run, from `run --repeats K`."""
     runs: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
-    for path in sorted(out.glob("*/*/repeats/c*-*.json")):
-        n, k = (int(x) for x in path.stem[1:].split("-"))
-        runs[path.parent.parent.parent.name][path.parent.parent.name][n][k] = load_run(path)
+    for r in read_summary(out)["runs"]:
+        if r.get("repeat") is not None:
+            runs[r["workload"]][r["system"]][r["clients"]][r["repeat"]] = r
     return runs
 
 
-def load_run(path: Path) -> dict:
-    data = json.loads(path.read_text())
-    records = data.pop("records", None)
-    if records:  # rescore from the raw timings: the tables follow the current statistics code
-        sla = data["summary"].get("sla") or {}
-        sla = SLA(sla.get("prompt_rate", 100.0), tuple(sla.get("token_rates", (1.0, 2.0, 4.0))), sla.get("span", 16))
-        data["summary"] = asdict(summarize([RequestRecord(**r) for r in records], sla)) | {"sla": asdict(sla)}
-    return data
+def machine_text(m) -> str:
+    if isinstance(m, dict):
+        from .provenance import machine_name
+
+        return machine_name(m)
+    return str(m)
+
+
+def provenance(out: Path) -> str:
+    """Dates, commits and machines of a folder's runs: a table's source line."""
+    runs = read_summary(out)["runs"]
+    if not runs:
+        return ""
+    dates = sorted(r["meta"].get("date", "?") for r in runs)
+    commits = sorted({r["meta"].get("commit", "?") for r in runs})
+    machines = sorted({machine_text(r["meta"].get("machine", "?")) for r in runs})
+    return f"{len(runs)} runs, {dates[0]} to {dates[-1]}; commit(s) {', '.join(commits)}; machine {'; '.join(machines)}"
 
 
 def system_key(name: str) -> tuple:
@@ -122,7 +177,7 @@ def plot_workload(workload: str, systems: dict[str, dict[int, dict]], out: Path)
     ax.legend(fontsize=8)
     curve = out / f"{workload}_latency_throughput.png"
     fig.tight_layout()
-    fig.savefig(curve, dpi=110)
+    fig.savefig(curve, dpi=PLOT_DPI)
     plt.close(fig)
 
     rates = list(next(iter(systems[names[0]].values()))["summary"]["effective"])
@@ -140,7 +195,7 @@ def plot_workload(workload: str, systems: dict[str, dict[int, dict]], out: Path)
     axes[0][0].legend(fontsize=8)
     eff = out / f"{workload}_effective_throughput.png"
     fig.tight_layout()
-    fig.savefig(eff, dpi=110)
+    fig.savefig(eff, dpi=PLOT_DPI)
     plt.close(fig)
     return [curve, eff]
 
@@ -196,7 +251,8 @@ def report(out: Path, headline_workload: str = "C1", plots: bool = True) -> str:
     reps = load_repeats(out)
     if not runs and not reps:
         return f"no runs under {out}"
-    parts = [repeats_report(reps)] if reps else []
+    parts = [f"Source: {provenance(out)}\n"]
+    parts += [repeats_report(reps)] if reps else []
     for workload in sorted(runs):
         systems = runs[workload]
         parts.append(f"### {workload}\n\n{table(systems)}\n")
@@ -210,3 +266,67 @@ def report(out: Path, headline_workload: str = "C1", plots: bool = True) -> str:
             except ImportError:
                 parts.append("(matplotlib is not installed: no plots; pip install -e .[bench])\n")
     return "\n".join(parts)
+
+
+# ---- other benchmarks' summaries ----
+def offline_table(data: dict) -> str:
+    """An offline summary (python -m fastgen.benchmarks.offline --json): medians (min–max) and ratios."""
+
+    def cell(xs: list[float]) -> str:
+        return spread(xs, "{:.1f}") + " s" if xs else "–"
+
+    meta = data.get("meta", {})
+    head = ["workload", "threads", "FastGen", "transformers", "× transformers", "per repeat", "vLLM", "× vLLM"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in sorted(k for k in data if k.startswith("W")):
+        w = data[name]
+        per = ", ".join(f"{x:.2f}×" for x in w.get("speedup_per_repeat", []))
+        cells = [name, str(meta.get("threads", "?")), cell(w["fastgen_s"]), cell(w.get("transformers_s", []))]
+        cells += [fmt(w.get("speedup"), 2) + "×" if "speedup" in w else "–", per or "–"]
+        cells += [cell(w.get("vllm_s", [])), fmt(w.get("speedup_vs_vllm"), 2) + "×" if "vllm_s" in w else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    pf = data.get("prefill_512")
+    if pf:
+        lines.append(
+            f"\n512-token prefill: {pf['model_flops'] / 1e9:.0f} GFLOP/s of model FLOPs against "
+            f"{pf['matmul_flops'] / 1e9:.0f} GFLOP/s for a large matmul ({pf['model_flops'] / pf['matmul_flops']:.0%})."
+        )
+    return "\n".join(lines)
+
+
+def source_line(meta: dict) -> str:
+    parts = [f"`{meta['command']}`"] if meta.get("command") else []
+    parts += [f"{k} {meta[k]}" for k in ("commit", "date") if meta.get(k)]
+    if meta.get("machine"):
+        parts.append("machine " + machine_text(meta["machine"]))
+    return "Source: " + "; ".join(parts) if parts else ""
+
+
+def report_path(path: Path, plots: bool = True) -> str:
+    if path.is_dir():
+        return report(path, plots=plots)
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {}) if isinstance(data, dict) else {}
+    if isinstance(data, dict) and any(k.startswith("W") for k in data):
+        body = offline_table(data)
+    elif isinstance(data, dict) and "medians" in data:
+        from .balancer_overhead import markdown
+
+        body = markdown(data["medians"], data["verdict"])
+    else:
+        body = json.dumps(data, indent=1)
+    return "\n\n".join(x for x in (source_line(meta), body) if x)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastgen.benchmarks.report", description=__doc__)
+    p.add_argument("paths", nargs="+", type=Path, help="results folders (serving) or summary JSON files")
+    p.add_argument("--no-plots", action="store_true", help="serving folders: tables only, no PNGs")
+    args = p.parse_args(argv)
+    for path in args.paths:
+        print(f"## {path}\n\n{report_path(path, plots=not args.no_plots)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

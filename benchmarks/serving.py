@@ -13,10 +13,14 @@ this process); `vllm` (an OpenAI-compatible server already running at --vllm-url
 `fastgen-deploy` deployment started for its runs and stopped after them; requests go through its balancer
 (`--direct`: straight to its replica).
 
-Every run (workload x system x clients) writes OUT/<workload>/<system>/c<N>.json as soon as it ends; `run` skips
-runs whose file exists (`--force` redoes them), so an interrupted comparison resumes where it stopped and a large
-one can be run piecewise. Before each run it waits until the CPUs are quiet (other processes' load below
---quiet-cores) so a neighbour's job does not land in one system's numbers only.
+Every run (workload x system x clients [x repeat]) is recorded as soon as it ends: one line of OUT/summary.json
+(meta: command, commit, date, machine, load, settings; summary: throughput, effective throughput and misses per R,
+TTFT / inter-token / end-to-end percentiles), which the tables and plots are built from and which is tracked in
+git; and its raw per-request records (every token's arrival time) in RAW/<workload>/<system>/c<N>[-<repeat>].json,
+RAW defaulting to benchmarks/out/serving/<OUT's name>, which git ignores. `run` skips runs already in the summary
+(`--force` redoes them), so an interrupted comparison resumes where it stopped and a large one can be run
+piecewise. Before each run it waits until the CPUs are quiet (other processes' load below --quiet-cores) so a
+neighbour's job does not land in one system's numbers only.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..replica.config import SCHEDULERS
 from .loadgen import RunSpec, measure, print_summary
+from .provenance import RAW_DIR, RESULTS_DIR, command
+from .report import add_run, has_run
 from .stats import SLA
 from .workload import parse_workload
 
-SCHEDULERS = ("splitfuse", "prefill_first", "static")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serving"
+DEFAULT_OUT = RESULTS_DIR / "serving"
 
 
 @dataclass(frozen=True)
@@ -221,21 +227,29 @@ def tokenizer_dir(args: argparse.Namespace) -> str:
 
 
 # ---- the comparison ----
-def run_path(out: Path, workload: str, system: str, clients: int) -> Path:
-    return out / workload / system / f"c{clients}.json"
+def default_raw(out: Path) -> Path:
+    """Raw records of the runs summarised in OUT: benchmarks/out/serving/<OUT's name> (ignored by git)."""
+    return RAW_DIR / "serving" / Path(out).resolve().name
+
+
+def raw_path(raw: Path, workload: str, system: str, clients: int, repeat: int | None = None) -> Path:
+    return raw / workload / system / (f"c{clients}.json" if repeat is None else f"c{clients}-{repeat}.json")
 
 
 def pending_runs(args: argparse.Namespace, system: System) -> list[tuple[str, int]]:
     return [
-        (w, n)
-        for w in args.workloads
-        for n in args.clients
-        if args.force or not run_path(args.out, w, system.label, n).exists()
+        (w, n) for w in args.workloads for n in args.clients if args.force or not has_run(args.out, w, system.label, n)
     ]
 
 
 async def one_run(
-    system: System, backend, settings: dict, workload: str, clients: int, path: Path, args: argparse.Namespace
+    system: System,
+    backend,
+    settings: dict,
+    workload: str,
+    clients: int,
+    args: argparse.Namespace,
+    repeat: int | None = None,
 ) -> None:
     busy = wait_quiet(args.quiet_cores, args.quiet_timeout)
     # Fresh prompts for every run (a new tag): servers that cache prefixes get no free hits.
@@ -248,14 +262,18 @@ async def one_run(
         result = await measure(
             backend, spec, tokenizer_dir(args), sla, not args.no_progress, desc=f"{workload} {system.label} c{clients}"
         )
+    raw = raw_path(args.raw, workload, system.label, clients, repeat)
     result.meta |= {
         "system": system.label,
         "kind": system.kind,
-        "settings": settings,
+        "settings": {k: v for k, v in settings.items() if k != "pids"},
         "busy_cores_before": busy,
         "cpu": cpu.result,
+        "command": args.command_line,
+        "raw": str(raw),
     }
-    result.save(path)
+    result.save_raw(raw)
+    add_run(args.out, workload, system.label, clients, repeat, result.summary_json())
     print_summary(result, f"{workload} {system.label:<14} c{clients}:")
     print(
         f"  cores busy during the run: {cpu.result['busy_cores']:.2f}, ours {cpu.result['our_cores']:.2f}, "
@@ -271,9 +289,7 @@ async def run_system(
     await backend.open()
     try:
         for workload, clients in runs:
-            await one_run(
-                system, backend, settings, workload, clients, run_path(args.out, workload, system.label, clients), args
-            )
+            await one_run(system, backend, settings, workload, clients, args)
     finally:
         await backend.close()
 
@@ -288,10 +304,6 @@ def run_all(args: argparse.Namespace) -> None:
             continue
         with system_under_test(system, args) as (make_backend, settings):
             asyncio.run(run_system(system, make_backend, settings, runs, args))
-
-
-def repeat_path(out: Path, workload: str, system: str, clients: int, k: int) -> Path:
-    return out / workload / system / "repeats" / f"c{clients}-{k}.json"
 
 
 def run_repeats(args: argparse.Namespace) -> None:
@@ -313,9 +325,8 @@ async def interleaved(up: list, args: argparse.Namespace) -> None:
                 for clients in args.clients:
                     shift = k % len(backends)
                     for system, backend, settings in backends[shift:] + backends[:shift]:
-                        path = repeat_path(args.out, workload, system.label, clients, k)
-                        if args.force or not path.exists():
-                            await one_run(system, backend, settings, workload, clients, path, args)
+                        if args.force or not has_run(args.out, workload, system.label, clients, k):
+                            await one_run(system, backend, settings, workload, clients, args, repeat=k)
     finally:
         for _, backend, _ in backends:
             await backend.close()
@@ -374,7 +385,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="K > 1: all systems up together, runs interleaved K times (OUT/<workload>/<system>/repeats/)",
+        help="K > 1: all systems up together, runs interleaved K times (recorded with their repeat index)",
     )
     p.add_argument("--force", action="store_true", help="redo runs whose results exist")
     p.add_argument("--no-progress", action="store_true")
@@ -392,7 +403,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_run_args(run)
     report = sub.add_parser("report", help="tables, checks and plots from the results folder")
     for q in (run, report):
-        q.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default: %(default)s)")
+        q.add_argument(
+            "--out",
+            type=Path,
+            default=DEFAULT_OUT,
+            help="results folder, tracked: summary.json and plots (default: %(default)s)",
+        )
+    run.add_argument(
+        "--raw", type=Path, default=None, help="raw per-request records (default: benchmarks/out/serving/<OUT's name>)"
+    )
     report.add_argument("--headline", default="C1", help="workload of the SplitFuse vs prefill-first check")
     report.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
@@ -403,6 +422,8 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     if args.command == "run":
+        args.raw = args.raw or default_raw(args.out)
+        args.command_line = command("serving", argv)
         print(f"load average before: {os.getloadavg()}", file=sys.stderr)
         # Our own handlers: asyncio.run would only cancel its task on Ctrl-C; this unwinds to the deployments.
         signal.signal(signal.SIGINT, interrupt)

@@ -7,7 +7,7 @@ On a GPU a forward pass costs about the same from one token up to a few hundred 
 weights), so decodes ride along with a prompt chunk almost for free. Where the cost grows with every token, a step
 that carries a 512-token chunk is as long as a prefill, and decodes fused into it wait as long as they would
 behind a whole prompt. Prints milliseconds per step for decode batches of b sequences plus a prompt chunk of k
-tokens (median of --repeats).
+tokens (median of --repeats). --json writes them with the command, commit, date and machine.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from fastgen.replica.builder import build_engine
     from fastgen.replica.config import EngineConfig, SchedulerConfig
-    from fastgen.replica.engine import build_engine
 
     torch.set_num_threads(args.threads)
     engine = build_engine(
@@ -111,7 +111,11 @@ def main(argv=None) -> int:
             rows.append({"history": h, "chunk": k, "ms": ms})
             print(f"chunk {k:>4} tokens after {h:>4} cached: {ms:7.1f} ms", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        from .provenance import run_info
+
+        meta = run_info("step_profile", argv) | {"model": args.model, "dtype": args.dtype, "threads": args.threads}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
 

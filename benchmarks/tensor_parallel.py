@@ -13,7 +13,8 @@ which other processes used more than --max-foreign of the cores.
 Per step it reports the time rank 0 spends in all-reduce (2 per layer, plus the vocab-parallel embedding; the
 embedding's, which opens each forward pass, also separately), in the logits all-gather, and in sending the batch to
 the other rank, and the bytes all-reduced. The time inside a collective includes waiting for the slower rank, so
-rank 1's figures are reported too (counted over every run, warm-ups included).
+rank 1's figures are reported too (counted over every run, warm-ups included). --json writes the medians with the
+command, commit, date and machine.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fastgen.replica.batch_broadcast import BatchBroadcast
 from fastgen.replica.parallel import TPGroup
 
 from .offline import make_prompts
+from .provenance import run_info
 
 MODEL = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, std=0.02)
 WORKLOAD = dict(n=16, prompt=(128, 256), gen=32, budget=512)
@@ -188,7 +190,7 @@ def measure(engine, clock: CommClock, args, tp: int, root_pid: int) -> list[dict
 
 
 def run_tp1(model: Path, args) -> list[dict]:
-    from fastgen.replica.engine import build_engine
+    from fastgen.replica.builder import build_engine
 
     torch.set_num_threads(2)
     tp = TimedTPGroup(0, 1)
@@ -196,7 +198,7 @@ def run_tp1(model: Path, args) -> list[dict]:
 
 
 def rank_main(rank: int, model: str, port: int, args, out: str) -> None:
-    from fastgen.replica.engine import build_engine, build_runner
+    from fastgen.replica.builder import build_engine, build_runner
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -277,10 +279,11 @@ def main() -> None:
     tp2 = summary(rank0)
     tp2["rank1_all_reduce_ms_per_step"] = 1e3 * rank1["all_reduce_s"] / rank1["forwards"]
     tp2["rank1_first_all_reduce_ms_per_step"] = 1e3 * rank1["first_all_reduce_s"] / rank1["forwards"]
-    result = dict(tp1=tp1, tp2=tp2, dtype=args.dtype, model=MODEL, workload=WORKLOAD, torch=torch.__version__)
+    result = dict(tp1=tp1, tp2=tp2, dtype=args.dtype, model=MODEL, workload=WORKLOAD, meta=run_info("tensor_parallel"))
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

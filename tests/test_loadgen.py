@@ -16,10 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from fastgen.benchmarks import balancer_overhead, report
+from fastgen.benchmarks import balancer_overhead, provenance, report
 from fastgen.benchmarks.backends import OpenAIBackend
 from fastgen.benchmarks.loadgen import RunResult, closed_loop, open_loop
-from fastgen.benchmarks.serving import parse_system
+from fastgen.benchmarks.serving import default_raw, parse_system
 from fastgen.benchmarks.stats import SLA, RequestRecord, inter_token_times, meets_sla, percentile, summarize
 from fastgen.benchmarks.workload import BenchRequest, make_requests, parse_workload, sample_length
 
@@ -215,7 +215,10 @@ def fake_run(throughput: float, eff2: float, itl95: float) -> dict:
         "inter_token": pct,
         "latency": {"p50": 1.0, "p95": 2.0, "p99": 2.0},
     }
-    return {"meta": {}, "summary": summary, "records": []}
+    return {"meta": {"date": "2026-12-01T00:00:00+00:00", "commit": "abc1234", "machine": MACHINE}, "summary": summary}
+
+
+MACHINE = {"cpu": "Some CPU", "cores": 2, "amx": False, "avx512_bf16": True}
 
 
 def test_report_finds_prefill_first_peak_and_checks_the_floor(tmp_path):
@@ -226,8 +229,9 @@ def test_report_finds_prefill_first_peak_and_checks_the_floor(tmp_path):
         ("prefill_first", 4): (0.55, 0.2, 0.6),
     }
     for (system, n), values in runs.items():
-        RunResult(**fake_run(*values)).save(tmp_path / "C1" / system / f"c{n}.json")
+        report.add_run(tmp_path, "C1", system, n, None, fake_run(*values))
     text = report.report(tmp_path, "C1", plots=True)
+    assert "Source: 4 runs" in text and "commit(s) abc1234; machine Some CPU x 2 (AVX512-BF16)" in text
     assert "prefill_first peaks (throughput) at 4 clients" in text
     assert "2.25×" in text and "← peak MET" in text  # 0.45 / 0.2 and 0.25 / 0.6 at the peak
     assert (tmp_path / "C1_latency_throughput.png").stat().st_size > 0
@@ -237,11 +241,61 @@ def test_report_finds_prefill_first_peak_and_checks_the_floor(tmp_path):
 def test_report_of_repeats_gives_medians_and_paired_ratios(tmp_path):
     for k, (sf_eff, pf_eff) in enumerate([(0.6, 0.3), (0.5, 0.4), (0.7, 0.35)]):
         for system, eff, itl in (("splitfuse", sf_eff, 0.2), ("prefill_first", pf_eff, 0.5)):
-            RunResult(**fake_run(0.7, eff, itl)).save(tmp_path / "C1" / system / "repeats" / f"c8-{k}.json")
+            report.add_run(tmp_path, "C1", system, 8, k, fake_run(0.7, eff, itl))
+    report.add_run(tmp_path, "C1", "splitfuse", 8, 0, fake_run(0.7, 0.6, 0.2))  # the same point again: replaced
+    assert len(report.read_summary(tmp_path)["runs"]) == 6
+    assert report.has_run(tmp_path, "C1", "splitfuse", 8, 2) and not report.has_run(tmp_path, "C1", "splitfuse", 8)
     text = report.report(tmp_path, "C1", plots=False)
     assert "| splitfuse | 8 | 3 | 0.700 (0.700–0.700) | 0.600 (0.500–0.700) |" in text
     assert "effective R=2 2.00 (1.25–2.00)×" in text  # per-repeat ratios 2.0, 1.25, 2.0
     assert "P95 inter-token 0.40 (0.40–0.40)×" in text
+
+
+def test_summary_file_is_one_line_per_run_without_records(tmp_path):
+    result = RunResult(**fake_run(0.5, 0.4, 0.2), records=[{"start": 0.0, "token_times": [0.1]}])
+    report.add_run(tmp_path, "C2", "hf", 2, None, result.summary_json())
+    report.add_run(tmp_path, "C1", "splitfuse", 1, None, result.summary_json())
+    text = (tmp_path / "summary.json").read_text()
+    assert "records" not in text and "token_times" not in text
+    lines = text.splitlines()
+    assert len(lines) == 4 and lines[1].startswith('{"workload": "C1"') and lines[2].startswith('{"workload": "C2"')
+    assert json.loads(text)["runs"][0]["summary"]["throughput"] == 0.5
+    result.save_raw(tmp_path / "raw.json")
+    assert json.loads((tmp_path / "raw.json").read_text())["records"] == result.records
+
+
+def test_raw_records_go_to_the_ignored_folder():
+    raw = default_raw(provenance.RESULTS_DIR / "serving-x")
+    assert raw == provenance.RAW_DIR / "serving" / "serving-x"
+    repo = provenance.BENCH_DIR.parent
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(raw / "C1" / "c1.json")], cwd=repo)
+    assert ignored.returncode == 0  # benchmarks/out/ is in .gitignore
+    tracked = subprocess.run(
+        ["git", "check-ignore", "-q", str(provenance.RESULTS_DIR / "x" / "summary.json")], cwd=repo
+    )
+    assert tracked.returncode == 1
+
+
+def test_run_info_names_command_commit_date_and_machine():
+    info = provenance.run_info("serving", ["run", "--clients", "4"])
+    assert info["command"] == "python -m fastgen.benchmarks.serving run --clients 4"
+    assert info["commit"] and info["date"].endswith("+00:00")
+    assert set(info["machine"]) == {"cpu", "cores", "amx", "avx512_bf16"} and info["machine"]["cores"] >= 1
+    assert provenance.machine_name(MACHINE) == "Some CPU x 2 (AVX512-BF16)"
+
+
+def test_report_reads_offline_and_balancer_summaries(tmp_path):
+    meta = {"command": "python -m fastgen.benchmarks.offline --threads 2", "commit": "abc1234", "machine": MACHINE}
+    offline = {
+        "W1": {"fastgen_s": [10.0, 12.0, 11.0], "transformers_s": [40.0, 44.0, 42.0], "speedup": 42 / 11},
+        "meta": meta | {"threads": 2},
+    }
+    (tmp_path / "offline.json").write_text(json.dumps(offline))
+    text = report.report_path(tmp_path / "offline.json")
+    assert "`python -m fastgen.benchmarks.offline --threads 2`; commit abc1234; machine Some CPU x 2" in text
+    assert "| W1 | 2 | 11.0 (10.0–12.0) s | 42.0 (40.0–44.0) s | 3.82× |" in text
 
 
 def test_balancer_overhead_verdict():
@@ -261,8 +315,9 @@ def test_balancer_overhead_verdict():
 @pytest.mark.slow
 def test_serving_comparison_smoke(tiny_model_dir, tmp_path):
     """The one command, at a tiny size: a splitfuse deployment and the transformers baseline, one client, two
-    requests each; then a resumed run does nothing and the report has the table and the plots."""
-    out = tmp_path / "out"
+    requests each. The summary file gets one line per run (no per-request records), the raw records go to --raw;
+    a resumed run does nothing and the report has the table and the plots."""
+    out, raw = tmp_path / "results", tmp_path / "raw"
     env = dict(os.environ, FASTGEN_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable,
@@ -292,13 +347,28 @@ def test_serving_comparison_smoke(tiny_model_dir, tmp_path):
         "--no-progress",
         "--out",
         str(out),
+        "--raw",
+        str(raw),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    for system in ("splitfuse", "hf"):
-        run = json.loads((out / "24x4" / system / "c1.json").read_text())
+    runs = {r["system"]: r for r in report.read_summary(out)["runs"]}
+    assert sorted(runs) == ["hf", "splitfuse"] and sorted(p.name for p in out.iterdir()) == [
+        "24x4_effective_throughput.png",
+        "24x4_latency_throughput.png",
+        "summary.json",
+    ]
+    for system, run in runs.items():
+        assert (run["workload"], run["clients"], run["repeat"]) == ("24x4", 1, None)
+        assert set(run) == {"workload", "system", "clients", "repeat", "meta", "summary"}
         assert run["summary"]["requests"] == 2 and run["summary"]["failed"] == 0
-        assert all(len(r["token_times"]) >= 1 for r in run["records"])
+        assert {"throughput", "effective", "sla_missed", "ttft", "inter_token", "latency"} <= set(run["summary"])
+        meta = run["meta"]
+        assert meta["command"].startswith("python -m fastgen.benchmarks.serving run --model")
+        assert meta["commit"] and meta["date"] and {"cpu", "cores", "amx"} <= set(meta["machine"])
+        assert meta["raw"] == str(raw / "24x4" / system / "c1.json")
+        records = json.loads((raw / "24x4" / system / "c1.json").read_text())["records"]
+        assert len(records) == 2 and all(len(r["token_times"]) >= 1 for r in records)
     assert "| splitfuse | 1 | 2/2 |" in done.stdout and (out / "24x4_latency_throughput.png").exists()
     assert not list((tmp_path / "home").glob("bench-*"))  # stopped deployments leave no state behind
     again = subprocess.run(cmd + ["--no-report"], env=env, capture_output=True, text=True, timeout=120)

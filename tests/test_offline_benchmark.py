@@ -1,13 +1,16 @@
 """A smoke run of the offline comparison (benchmarks/offline.py) at a tiny size, so the command cannot rot."""
 
 import json
+import shlex
+import statistics
 import subprocess
 import sys
 
 
 def test_offline_benchmark_smoke(tmp_path):
-    """Both workloads, FastGen and transformers in turn, each repeat's own ratio in the JSON."""
-    out = tmp_path / "offline.json"
+    """Both workloads, FastGen and transformers in turn, each repeat's own ratio, the medians and the run's
+    provenance in the summary JSON (the only file it writes)."""
+    out = tmp_path / "results" / "offline.json"
     cmd = [
         sys.executable,
         "-m",
@@ -31,4 +34,10 @@ def test_offline_benchmark_smoke(tmp_path):
         assert r["requests"] == 1 and len(r["fastgen_s"]) == 2 and len(r["transformers_s"]) == 2
         assert r["speedup_per_repeat"] == [t / o for o, t in zip(r["fastgen_s"], r["transformers_s"])]
         assert r["speedup"] > 0 and f"{name}: FastGen median" in done.stdout
+        assert r["fastgen_median_s"] == statistics.median(r["fastgen_s"])
+        assert r["transformers_median_s"] == statistics.median(r["transformers_s"])
     assert results["prefill_512"]["model_flops"] > 0 and results["meta"]["threads"] == 1
+    meta = results["meta"]  # where the figures came from: RESULTS.md quotes these with every table
+    assert meta["command"] == "python -m fastgen.benchmarks.offline " + shlex.join(cmd[3:])
+    assert meta["commit"] and meta["date"] and meta["torch"]
+    assert {"cpu", "cores", "amx", "avx512_bf16"} <= set(meta["machine"])
