@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from fastgen.kernels import TORCH_KERNELS, AttentionMetadata, rope_cos_sin, rope_inv_freq, select_kernels
+from fastgen.kernels import TORCH_KERNELS, rope_cos_sin, rope_inv_freq, select_kernels
+from fastgen.testing import PagedBatch, make_paged_batch
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DEVICE = "cuda"
@@ -32,56 +32,11 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative error ‖out
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor  # (tokens, heads, head_dim)
-    k_cache: torch.Tensor  # (num_blocks, block_size, kv_heads, head_dim)
-    v_cache: torch.Tensor
-    meta: AttentionMetadata
-    q_lens: list[int]
-    seq_lens: list[int]
+# The benchmark's model shape, on the card; no spare blocks.
+SHAPE = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, device=DEVICE, spare_blocks=0)
 
 
-def make_batch(q_lens, seq_lens, block_size, dtype, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM) -> Batch:
-    """Sequences whose queries are the last q_lens[i] of seq_lens[i] tokens, cached in shuffled blocks as a
-    long-running server's would be."""
-    device = DEVICE
-    blocks = [-(-s // block_size) for s in seq_lens]
-    order = torch.randperm(sum(blocks), device=device, dtype=torch.int32)
-    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
-    used = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = order[used : used + n]
-        used += n
-    cache_shape = (sum(blocks), block_size, kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
-    v_cache = torch.randn(cache_shape, dtype=dtype, device=device)
-
-    query_start = [0]
-    for n in q_lens:
-        query_start.append(query_start[-1] + n)
-    q_lens_t = torch.tensor(q_lens, device=device)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)  # (tokens,)
-    starts = torch.tensor(query_start[:-1], device=device)
-    pos = torch.arange(query_start[-1], device=device) - starts[seq] + seq_lens_t[seq] - q_lens_t[seq]
-    slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
-    meta = AttentionMetadata(
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=seq_lens_t,
-        block_tables=tables,
-        slot_mapping=slots,
-        num_decodes=sum(1 for n in q_lens if n == 1),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_host=query_start,
-        seq_lens_host=list(seq_lens),
-    )
-    q = torch.randn(query_start[-1], heads, head_dim, dtype=dtype, device=device)
-    return Batch(q, k_cache, v_cache, meta, list(q_lens), list(seq_lens))
-
-
-def padded_dense(b: Batch):
+def padded_dense(b: PagedBatch):
     """The same attention for SDPA: (q, k, v, mask), queries padded to the longest chunk (seqs, heads, Lq, d),
     keys to the longest sequence (seqs, kv_heads, Lk, d); mask (seqs, 1, Lq, Lk) or None when no padding or
     chunk offset needs one (then every query sees all keys, or the batch is plain causal prefill)."""
@@ -104,7 +59,7 @@ def padded_dense(b: Batch):
     return q, k, v, mask[:, None]
 
 
-def attention_work(b: Batch) -> tuple[float, float]:
+def attention_work(b: PagedBatch) -> tuple[float, float]:
     """(bytes, flops) that paged attention must move and compute: every cached K/V row once, q and the output
     once; 4 flops per (query head, visible key, dim)."""
     elem = b.q.element_size()
@@ -132,13 +87,19 @@ def run_checks(triton_k, torch_k) -> list[tuple[str, str, float, float]]:
         tol = TOLERANCE[dtype]
         for block_size in (16, 32):
             # decodes first, then a whole prompt and a chunk that starts mid-block
-            b = make_batch([1] * 6 + [200, 300], [1, 17, 100, 513, 1500, 2048, 200, 1000 + 7], block_size, dtype)
+            b = make_paged_batch(
+                [1] * 6 + [200, 300],
+                [1, 17, 100, 513, 1500, 2048, 200, 1000 + 7],
+                block_size=block_size,
+                dtype=dtype,
+                **SHAPE,
+            )
             out = triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5)
             ref = torch_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5)
             err = rel_err(out, ref)
             rows.append((f"paged_attention mixed, block {block_size}", name, err, tol))
 
-        b = make_batch([1] * 4 + [64], [30, 300, 700, 1200, 500], 16, dtype)
+        b = make_paged_batch([1] * 4 + [64], [30, 300, 700, 1200, 500], block_size=16, dtype=dtype, **SHAPE)
         tokens = b.q.shape[0]
         k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in "kv")
         positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
@@ -214,7 +175,7 @@ def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
     rows = []
     for label, (q_lens, seq_lens) in cases.items():
         for block_size in (16, 32):
-            b = make_batch(q_lens, seq_lens, block_size, dtype)
+            b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, **SHAPE)
             ours = bench_ms(lambda: triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5))  # noqa: B023 - timed at once
             q, k, v, mask = padded_dense(b)
             causal = mask is None and b.q_lens[0] > 1
@@ -231,7 +192,7 @@ def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
 
 
 def other_rows(triton_k, torch_k, dtype, copy_bw) -> list[str]:
-    b = make_batch([8192], [8192], 16, dtype)  # one 8192-token prompt
+    b = make_paged_batch([8192], [8192], block_size=16, dtype=dtype, **SHAPE)  # one 8192-token prompt
     tokens, hidden = b.q.shape[0], 4096
     x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
     weight = torch.randn(hidden, dtype=dtype, device=DEVICE)

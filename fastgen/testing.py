@@ -4,10 +4,13 @@ polling."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -82,7 +85,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+def wait_until(predicate, timeout: float, what: str = "condition", interval: float = 0.05):
     """Polls predicate until it returns something true, and returns that; TimeoutError naming `what` after
     `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -92,3 +95,127 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not reached within {timeout} s")
+
+
+@dataclass
+class PagedBatch:
+    """A ragged attention batch over a paged KV cache (torch tensors; typed Any so this module imports no torch)."""
+
+    q: Any  # (tokens, heads, head_dim): the new tokens' queries, sequence after sequence
+    k_cache: Any  # (num_blocks, block_size, kv_heads, head_dim)
+    v_cache: Any
+    meta: Any  # kernels.AttentionMetadata
+    q_lens: list[int]
+    seq_lens: list[int]
+    token_slots: list[Any]  # per sequence, the cache slot of each of its seq_lens[i] tokens (int64, on CPU)
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: Any = None,
+    device: str = "cpu",
+    rng: random.Random | None = None,
+    spare_blocks: int = 2,
+    poison: bool = False,
+    num_decodes: int | None = None,
+) -> PagedBatch:
+    """Sequences whose new tokens are the last q_lens[i] of seq_lens[i] tokens, cached in blocks shuffled by `rng`
+    (default: the `random` module's state) as a long-running server's would be, with `spare_blocks` no sequence owns.
+    Caches, then queries, are drawn from torch's generator (dtype default float32). poison: every cache slot no
+    sequence owns holds NaN, so a kernel that reads past a sequence's end fails. num_decodes: default, the leading
+    sequences with one new token."""
+    import torch
+
+    from fastgen.kernels import AttentionMetadata
+
+    dtype = dtype or torch.float32
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + spare_blocks
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    free = list(range(num_blocks))
+    (rng or random).shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks]
+    token_slots = [
+        torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)], dtype=torch.int64)
+        for table, length in zip(tables, seq_lens)
+    ]
+    if poison:
+        owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+        owned[torch.cat(token_slots)] = True
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, head_dim)[~owned.to(device)] = float("nan")
+    query_start = [0]
+    for n in q_lens:
+        query_start.append(query_start[-1] + n)
+    if num_decodes is None:
+        num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    width = max(blocks)
+    meta = AttentionMetadata(
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        slot_mapping=torch.cat([slots[s - n :] for slots, n, s in zip(token_slots, q_lens, seq_lens)]).to(device),
+        num_decodes=num_decodes,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_host=query_start,
+        seq_lens_host=list(seq_lens),
+    )
+    q = torch.randn(query_start[-1], heads, head_dim, dtype=dtype, device=device)
+    return PagedBatch(q, k_cache, v_cache, meta, list(q_lens), list(seq_lens), token_slots)
+
+
+def dense_attention(batch: PagedBatch, scale: float) -> Any:
+    """Causal attention of the batch's queries in float32 over each sequence's tokens gathered from the cache: the
+    plain computation the paged kernels must agree with. Returns (tokens, heads, head_dim) float32."""
+    import torch
+
+    kf, vf = batch.k_cache.flatten(0, 1), batch.v_cache.flatten(0, 1)
+    starts = batch.meta.query_start_host
+    outs = []
+    for i, idx in enumerate(batch.token_slots):
+        k, v = kf[idx.to(kf.device)].float(), vf[idx.to(vf.device)].float()  # (len, kv_heads, d)
+        group = batch.q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        qi = batch.q[starts[i] : starts[i + 1]].float()  # (new, heads, d)
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        total, new = len(idx), starts[i + 1] - starts[i]
+        future = (
+            torch.arange(total, device=qi.device)[None, :] > torch.arange(total - new, total, device=qi.device)[:, None]
+        )
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), v))
+    return torch.cat(outs)
+
+
+def cpu_attention_case(seed: int, dtype: Any, block_size: int, kv_heads: int, head_dim: int, group: int) -> PagedBatch:
+    """The mixed batch a seed draws for the CPU attention checks (tests/test_kernels_torch.py and
+    `python -m fastgen.benchmarks.kernel_sweep`): decodes at lengths around the decode kernel's 16-token tiles and
+    random ones, then one prompt chunk after a random cached history; slots no sequence owns hold NaN."""
+    import torch
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    decodes = [(n, 1) for n in (0, 14, 15, 16, 31)] + [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 9))]
+    rng.shuffle(decodes)
+    seqs = decodes + [(rng.randrange(0, 50), rng.randrange(2, 40))]
+    return make_paged_batch(
+        [new for _, new in seqs],
+        [cached + new for cached, new in seqs],
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        rng=rng,
+        spare_blocks=8,
+        poison=True,
+        num_decodes=len(decodes),
+    )

@@ -1,49 +1,21 @@
-"""Kernels behind one interface: torch references that run anywhere, Triton versions for CUDA, and on CPUs the
-torch kernels with a compiled C decode attention.
+"""Kernels behind one interface, the `Kernels` table (kernels/table.py): attention over the paged KV cache, rotary
+embedding with the cache write, RMSNorm, the MLP's activation, linear layers and greedy sampling's argmax.
 
-`select_kernels("auto" | "torch" | "cpu" | "triton", device)` returns a `Kernels` table; the model calls only it.
+Three backends fill it: torch references that run anywhere (`TORCH_KERNELS`); on CPUs, compiled C kernels for the
+hot paths with the torch references wherever a kernel does not apply (kernels/cpu.py); on CUDA, Triton kernels
+(kernels/triton_kernels.py). `select_kernels("auto" | "torch" | "cpu" | "triton", device)` returns the table; the
+model and the sampler call only it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .norm import add_rms_norm, rms_norm, silu_mul
-from .rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from .rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotary_write_kv
+from .table import TORCH_KERNELS, Kernels
 
-
-def rotary_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin: torch.Tensor,
-    positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """Rotates q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) by position, writes rotated k and v
-    into the cache; returns the rotated q."""
-    rows = cos_sin[positions]  # (tokens, head_dim)
-    write_kv(apply_rotary(k, rows), v, k_cache, v_cache, slot_mapping)
-    return apply_rotary(q, rows)
-
-
-@dataclass(frozen=True)
-class Kernels:
-    name: str
-    rotary_write_kv: Callable[..., torch.Tensor]
-    paged_attention: Callable[..., torch.Tensor]
-    rms_norm: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_mul: Callable[[torch.Tensor], torch.Tensor]
-
-
-TORCH_KERNELS = Kernels("torch", rotary_write_kv, paged_attention, rms_norm, add_rms_norm, silu_mul)
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 

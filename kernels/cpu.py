@@ -1,138 +1,74 @@
-"""CPU kernels: the torch kernels, with the hot paths done by small C kernels (csrc/).
+"""CPU kernels: the torch kernels, with the hot paths done by small C kernels (csrc/, called through kernels/clib.py).
 
-- Decode attention (csrc/decode_attention.c): pure torch must gather every decode's cache blocks into a padded copy
-  before attending; the C kernel follows the block tables directly and reads each cached key and value once for
-  all query heads of its group, which is what a memory-bound decode needs.
+- Attention (csrc/decode_attention.c): pure torch must gather every decode's cache blocks into a padded copy before
+  attending; the C kernel follows the block tables directly and reads each cached key and value once for all query
+  heads of its group, which is what a memory-bound decode needs. Each query row of a prompt chunk is attended the
+  same way, as a decode whose sequence ends at that row's position: torch's CPU attention rounds differently
+  depending on the thread count, these rows do not.
 - Prompt-chunk attention for bfloat16 on CPUs with AMX (csrc/prefill_attention.c): flash attention with both
   products on the matrix engine, reading the chunk's keys and values from the paged cache.
 - Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
   SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several; and greedy
   sampling's argmax over the logits.
-- Linear layers for bfloat16 on CPUs with AMX (csrc/linear.c): weights packed once at load (pack_linear) in the
-  order the kernel streams them; replica/parallel.py decides per weight between this and oneDNN.
+- Linear layers for bfloat16 (`pack_weight`, `linear`): weights packed once at load, for the AMX kernel
+  (csrc/linear.c) where it runs, else in oneDNN's blocked layout.
 
 Every kernel splits its work over the process's torch threads (torch.get_num_threads()) through OpenMP, on the same
-thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Results do not depend on the
-thread count.
+thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Each output is computed by one
+thread in a fixed order, so results do not depend on the thread count.
 
-The library is compiled at first use with the machine's C compiler and cached under $FASTGEN_CACHE/kernels;
-without a compiler, or for shapes and dtypes a kernel does not take, the torch kernels serve."""
+The library is compiled at first use with the machine's C compiler and cached under $FASTGEN_CACHE/kernels (see
+kernels/clib.py); without a compiler, or for shapes and dtypes a kernel does not take, the torch kernels serve."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from . import Kernels, rotary_write_kv
+from . import clib
 from .attention import AttentionMetadata, paged_attention, prefill_attention
+from .dense import argmax
 from .norm import add_rms_norm, rms_norm, silu_mul
-
-log = logging.getLogger("fastgen.kernels")
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c")]
-HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
-# Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
-# softmax starts from -inf).
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fPIC",
-    "-shared",
-    "-fno-math-errno",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-]
-# OpenMP splits the kernels over the process's torch threads. The library needs libgomp.so.1 by name, which the
-# dynamic loader finds already loaded with torch, so both share one thread pool. Where the compiler has no OpenMP the
-# kernels are built without it and run on one thread.
-OPENMP = ["-fopenmp"]
-_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "decode_attention_bf16": [_P] * 6 + [_I] * 6 + [_F, _I],
-    "decode_attention_f32": [_P] * 6 + [_I] * 6 + [_F, _I],
-    "elementwise_available": [],
-    "prefill_attention_available": [],
-    "prefill_attention_bf16": [_P] * 5 + [_L] + [_I] * 6 + [_F, _I],
-    "add_rms_norm_bf16": [_P] * 5 + [_I, _I, _L, _F, _I],
-    "silu_mul_bf16": [_P, _P, _I, _I, _L, _I],
-    "rotary_write_kv_bf16": [_P] * 3 + [_L] + [_P] * 6 + [_I] * 5,
-    "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
-    "argmax_bf16": [_P, _I, _I, _L, _P, _I],
-}
+from .rotary import rotary_write_kv
+from .table import Kernels
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen")) / "kernels"
-
-
-def load_library() -> ctypes.CDLL | None:
+def load_library() -> clib.CLibrary | None:
     """The compiled kernels, building them on first use; None where no C compiler is available."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found: the CPU kernels fall back to torch")
-        return None
-    digest = hashlib.sha256(" ".join([compiler, *FLAGS, *OPENMP]).encode())
-    for source in SOURCES + HEADERS:
-        digest.update(source.read_bytes())
-    target = _cache_dir() / f"fastgen_cpu-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            for openmp in (OPENMP, []):
-                command = [compiler, *FLAGS, *openmp, "-o", str(built), *map(str, SOURCES), "-lm"]
-                result = subprocess.run(command, capture_output=True, text=True)
-                if result.returncode == 0:
-                    break
-                if openmp:
-                    log.warning("building the CPU kernels with OpenMP failed; they will run on one thread")
-            else:
-                log.warning("building the CPU kernels failed, torch serves instead:\n%s", result.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: processes building at once all end with a whole library
-    library = ctypes.CDLL(str(target))
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(library, name)
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
-    return library
+    return clib.load_library()
 
 
-@functools.cache
-def _get_library() -> ctypes.CDLL | None:
-    return load_library()
+def _get_library() -> clib.CLibrary | None:
+    return clib.get_library()
 
 
 # Asked once: each of these is a call through ctypes, and the layers would ask it several times per layer.
 @functools.cache
-def _elementwise() -> ctypes.CDLL | None:
+def _elementwise() -> clib.CLibrary | None:
     """The library where its bfloat16 elementwise kernels run on this CPU (AVX-512 with bf16), else None."""
     library = _get_library()
     return library if library is not None and library.elementwise_available() else None
 
 
 @functools.cache
-def _amx() -> ctypes.CDLL | None:
+def _amx() -> clib.CLibrary | None:
     """The library where this process may use the matrix engine (AMX), else None. prefill_attention_available()
     asks Linux for the tile state; the linear kernel, built under the same guard, needs nothing more."""
     library = _get_library()
     return library if library is not None and library.prefill_attention_available() else None
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None) -> torch.Tensor | None:
-    """q (seqs, heads, head_dim) over each sequence's cache, into `out` (contiguous, like q) when given; None where
-    the C kernel does not apply."""
+    """One query row per entry: q (rows, heads, head_dim), row i attending to the first seq_lens[i] cached tokens
+    of its block_tables row; into `out` (contiguous, like q) when given. None where the C kernel does not apply."""
     library = _get_library()
     if (
         library is None
@@ -168,36 +104,57 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
     return out if status == 0 else None
 
 
+def rows_as_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table, causal length) of every query row of the batch: a decode's own, and for row j of a prompt chunk
+    of c new tokens over a sequence of n, its sequence's table and length n - c + j + 1."""
+    starts, lens = meta.query_start_host, meta.seq_lens_host
+    if meta.num_decodes == len(lens):
+        return meta.block_tables, meta.seq_lens
+    seq_of_row: list[int] = []
+    row_lens: list[int] = []
+    for i, n in enumerate(lens):
+        chunk = starts[i + 1] - starts[i]
+        seq_of_row += [i] * chunk
+        row_lens += range(n - chunk + 1, n + 1)
+    tables = meta.block_tables.index_select(0, torch.tensor(seq_of_row, device=meta.block_tables.device))
+    return tables, torch.tensor(row_lens, dtype=torch.int32)
+
+
 def paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Same contract as attention.paged_attention."""
-    nd = meta.num_decodes
+    """Same contract as attention.paged_attention. Decodes, and prompt chunks that the AMX kernel does not take,
+    in one call of the C decode kernel (a row each); where that kernel does not apply, torch for the whole batch."""
     out = torch.empty_like(q)
-    if (
-        nd
-        and decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, out[:nd])
-        is None
-    ):
+    prompts_on_amx = meta.num_decodes < len(meta.seq_lens_host) and _amx_prefill_applies(q, k_cache, v_cache, out)
+    if prompts_on_amx:
+        rows, tables, lens = meta.num_decodes, meta.block_tables[: meta.num_decodes], meta.seq_lens[: meta.num_decodes]
+    else:
+        rows, (tables, lens) = q.shape[0], rows_as_decodes(meta)
+    if rows and decode_attention(q[:rows], k_cache, v_cache, tables, lens, scale, out[:rows]) is None:
         return paged_attention(q, k_cache, v_cache, meta, scale)
-    prefill_attention_cpu(q, k_cache, v_cache, meta, scale, out)
+    if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out):
+        prefill_attention(q, k_cache, v_cache, meta, scale, out)  # shapes the AMX kernel does not take
     return out
 
 
-def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Same contract as attention.prefill_attention: the AMX kernel per sequence where it applies."""
-    if meta.num_decodes == len(meta.seq_lens_host):
-        return  # decodes only
+def _amx_prefill_applies(q, k_cache, v_cache, out) -> bool:
+    return (
+        _amx() is not None
+        and q.dtype == torch.bfloat16
+        and k_cache.dtype == torch.bfloat16
+        and q.is_contiguous()
+        and out.is_contiguous()
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def _prefill_attention_amx(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+    """The prompt chunks of the batch on the AMX kernel, a sequence per call, into out; False where it declines."""
     library = _amx()
     heads, head_dim = q.shape[1:]
     block_size, kv_heads = k_cache.shape[1:3]
-    if (
-        library is None
-        or q.dtype != torch.bfloat16
-        or k_cache.dtype != torch.bfloat16
-        or not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
-    ):
-        return prefill_attention(q, k_cache, v_cache, meta, scale, out)
     tables = meta.block_tables.to(torch.int32).contiguous()
     row_bytes = tables.stride(0) * tables.element_size()
     starts, lens = meta.query_start_host, meta.seq_lens_host
@@ -220,8 +177,14 @@ def prefill_attention_cpu(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
             scale,
             threads,
         )
-        if status != 0:  # shapes the kernel does not take: torch for the whole batch
-            return prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        if status != 0:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Elementwise
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -294,7 +257,7 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-    """Same contract as kernels.rotary_write_kv, for q, k, v that are views into one fused qkv row per token."""
+    """Same contract as rotary.rotary_write_kv, for q, k, v that are views into one fused qkv row per token."""
     library = _elementwise()
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -337,11 +300,11 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """The index of each row's maximum (the first of equal maxima, as torch's max), in C for bfloat16 rows: greedy
-    sampling over the vocabulary, 2.5 ms per step in torch at 64 rows of SmolLM2."""
+    """Same contract as dense.argmax (the first of equal maxima), in C for bfloat16 rows: greedy sampling over the
+    vocabulary, where torch's max is slow for bfloat16."""
     library = _elementwise()
     if library is None or not _rows(logits) or logits.shape[1] == 0:
-        return logits.max(dim=-1).indices.tolist()
+        return argmax(logits)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     library.argmax_bf16(
         logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(), torch.get_num_threads()
@@ -349,7 +312,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return out.tolist()
 
 
-CPU_KERNELS = Kernels("cpu", rotary_write_kv_cpu, paged_attention_cpu, rms_norm_cpu, add_rms_norm_cpu, silu_mul_cpu)
+# ---------------------------------------------------------------------------------------------------------------
+# Linear layers
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -393,3 +358,59 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
         torch.get_num_threads(),
     )
     return y if status == 0 else None
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A CPU bfloat16 weight packed once at load, for exactly one kernel: the AMX linear kernel (csrc/linear.c)
+    where it runs, else oneDNN."""
+
+    amx: PackedLinear | None = None
+    onednn: torch.Tensor | None = None
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The weight packed once for a CPU bfloat16 kernel, or None where packing does not apply (float32 keeps the plain
+    path, bit-exact with transformers).
+
+    F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packed once, that work is gone. The
+    AMX kernel, where it runs, streams the weight faster than oneDNN at decode sizes and keeps up with it at prompt
+    sizes on several threads (python -m fastgen.benchmarks.cpu_kernels --threads N; benchmarks/RESULTS.md). Both
+    split their work over the torch threads."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        return None
+    amx = pack_linear(weight)
+    if amx is not None:
+        return PackedWeight(amx=amx)
+    # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.
+    return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512))
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+) -> torch.Tensor:
+    """x W^T + b, through the packed weight when there is one."""
+    if packed is not None and packed.amx is not None:
+        y = linear_amx(x, packed.amx, bias)
+        if y is not None:
+            return y
+    elif packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+CPU_KERNELS = Kernels(
+    name="cpu",
+    rotary_write_kv=rotary_write_kv_cpu,
+    paged_attention=paged_attention_cpu,
+    rms_norm=rms_norm_cpu,
+    add_rms_norm=add_rms_norm_cpu,
+    silu_mul=silu_mul_cpu,
+    pack_linear=pack_weight,
+    linear=linear,
+    argmax=argmax_rows,
+)

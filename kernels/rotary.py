@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .attention import write_kv
+
 
 def rope_inv_freq(
     head_dim: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None = None
@@ -41,3 +43,20 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., :half], x[..., half:]
     # Same arithmetic as HF's `x * cos + rotate_half(x) * sin`, so float32 results match bit for bit.
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotates q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) by position, writes rotated k and v
+    into the cache; returns the rotated q."""
+    rows = cos_sin[positions]  # (tokens, head_dim)
+    write_kv(apply_rotary(k, rows), v, k_cache, v_cache, slot_mapping)
+    return apply_rotary(q, rows)

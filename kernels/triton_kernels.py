@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Kernels
 from .attention import AttentionMetadata
 from .norm import silu_mul
+from .table import TORCH_KERNELS, Kernels
 
 LOG2_E = 1.4426950408889634
 
@@ -437,4 +437,15 @@ def add_rms_norm(
     return _launch_rms_norm(x, residual, weight, eps)
 
 
-TRITON_KERNELS = Kernels("triton", rotary_write_kv, paged_attention, rms_norm, add_rms_norm, silu_mul)
+# Linear layers and the argmax are torch's (cuBLAS and a max over the logits serve on CUDA).
+TRITON_KERNELS = Kernels(
+    name="triton",
+    rotary_write_kv=rotary_write_kv,
+    paged_attention=paged_attention,
+    rms_norm=rms_norm,
+    add_rms_norm=add_rms_norm,
+    silu_mul=silu_mul,
+    pack_linear=TORCH_KERNELS.pack_linear,
+    linear=TORCH_KERNELS.linear,
+    argmax=TORCH_KERNELS.argmax,
+)

@@ -132,7 +132,7 @@ class Engine:
         forward_start = time.monotonic()
         logits = self.runner.run(batch)
         to_sample = [self._by_seq[s.seq_id] for s in batch.seqs if s.sample]
-        tokens = sample(logits, [self._sampling_row(r) for r in to_sample])
+        tokens = sample(logits, [self._sampling_row(r) for r in to_sample], self.runner.kernels.argmax)
         now = time.monotonic()
         for s in batch.seqs:  # queue time ends when a request's first forward pass starts
             timings = self._by_seq[s.seq_id].timings

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import AttentionMetadata
+from ..kernels import AttentionMetadata, Kernels
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .models.llama import LlamaModel
@@ -27,6 +27,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.broadcast = broadcast  # set on every rank of a tensor-parallel group
+
+    @property
+    def kernels(self) -> Kernels:
+        """The kernel table the model runs on; the sampler takes its argmax from it."""
+        return self.model.kernels
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Returns logits (sampled sequences, vocab) in the model's dtype, in batch order. On rank 0 of a

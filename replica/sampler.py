@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from ..kernels.cpu import argmax_rows
 
 
 @dataclass
@@ -19,13 +18,14 @@ class SamplingRow:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], argmax: Callable[[torch.Tensor], list[int]]) -> list[int]:
     """logits (rows, vocab) in the model's dtype -> one token id per row. Greedy rows take the maximum in that dtype
-    (widening to float32 is exact, so the choice is the same); sampled rows are widened first."""
+    (widening to float32 is exact, so the choice is the same) by `argmax`, the kernels' (`Kernels.argmax`: the index
+    of each row's maximum, the first of equal maxima); sampled rows are widened first."""
     for i, row in enumerate(rows):
         if row.banned:
             logits[i, row.banned] = float("-inf")
-    tokens = argmax_rows(logits)  # as argmax: the first of equal maxima
+    tokens = argmax(logits)
     for i, row in enumerate(rows):
         if row.temperature > 0:
             tokens[i] = _sample_row(logits[i].float(), row)

@@ -1,4 +1,7 @@
-"""The torch kernels against plain dense computations, on random ragged batches over a paged cache."""
+"""The torch kernels and the CPU (C) kernels against plain dense computations, on ragged batches over a paged cache.
+
+Every case has a fixed seed, so a run is reproducible; `python -m fastgen.benchmarks.kernel_sweep --seconds N` draws
+fresh random cases and prints the seeds of any that fail."""
 
 import contextlib
 import math
@@ -7,43 +10,9 @@ import random
 import pytest
 import torch
 
-from fastgen.kernels import AttentionMetadata, add_rms_norm, paged_attention, rms_norm, rotary_write_kv
+from fastgen.kernels import add_rms_norm, paged_attention, rms_norm, rotary_write_kv
 from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
-
-
-def make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=torch.float32, group=None):
-    """seqs: [(cached, new)] with decodes (new == 1) first. Returns q, caches, meta and dense K/V per sequence."""
-    heads = kv_heads * (group or rng.choice([1, 2, 3]))
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 8
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables, slots, starts, lens, dense = [], [], [0], [], []
-    for cached, new in seqs:
-        total = cached + new
-        table = [free.pop() for _ in range(-(-total // block_size))]
-        tables.append(table)
-        pos = range(cached, total)
-        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
-        starts.append(starts[-1] + new)
-        lens.append(total)
-        idx = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(total)])
-        dense.append(idx)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        query_start=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        num_decodes=0,  # set by the caller
-        max_query_len=max(n for _, n in seqs),
-        max_seq_len=max(lens),
-        query_start_host=starts,
-        seq_lens_host=lens,
-    )
-    q = torch.randn(starts[-1], heads, head_dim, dtype=dtype)
-    return q, k_cache, v_cache, meta, dense
+from fastgen.testing import cpu_attention_case, dense_attention, make_paged_batch
 
 
 @contextlib.contextmanager
@@ -67,43 +36,47 @@ def in_threads(n, fn, *args):
 THREADS = 3
 
 
-def dense_attention(q, k_cache, v_cache, meta, dense, scale):
-    kf = k_cache.flatten(0, 1)
-    vf = v_cache.flatten(0, 1)
-    outs = []
-    for i, idx in enumerate(dense):
-        lo, hi = meta.query_start_host[i], meta.query_start_host[i + 1]
-        k, v = kf[idx].float(), vf[idx].float()  # (len, kv_heads, d)
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        qi = q[lo:hi].float()  # (new, heads, d)
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        total, new = len(idx), hi - lo
-        mask = torch.arange(total)[None, :] > torch.arange(total - new, total)[:, None]
-        scores = scores.masked_fill(mask, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
-    return torch.cat(outs)
+@pytest.fixture
+def forbid(monkeypatch):
+    """forbid(module, name, ...): each named torch fallback of `module` raises when called, so a test proves that the
+    C path served."""
+
+    def forbid(module, *names):
+        for name in names:
+
+            def fallback(*args, _name=name, **kwargs):
+                raise AssertionError(f"fell back to torch's {_name}")
+
+            monkeypatch.setattr(module, name, fallback)
+
+    return forbid
 
 
+@pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-def test_paged_attention_matches_dense(block_size, kind):
-    rng = random.Random()
-    seed = rng.randrange(10**6)
-    rng.seed(seed)
+def test_paged_attention_matches_dense(seed, block_size, kind):
+    rng = random.Random(seed)
     torch.manual_seed(seed)
     decodes = [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 6))] if kind != "prefill" else []
     prefills = (
         [(rng.choice([0, rng.randrange(1, 200)]), rng.randrange(2, 70)) for _ in range(3)] if kind != "decode" else []
     )
     seqs = decodes + prefills
-    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads=2, head_dim=16)
-    meta.num_decodes = len(decodes)
+    batch = make_paged_batch(
+        [new for _, new in seqs],
+        [cached + new for cached, new in seqs],
+        heads=2 * rng.choice([1, 2, 3]),
+        kv_heads=2,
+        head_dim=16,
+        block_size=block_size,
+        rng=rng,
+        spare_blocks=8,
+        num_decodes=len(decodes),
+    )
     scale = 1 / math.sqrt(16)
-    out = paged_attention(q, k_cache, v_cache, meta, scale)
-    ref = dense_attention(q, k_cache, v_cache, meta, dense, scale)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4), f"seed {seed}"
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    assert torch.allclose(out, dense_attention(batch, scale), atol=1e-5, rtol=1e-4), f"seed {seed}"
 
 
 def test_rotary_write_kv_rotates_and_writes_only_its_slots():
@@ -156,48 +129,73 @@ def test_rms_norm_and_fused_residual():
     assert torch.allclose(out, rms_norm(x + r, w, 1e-5))
 
 
+def check_cpu_attention(batch, dtype, head_dim: int, context: str) -> None:
+    """The CPU backend's attention on one thread against dense attention, and on 2 and THREADS threads bit for bit
+    equal to one thread's."""
+    from fastgen.kernels import cpu
+
+    scale = head_dim**-0.5
+    out = in_threads(1, cpu.paged_attention_cpu, batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.float(), dense_attention(batch, scale), atol=tol, rtol=tol), context
+    for threads in (2, THREADS):
+        shared = in_threads(threads, cpu.paged_attention_cpu, batch.q, batch.k_cache, batch.v_cache, batch.meta, scale)
+        assert torch.equal(shared, out), f"{context}: {threads} threads differ from one"
+
+
+@pytest.fixture
+def c_attention(forbid):
+    """The CPU backend's attention module, with torch's attention forbidden: every row must go through C."""
+    from fastgen.kernels import cpu
+
+    if cpu.load_library() is None:
+        pytest.skip("no C compiler on this machine")  # the torch path serves there; CI has gcc
+    forbid(cpu, "paged_attention", "prefill_attention")
+    return cpu
+
+
+# 209327 failed on an AMD EPYC when the prompt chunk's rows went through torch's attention (see kernels/cpu.py).
+@pytest.mark.parametrize("seed", [1, 209327])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])  # 16, 32: bf16 scores on AMX tiles; 1: vdpbf16ps
 @pytest.mark.parametrize(
     "kv_heads, head_dim, group", [(2, 64, 3), (3, 128, 2), (1, 32, 1), (2, 80, 3), (1, 48, 9), (1, 40, 2)]
 )  # 80, 48: masked chunks; 40: portable (f32)
-def test_cpu_decode_kernel_matches_torch(dtype, block_size, kv_heads, head_dim, group, monkeypatch):
-    """The compiled C decode attention against dense attention, on a mixed batch (decodes + prompt chunks), on one
-    thread and split over several. Cache slots no sequence owns hold NaN, so a kernel that reads past a sequence's
-    tokens and lets it count fails; the torch path must not be taken."""
-    from fastgen.kernels import cpu
+def test_cpu_decode_kernel_matches_torch(seed, dtype, block_size, kv_heads, head_dim, group, c_attention):
+    """The compiled C attention against dense attention, on a mixed batch (decodes + a prompt chunk), on one thread
+    and split over several. Cache slots no sequence owns hold NaN, so a kernel that reads past a sequence's tokens
+    and lets it count fails; the torch path must not be taken."""
+    batch = cpu_attention_case(seed, dtype, block_size, kv_heads, head_dim, group)
+    check_cpu_attention(batch, dtype, head_dim, f"seed {seed}")
 
-    if cpu.load_library() is None:
-        pytest.skip("no C compiler on this machine")  # the torch path serves there; CI has gcc
 
-    def no_torch(*args, **kwargs):
-        raise AssertionError("fell back to the torch decode attention")
-
-    monkeypatch.setattr(cpu, "paged_attention", no_torch)
-    rng = random.Random()
-    seed = rng.randrange(10**6)
-    rng.seed(seed)
-    torch.manual_seed(seed)
-    # Lengths around the kernel's 16-token tiles, plus random ones.
-    decodes = [(n, 1) for n in (0, 14, 15, 16, 31)] + [(rng.randrange(0, 300), 1) for _ in range(rng.randrange(1, 9))]
-    rng.shuffle(decodes)
-    seqs = decodes + [(rng.randrange(0, 50), rng.randrange(2, 40))]
-    q, k_cache, v_cache, meta, dense = make_batch(rng, seqs, block_size, kv_heads, head_dim, dtype=dtype, group=group)
-    owned = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
-    owned[torch.cat(dense)] = True
-    k_cache.view(-1, kv_heads, head_dim)[~owned] = float("nan")
-    v_cache.view(-1, kv_heads, head_dim)[~owned] = float("nan")
-    meta.num_decodes = len(decodes)
-    out = in_threads(1, cpu.paged_attention_cpu, q, k_cache, v_cache, meta, head_dim**-0.5)
-    ref = dense_attention(q, k_cache, v_cache, meta, dense, head_dim**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"seed {seed}"
-    shared = in_threads(THREADS, cpu.paged_attention_cpu, q, k_cache, v_cache, meta, head_dim**-0.5)
-    assert torch.equal(shared, out), f"seed {seed}: {THREADS} threads differ from one"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kv_heads, group, head_dim, block_size, length, chunk",
+    [(1, 1, 128, 32, 389, 101), (3, 3, 128, 16, 487, 4), (1, 1, 64, 16, 565, 30)],
+)
+def test_cpu_attention_of_long_prompts_is_thread_count_independent(
+    dtype, kv_heads, group, head_dim, block_size, length, chunk, c_attention
+):
+    """Prompt chunks over a long history: torch's CPU attention gives float32 results that differ in the last bit
+    between 1, 2 and 3 threads on these shapes (on an Ice Lake Xeon); the CPU backend must not."""
+    torch.manual_seed(0)
+    batch = make_paged_batch(
+        [1, chunk],
+        [50, length],
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        rng=random.Random(0),
+        poison=True,
+    )
+    check_cpu_attention(batch, dtype, head_dim, f"chunk {chunk} of {length}")
 
 
 @pytest.mark.parametrize("hidden", [576, 40, 100])  # 40, 100: masked tails of the 16-wide vectors
-def test_cpu_elementwise_kernels_match_torch(hidden, monkeypatch):
+def test_cpu_elementwise_kernels_match_torch(hidden, forbid):
     """The fused bf16 C kernels round where torch rounds: SiLU*up bit for bit, norms but for rare outputs on a
     rounding boundary; rotary (computed in float32 once, where torch rounds each product) within one bf16 step; rows
     with a stride of their own (views into a fused projection) read correctly; several threads give one thread's
@@ -228,10 +226,7 @@ def test_cpu_elementwise_kernels_match_torch(hidden, monkeypatch):
     for threads in (1, THREADS):
         assert torch.equal(in_threads(threads, cpu.silu_mul_cpu, gate_up), norm.silu_mul(gate_up))
 
-    def no_torch(*args, **kwargs):
-        raise AssertionError("fell back to the torch rotary")
-
-    monkeypatch.setattr(cpu, "rotary_write_kv", no_torch)  # the reference below is imported separately
+    forbid(cpu, "rotary_write_kv")  # the reference below is imported separately
 
     def within_one_step(got, exact):
         # A bf16 step is 2^-7 of the value's binade. Where x1 cos - x2 sin nearly cancel, float32's own error (~1e-7
@@ -260,33 +255,38 @@ def test_cpu_elementwise_kernels_match_torch(hidden, monkeypatch):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("kv_heads, head_dim", [(1, 64), (3, 64), (2, 128)])
-def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim, monkeypatch):
+def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim, forbid):
     """The AMX prompt-chunk attention against dense float32 attention: fresh prompts and chunks after a cached
     history, lengths around its 16-query tiles and 32-key blocks, GQA; the torch path must not be taken."""
     from fastgen.kernels import cpu
 
-    library = cpu._get_library()
-    if library is None or not library.prefill_attention_available():
-        pytest.skip("no C compiler, or a CPU/kernel without AMX tiles: torch's SDPA serves there")
-
-    def no_torch(*args, **kwargs):
-        raise AssertionError("fell back to the torch prompt attention")
-
-    monkeypatch.setattr(cpu, "prefill_attention", no_torch)
+    if cpu._amx() is None:
+        pytest.skip("no C compiler, or a CPU/kernel without AMX tiles: the C decode kernel serves prompts there")
+    forbid(cpu, "prefill_attention")
     rng = random.Random(block_size * 100 + head_dim + kv_heads)
     torch.manual_seed(block_size)
     chunks = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33), (31, 1), (32, 16), (100, 47), (5, 64), (0, 130)]
     for _ in range(3):
         rng.shuffle(chunks)
         decodes = [(rng.randrange(1, 200), 1) for _ in range(rng.randrange(0, 3))]
-        q, k_cache, v_cache, meta, dense = make_batch(
-            rng, decodes + chunks[:4], block_size, kv_heads, head_dim, dtype=torch.bfloat16
+        seqs = decodes + chunks[:4]
+        batch = make_paged_batch(
+            [new for _, new in seqs],
+            [cached + new for cached, new in seqs],
+            heads=kv_heads * rng.choice([1, 2, 3]),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=torch.bfloat16,
+            rng=rng,
+            spare_blocks=8,
+            num_decodes=len(decodes),
         )
-        meta.num_decodes = len(decodes)
-        out = in_threads(1, cpu.paged_attention_cpu, q, k_cache, v_cache, meta, head_dim**-0.5)
-        ref = dense_attention(q, k_cache, v_cache, meta, dense, head_dim**-0.5)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.meta, head_dim**-0.5)
+        out = in_threads(1, cpu.paged_attention_cpu, *args)
+        ref = dense_attention(batch, head_dim**-0.5)
         assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), (out.float() - ref).abs().max()
-        assert torch.equal(in_threads(THREADS, cpu.paged_attention_cpu, q, k_cache, v_cache, meta, head_dim**-0.5), out)
+        assert torch.equal(in_threads(THREADS, cpu.paged_attention_cpu, *args), out)
 
 
 @pytest.mark.parametrize("out_features, in_features", [(40, 64), (48, 96), (600, 576)])  # 40, 600: a partial tile
@@ -296,7 +296,6 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
     pass over x (CHUNK), on rows that are a view into wider ones, on one thread and several; and through the layers'
     packed-weight path, AMX and oneDNN."""
     from fastgen.kernels import cpu
-    from fastgen.replica.parallel import PackedWeight, linear, pack_weight
 
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features, dtype=torch.bfloat16) / in_features**0.5
@@ -304,7 +303,7 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
     packed = cpu.pack_linear(w)
     if packed is None:
         pytest.skip("no C compiler, or a CPU without AMX: oneDNN serves there")
-    layer_weight = pack_weight(w)
+    layer_weight = cpu.pack_weight(w)
     assert layer_weight.amx is not None  # the layers take the AMX kernel wherever it runs
     for rows in (1, 15, 16, 17, 32, 33, 64, 100, 300):
         x = torch.randn(rows, in_features + 32, dtype=torch.bfloat16)[:, 16 : 16 + in_features]
@@ -313,9 +312,9 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
         assert got is not None and got.shape == (rows, out_features)
         assert torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2), (rows, (got.float() - ref).abs().max())
         assert torch.equal(in_threads(THREADS, cpu.linear_amx, x, packed, bias), got), rows
-        assert torch.equal(linear(x, w, bias, layer_weight), got)
-        onednn = PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w, 512))  # where AMX does not run
-        assert torch.allclose(linear(x, w, bias, onednn).float(), ref, rtol=1e-2, atol=1e-2), rows
+        assert torch.equal(cpu.linear(x, w, bias, layer_weight), got)
+        onednn = cpu.PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w, 512))  # where AMX does not run
+        assert torch.allclose(cpu.linear(x, w, bias, onednn).float(), ref, rtol=1e-2, atol=1e-2), rows
 
 
 def test_cpu_argmax_matches_torch():

@@ -116,3 +116,22 @@ def test_incremental_detokenization_across_multibyte_characters(pipe, text):
     # Some character really was split across tokens, so the test exercises the hold-back.
     if any(ord(c) > 0x7FF for c in text):
         assert "" in pieces[:-1]
+
+
+def test_greedy_rows_take_the_given_argmax_and_banned_tokens_lose():
+    """sample() picks greedy tokens with the kernels' argmax it is handed (Kernels.argmax), after banning."""
+    import torch
+
+    from fastgen.kernels import TORCH_KERNELS
+    from fastgen.replica.sampler import SamplingRow, sample
+
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 2.0, 0.0]])
+    rows = [SamplingRow(0.0, 1.0, 0, None, [1]), SamplingRow(0.0, 1.0, 0, None, [])]
+    seen = []
+
+    def argmax(x):
+        seen.append(x.clone())
+        return TORCH_KERNELS.argmax(x)
+
+    assert sample(logits, rows, argmax) == [2, 0]
+    assert seen and seen[0][0, 1] == float("-inf")

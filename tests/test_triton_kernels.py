@@ -1,6 +1,7 @@
 """Triton kernels against the torch references, on CPU tensors under the Triton interpreter.
 
-Inputs are random on every run; the seed is printed on failure and FASTGEN_TEST_SEED=<seed> replays it.
+Inputs are random with a fixed seed per test; the seed is printed on failure and FASTGEN_TEST_SEED=<seed> runs
+every test with another.
 Outputs are allocated NaN-filled (see `poisoned_empty`) so an element the kernel forgets to write fails the test,
 and cache slots no sequence owns hold NaN so a read past a sequence's end poisons the result.
 """
@@ -12,6 +13,7 @@ import inspect
 import os
 import random
 import sys
+import zlib
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ import torch
 import triton
 
 import fastgen.kernels as K
-from fastgen.kernels import AttentionMetadata, rope_cos_sin, rope_inv_freq
+from fastgen.kernels import rope_cos_sin, rope_inv_freq
+from fastgen.testing import make_paged_batch
 
 MODULE = "fastgen.kernels.triton_kernels"
 
@@ -61,9 +64,10 @@ def interpreting(monkeypatch):
 
 
 @pytest.fixture
-def seed():
-    """Seeds torch and random with a fresh seed, printed (pytest shows it on failure) and in assertion messages."""
-    value = int(os.environ.get("FASTGEN_TEST_SEED", random.randrange(2**31)))
+def seed(request):
+    """Seeds torch and random with the test's own fixed seed (from its id) or FASTGEN_TEST_SEED, printed (pytest shows
+    it on failure) and in assertion messages."""
+    value = int(os.environ.get("FASTGEN_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
     print(f"FASTGEN_TEST_SEED={value}")
     torch.manual_seed(value)
     random.seed(value)
@@ -100,47 +104,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # bf16 is not tested: th
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def make_batch(q_lens, seq_lens, kv_heads, heads, head_dim, block_size, dtype):
-    """A paged cache holding seq_lens[i] tokens of sequence i in randomly scattered blocks, the queries of the
-    new tokens and their metadata. Slots no sequence owns hold NaN; returns (q, k_cache, v_cache, meta)."""
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2  # spare blocks stay poisoned
-    order = torch.randperm(num_blocks)
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    used = 0
-    for i, (n, length) in enumerate(zip(blocks_per_seq, seq_lens)):
-        block_tables[i, :n] = order[used : used + n]
-        owned.view(-1)[_slots(block_tables[i], 0, length, block_size)] = True
-        used += n
-
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(shape).to(dtype).masked_fill(~owned[..., None, None], float("nan")) for _ in "kv")
-    query_start = [0]
-    for n in q_lens:
-        query_start.append(query_start[-1] + n)
-    slots = [_slots(block_tables[i], s - n, s, block_size) for i, (n, s) in enumerate(zip(q_lens, seq_lens))]
-    meta = AttentionMetadata(
-        query_start=torch.tensor(query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        slot_mapping=torch.cat(slots),
-        num_decodes=sum(1 for n in q_lens if n == 1),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_host=query_start,
-        seq_lens_host=list(seq_lens),
-    )
-    q = torch.randn(query_start[-1], heads, head_dim).to(dtype)
-    return q, k_cache, v_cache, meta
-
-
-def _slots(table_row: torch.Tensor, lo: int, hi: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions lo..hi-1 of a sequence."""
-    pos = torch.arange(lo, hi)
-    return table_row[pos // block_size].long() * block_size + pos % block_size
-
-
 def draw_lengths(kind: str, block_size: int, long: bool = False) -> tuple[list[int], list[int]]:
     """(q_lens, seq_lens) with decodes first. Prompts include a whole prompt in one chunk and a chunk that starts
     mid-block and (for block sizes up to 32) spans several blocks; most last blocks are partly filled."""
@@ -165,7 +128,17 @@ def draw_lengths(kind: str, block_size: int, long: bool = False) -> tuple[list[i
 
 def check_attention(kind, kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty, long=False):
     q_lens, seq_lens = draw_lengths(kind, block_size, long)
-    q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, kv_heads, heads, head_dim, block_size, dtype)
+    b = make_paged_batch(
+        q_lens,
+        seq_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        poison=True,
+    )
+    q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
     scale = head_dim**-0.5
     out = poisoned_empty(tk.paged_attention, q, k_cache, v_cache, meta, scale)
     # The reference gathers whole blocks and masks afterwards, so it needs finite values in unowned slots.
@@ -208,7 +181,8 @@ def test_attention_long_contexts(dtype, seed, poisoned_empty):
 def test_attention_strided_q_and_group_32(kind, seed, poisoned_empty):
     # q as the model makes it: a view into a fused qkv projection; 32 query heads share one kv head.
     q_lens, seq_lens = draw_lengths(kind, 16)
-    q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, 1, 32, 64, 16, torch.float32)
+    b = make_paged_batch(q_lens, seq_lens, heads=32, kv_heads=1, head_dim=64, block_size=16, poison=True)
+    q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
     qkv = torch.randn(q.shape[0], 34 * 64)
     qkv[:, : 32 * 64] = q.flatten(1)
     q_view = qkv[:, : 32 * 64].view(-1, 32, 64)  # (tokens, heads, head_dim), token stride 34 * 64
@@ -219,7 +193,8 @@ def test_attention_strided_q_and_group_32(kind, seed, poisoned_empty):
 
 def test_attention_chunk_mid_block_over_several_blocks(seed, poisoned_empty):
     # Positions 35..74 with 16-token blocks: starts 3 tokens into block 2, ends 11 tokens into block 4.
-    q, k_cache, v_cache, meta = make_batch([1, 40], [9, 75], 2, 4, 64, 16, torch.float32)
+    b = make_paged_batch([1, 40], [9, 75], heads=4, kv_heads=2, head_dim=64, block_size=16, poison=True)
+    q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
     out = poisoned_empty(tk.paged_attention, q, k_cache, v_cache, meta, 0.125)
     ref = REF.paged_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), meta, 0.125)
     assert rel_err(out, ref) < 1e-5, f"seed={seed}"
@@ -234,7 +209,17 @@ def test_attention_chunk_mid_block_over_several_blocks(seed, poisoned_empty):
 @pytest.mark.parametrize("kv_heads,heads,head_dim,block_size", [(2, 4, 64, 16), (3, 9, 80, 32), (1, 8, 128, 16)])
 def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty):
     q_lens, seq_lens = draw_lengths("mixed", block_size)
-    q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, kv_heads, heads, head_dim, block_size, dtype)
+    b = make_paged_batch(
+        q_lens,
+        seq_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        poison=True,
+    )
+    q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
     tokens = q.shape[0]
     k, v = (torch.randn(tokens, kv_heads, head_dim).to(dtype) for _ in "kv")
     cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 512)
@@ -384,7 +369,10 @@ def test_kernels_compile_for_sm90(monkeypatch):
         (torch.bfloat16, [1, 40], (3, 9, 80)),  # prefill tile
         (torch.float32, [1, 40], (2, 16, 96)),  # float32 tile
     ]:
-        q, k_cache, v_cache, meta = make_batch(q_lens, [50, 60], kv_heads, heads, head_dim, 16, dtype)
+        b = make_paged_batch(
+            q_lens, [50, 60], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, poison=True
+        )
+        q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
         compiled.paged_attention(q, k_cache, v_cache, meta, 0.1)
         k = torch.zeros(q.shape[0], kv_heads, head_dim, dtype=dtype)
         compiled.rotary_write_kv(

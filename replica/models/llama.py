@@ -105,9 +105,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, tp
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, tp, kernels
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, kernels)
         self.heads, self.kv_heads, self.head_dim = self.qkv_proj.heads, self.qkv_proj.kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.kernels = kernels
@@ -125,8 +125,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, kernels)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, kernels)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,10 +153,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp)
+        self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels)
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
         self.register_buffer("cos_sin", rope_cos_sin(inv_freq, cfg.max_position_embeddings), persistent=False)
 
@@ -168,7 +169,7 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def pack_weights(self) -> None:
-        """Packs every linear layer's weight once for the CPU's matrix engine, where that applies."""
+        """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any)."""
         for module in self.modules():
             if hasattr(module, "pack"):
                 module.pack()

@@ -1,0 +1,295 @@
+"""The boundary to the compiled C kernels (csrc/): building them, the cache of builds, and `CLibrary`, one typed table
+of every entry point the library exports, bound with its ctypes signature.
+
+Each field of `CLibrary` names an exported C function and lists its parameters, in order, with the ctypes type of
+each C type; tests/test_kernel_boundary.py parses the prototypes in csrc/*.c and fails on any difference. Python
+calls the kernels only through a `CLibrary` value, never by looking a name up.
+
+The library is built with -march=native, so a build is only good on the CPU it was made on: the cache key holds the
+CPU model and its feature flags and the compiler's version as well as the flags and sources, and a JSON record beside
+each library says what it was built for. A library whose record does not match this machine is rebuilt, never
+loaded: a cache shared between machines (an NFS home, a container volume, a CI cache) would otherwise hand one CPU
+instructions that another lacks, and the process would die of SIGILL."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("fastgen.kernels")
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c")]
+HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
+# Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
+# softmax starts from -inf).
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+# OpenMP splits the kernels over the process's torch threads. The library needs libgomp.so.1 by name, which the
+# dynamic loader finds already loaded with torch, so both share one thread pool. Where the compiler has no OpenMP the
+# kernels are built without it and run on one thread.
+OPENMP = ["-fopenmp"]
+CPUINFO = Path("/proc/cpuinfo")
+
+# ctypes types of the C parameter types the entry points use. Every pointer passes as an address (data_ptr()).
+POINTER, INT, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def entry(**params: type) -> dataclasses.Field:
+    """A field of CLibrary: the C function of the field's name, taking `params` (C name -> ctypes type, in order)
+    and returning int (0 on success, -1 where the kernel declines)."""
+    return field(metadata={"params": params})
+
+
+@dataclass(frozen=True)
+class CLibrary:
+    """Every entry point of the compiled kernels, callable with the arguments listed (in that order)."""
+
+    decode_attention_bf16: Callable[..., int] = entry(
+        q=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        tables=POINTER,
+        seq_lens=POINTER,
+        out=POINTER,
+        seqs=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        block_size=INT,
+        table_width=INT,
+        scale=FLOAT,
+        threads=INT,
+    )
+    decode_attention_f32: Callable[..., int] = entry(
+        q=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        tables=POINTER,
+        seq_lens=POINTER,
+        out=POINTER,
+        seqs=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        block_size=INT,
+        table_width=INT,
+        scale=FLOAT,
+        threads=INT,
+    )
+    prefill_attention_available: Callable[[], int] = entry()
+    prefill_attention_bf16: Callable[..., int] = entry(
+        q=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        table=POINTER,
+        out=POINTER,
+        q_stride=INT64,
+        len=INT,
+        chunk=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        block_size=INT,
+        scale=FLOAT,
+        threads=INT,
+    )
+    elementwise_available: Callable[[], int] = entry()
+    add_rms_norm_bf16: Callable[..., int] = entry(
+        x=POINTER,
+        residual=POINTER,
+        weight=POINTER,
+        out=POINTER,
+        residual_out=POINTER,
+        rows=INT,
+        hidden=INT,
+        x_stride=INT64,
+        eps=FLOAT,
+        threads=INT,
+    )
+    silu_mul_bf16: Callable[..., int] = entry(
+        gate_up=POINTER, out=POINTER, rows=INT, inter=INT, in_stride=INT64, threads=INT
+    )
+    rotary_write_kv_bf16: Callable[..., int] = entry(
+        q=POINTER,
+        k=POINTER,
+        v=POINTER,
+        row_stride=INT64,
+        cos_sin=POINTER,
+        positions=POINTER,
+        slots=POINTER,
+        q_out=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        tokens=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        threads=INT,
+    )
+    argmax_bf16: Callable[..., int] = entry(x=POINTER, rows=INT, vocab=INT, stride=INT64, out=POINTER, threads=INT)
+    linear_bf16: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        packed=POINTER,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        threads=INT,
+    )
+
+    @classmethod
+    def bind(cls, library: ctypes.CDLL) -> CLibrary:
+        """Each entry point of the loaded library with its argument and return types set."""
+        functions = {}
+        for f in dataclasses.fields(cls):
+            fn = getattr(library, f.name)
+            fn.restype, fn.argtypes = ctypes.c_int, list(f.metadata["params"].values())
+            functions[f.name] = fn
+        return cls(**functions)
+
+
+def signatures() -> dict[str, dict[str, type]]:
+    """Entry point name -> its parameters (C name -> ctypes type), as CLibrary declares them."""
+    return {f.name: dict(f.metadata["params"]) for f in dataclasses.fields(CLibrary)}
+
+
+@dataclass(frozen=True)
+class BuildTarget:
+    """What a build depends on besides its sources and flags: the CPU -march=native compiles for, and the compiler."""
+
+    cpu_model: str
+    cpu_flags: tuple[str, ...]
+    compiler: str
+    compiler_version: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> BuildTarget:
+        record = json.loads(text)
+        return cls(record["cpu_model"], tuple(record["cpu_flags"]), record["compiler"], record["compiler_version"])
+
+
+def cpu_identity() -> tuple[str, tuple[str, ...]]:
+    """(model, sorted feature flags) of this machine's first CPU, from /proc/cpuinfo ("model name"/"flags" on x86,
+    "CPU part"/"Features" on ARM); platform's description where that file cannot be read."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".strip(), ()
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or fields.get("CPU part") or platform.machine()
+    flags = fields.get("flags") or fields.get("Features") or ""
+    return model, tuple(sorted(flags.split()))
+
+
+def build_target(compiler: str) -> BuildTarget:
+    model, flags = cpu_identity()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return BuildTarget(model, flags, compiler, version)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen")) / "kernels"
+
+
+def library_path(target: BuildTarget) -> Path:
+    """Where the build for `target` of the current sources and flags lives in the cache."""
+    digest = hashlib.sha256("\0".join([*FLAGS, *OPENMP, target.to_json()]).encode())
+    for source in SOURCES + HEADERS:
+        digest.update(source.read_bytes())
+    return cache_dir() / f"fastgen_cpu-{digest.hexdigest()[:16]}.so"
+
+
+def record_path(library: Path) -> Path:
+    """The JSON record of what `library` was built for."""
+    return library.with_suffix(".json")
+
+
+def built_for(library: Path) -> BuildTarget | None:
+    """The target recorded beside a cached library; None where there is no library or no readable record."""
+    try:
+        return BuildTarget.from_json(record_path(library).read_text()) if library.exists() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def compile_library(target: BuildTarget, path: Path) -> bool:
+    """Builds the library into `path` with its record beside it; False where the compiler fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        for openmp in (OPENMP, []):
+            command = [target.compiler, *FLAGS, *openmp, "-o", str(built), *map(str, SOURCES), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0:
+                break
+            if openmp:
+                log.warning("building the CPU kernels with OpenMP failed; they will run on one thread")
+        else:
+            log.warning("building the CPU kernels failed, torch serves instead:\n%s", result.stderr[-2000:])
+            return False
+        record = Path(tmp) / record_path(path).name
+        record.write_text(target.to_json())
+        # Atomic replaces, library first: a process that sees the new record sees the new library. One that sees a
+        # new library with the old record (or none) rebuilds, which is safe.
+        os.replace(built, path)
+        os.replace(record, record_path(path))
+    return True
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def load_library() -> CLibrary | None:
+    """The compiled kernels for this machine, building them where the cache holds no build recorded for it; None
+    where no C compiler is available or the build fails."""
+    compiler = find_compiler()
+    if compiler is None:
+        log.warning("no C compiler found: the CPU kernels fall back to torch")
+        return None
+    target = build_target(compiler)
+    path = library_path(target)
+    if built_for(path) != target:
+        if path.exists():
+            log.warning("the cached CPU kernels %s were built for another CPU or compiler: rebuilding", path)
+        if not compile_library(target, path):
+            return None
+    return CLibrary.bind(ctypes.CDLL(str(path)))
+
+
+@functools.cache
+def get_library() -> CLibrary | None:
+    """The process's library, loaded once (the one cached handle)."""
+    return load_library()

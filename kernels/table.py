@@ -1,0 +1,48 @@
+"""The table of kernels the model and the sampler call, and its torch instance that runs anywhere.
+
+A backend (kernels/cpu.py, kernels/triton_kernels.py) is one `Kernels` value; the layers hold it and call only its
+fields, so which code runs is decided once, at start-up (`kernels.select_kernels`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .attention import paged_attention
+from .dense import argmax, linear, no_packing
+from .norm import add_rms_norm, rms_norm, silu_mul
+from .rotary import rotary_write_kv
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    # (q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> rotated q; writes rotated k and v to the cache
+    rotary_write_kv: Callable[..., torch.Tensor]
+    # (q, k_cache, v_cache, AttentionMetadata, scale) -> (tokens, heads, head_dim)
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps) -> (normed, sum)
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    # A weight (out_features, in_features) in the form this backend's `linear` reads fastest, packed once at load;
+    # None where the plain weight serves. The packed form is private to the backend that made it.
+    pack_linear: Callable[[torch.Tensor], object | None]
+    # (x, weight, bias or None, packed or None) -> x W^T + bias
+    linear: Callable[..., torch.Tensor]
+    # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
+    argmax: Callable[[torch.Tensor], list[int]]
+
+
+TORCH_KERNELS = Kernels(
+    name="torch",
+    rotary_write_kv=rotary_write_kv,
+    paged_attention=paged_attention,
+    rms_norm=rms_norm,
+    add_rms_norm=add_rms_norm,
+    silu_mul=silu_mul,
+    pack_linear=no_packing,
+    linear=linear,
+    argmax=argmax,
+)
