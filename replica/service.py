@@ -58,7 +58,7 @@ class EngineLoop:
     The same thread builds, warms up and steps the engine because OpenMP (torch's and the CPU kernels') keeps a pool
     of worker threads per thread that starts parallel work: a model built on one thread and run on another leaves
     two pools, libgomp then counts more threads than cores and stops its workers spinning between parallel regions,
-    and every region pays a wake-up (~70 us measured, against ~1 us with one pool)."""
+    and every region pays a wake-up instead of finding its workers spinning (benchmarks/RESULTS.md has the cost)."""
 
     def __init__(
         self, build: Callable[[], Engine], metrics, limits: QueueLimits, loop: asyncio.AbstractEventLoop

@@ -1,4 +1,5 @@
-"""Start FastGen processes (replicas, balancers) for end-to-end tests and wait until they serve.
+"""What the tests share: FastGen processes (replicas, balancers, the deployment CLI) started and waited for, and
+the transformers reference that greedy outputs are compared with.
 
     replica = start_replica(tiny_model_dir, "r0", log_dir=tmp_path)
     try:
@@ -13,7 +14,9 @@ tail. Every process runs with one torch/BLAS thread: test machines have two core
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fastgen.launch.probe import port_free
 from fastgen.testing import free_port, wait_until
 
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -190,3 +195,87 @@ def wait_balancer_sees(balancer: Proc, want: dict[str, str], timeout: float = 30
         interval=0.1,
         what=f"balancer seeing {want}",
     )
+
+
+# ---- the deployment CLI ----
+def free_port_range(count: int, avoid: set[int] = frozenset()) -> int:
+    """A base port such that base..base+count-1 are all free."""
+    for _ in range(200):
+        base = random.randint(20000, 30000)
+        ports = range(base, base + count)
+        if not avoid & set(ports) and all(port_free("127.0.0.1", p) for p in ports):
+            return base
+    raise RuntimeError("no free port range")
+
+
+class Deploy:
+    """Runs the CLI as a user would (its own process) against a private FASTGEN_HOME."""
+
+    def __init__(self, home: Path):
+        # One BLAS thread per process: the test machine has two cores.
+        self.env = dict(
+            os.environ, FASTGEN_HOME=str(home), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
+        )
+        self.seen_pids: set[int] = set()
+
+    def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "fastgen.launch", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def status(self, name: str = "e2e") -> list[dict]:
+        done = self("status", "--name", name, "--json")
+        assert done.returncode == 0, done.stderr
+        rows = json.loads(done.stdout)
+        self.seen_pids |= {r["pid"] for r in rows if r["pid"]}
+        return rows
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ---- the reference for greedy outputs ----
+def hf_greedy(model_dir, prompts, max_new):
+    """Reference tokens per prompt, cut where transformers' own top-2 logits are within 1e-4 (a near-tie
+    that float rounding may break either way)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    for ids in prompts:
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens = out.sequences[0, len(ids) :].tolist()
+        for step, scores in enumerate(out.scores):
+            top2 = scores[0].topk(2).values
+            if top2[0] - top2[1] < 1e-4:
+                tokens = tokens[: step + 1]  # the tied step itself may go either way: keep up to it
+                break
+        refs.append(tokens)
+    return refs
+
+
+def assert_matches(outs, refs):
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        n = len(ref) - 1 if len(ref) < len(out.token_ids) else len(ref)  # skip a tied last step
+        assert out.token_ids[:n] == ref[:n], f"prompt {i}: {out.token_ids} != {ref}"
+
+
+def random_prompts(n, rng, lo=1, hi=80):
+    return [[rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fastgen.server import AsyncClient, Client, GenerationError
 
-from .procs import (
+from .helpers import (
     Proc,
     free_port,
     start_balancer,

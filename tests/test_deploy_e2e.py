@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -19,51 +16,9 @@ import pytest
 from fastgen.launch.probe import port_free
 from fastgen.testing import wait_until
 
+from .helpers import Deploy, alive, free_port_range
+
 pytestmark = pytest.mark.slow
-
-
-def free_port_range(count: int, avoid: set[int] = frozenset()) -> int:
-    """A base port such that base..base+count-1 are all free."""
-    for _ in range(200):
-        base = random.randint(20000, 30000)
-        ports = range(base, base + count)
-        if not avoid & set(ports) and all(port_free("127.0.0.1", p) for p in ports):
-            return base
-    raise RuntimeError("no free port range")
-
-
-class Deploy:
-    """Runs the CLI as a user would (its own process) against a private FASTGEN_HOME."""
-
-    def __init__(self, home: Path):
-        # One BLAS thread per process: the test machine has two cores.
-        self.env = dict(
-            os.environ, FASTGEN_HOME=str(home), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
-        )
-        self.seen_pids: set[int] = set()
-
-    def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "fastgen.launch", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def status(self, name: str = "e2e") -> list[dict]:
-        done = self("status", "--name", name, "--json")
-        assert done.returncode == 0, done.stderr
-        rows = json.loads(done.stdout)
-        self.seen_pids |= {r["pid"] for r in rows if r["pid"]}
-        return rows
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture
@@ -133,12 +88,11 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
         r = deploy.status()[1]
         return r["pid"] not in (None, old_pid) and r["health"] == "SERVING" and r
 
-    back = wait_until(replica_back, 60, 0.5, "replica-0 to be restarted and SERVING")
+    back = wait_until(replica_back, 60, "replica-0 to be restarted and SERVING")
     assert back["restarts"] == 1 and not alive(old_pid)
     wait_until(
         lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0,
         20,
-        0.5,
         "the balancer to route again",
     )
 
@@ -217,7 +171,7 @@ def test_stop_cleans_up_after_a_killed_supervisor(deploy, tiny_model_dir):
     pids = [r["pid"] for r in deploy.status()]
     state = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())
     os.kill(state["supervisor"]["pid"], signal.SIGKILL)
-    wait_until(lambda: not alive(state["supervisor"]["pid"]), 10, 0.5, "the supervisor to die")
+    wait_until(lambda: not alive(state["supervisor"]["pid"]), 10, "the supervisor to die")
     done = deploy("status", "--name", "e2e")
     assert done.returncode != 0 and "is not running" in done.stderr
     assert "dead" in deploy("list").stdout

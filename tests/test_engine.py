@@ -4,12 +4,12 @@ whatever the token budget, the batch mix or preemption."""
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from fastgen.replica import pipeline
 from fastgen.replica.request import FinishReason
 from fastgen.testing import make_tiny_model
+
+from .helpers import assert_matches, hf_greedy, random_prompts
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -33,41 +33,7 @@ def models(tmp_path_factory):
     return {name: make_tiny_model(root / name, **kw, seed=i) for i, (name, kw) in enumerate(CONFIGS.items())}
 
 
-def hf_greedy(model_dir, prompts, max_new):
-    """Reference tokens per prompt, cut where transformers' own top-2 logits are within 1e-4 (a near-tie
-    that float rounding may break either way)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = []
-    for ids in prompts:
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        tokens = out.sequences[0, len(ids) :].tolist()
-        for step, scores in enumerate(out.scores):
-            top2 = scores[0].topk(2).values
-            if top2[0] - top2[1] < 1e-4:
-                tokens = tokens[: step + 1]  # the tied step itself may go either way: keep up to it
-                break
-        refs.append(tokens)
-    return refs
-
-
-def assert_matches(outs, refs):
-    for i, (out, ref) in enumerate(zip(outs, refs)):
-        n = len(ref) - 1 if len(ref) < len(out.token_ids) else len(ref)  # skip a tied last step
-        assert out.token_ids[:n] == ref[:n], f"prompt {i}: {out.token_ids} != {ref}"
-
-
-def random_prompts(n, rng, lo=1, hi=80):
-    return [[rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tiny_models_match_transformers(models, name):
     rng = random.Random(1)
@@ -78,6 +44,7 @@ def test_tiny_models_match_transformers(models, name):
         assert_matches(pipe(prompts, max_new_tokens=12, min_new_tokens=12), refs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_prompts", [1, 5, 32])
 def test_concurrency_and_budgets(models, num_prompts):
     rng = random.Random(num_prompts)
@@ -89,6 +56,7 @@ def test_concurrency_and_budgets(models, num_prompts):
         assert_matches(pipe(prompts, max_new_tokens=10, min_new_tokens=10), refs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["splitfuse", "prefill_first", "static"])
 def test_preemption_with_a_tiny_kv_pool(models, scheduler):
     rng = random.Random(7)

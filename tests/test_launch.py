@@ -350,6 +350,7 @@ def stand_in(tmp_path: Path, pid: str, role: str, port: int, *extra: str) -> sup
     return supervisor.Child(spec, tmp_path / "logs" / f"{pid}.log")
 
 
+@pytest.mark.slow
 def test_wait_until_serving_then_restart_then_drain_in_order(tmp_path):
     marker = tmp_path / "order"
     children = [
@@ -386,6 +387,7 @@ def test_wait_until_serving_then_restart_then_drain_in_order(tmp_path):
                 c.proc.kill()
 
 
+@pytest.mark.slow
 def test_start_up_fails_with_the_log_tail_when_a_child_exits(tmp_path):
     child = stand_in(tmp_path, "replica-0", "replica", free_port())
     child = supervisor.Child(
@@ -396,6 +398,7 @@ def test_start_up_fails_with_the_log_tail_when_a_child_exits(tmp_path):
     assert "replica-0 exited with code 1 during start-up" in error and "model not found" in error
 
 
+@pytest.mark.slow
 def test_start_up_times_out_with_the_health(tmp_path):
     child = stand_in(tmp_path, "replica-0", "replica", free_port(), "--delay", "60")
     supervisor.launch(child, dict(os.environ), first=True)
@@ -406,6 +409,7 @@ def test_start_up_times_out_with_the_health(tmp_path):
         supervisor.terminate([child], timeout=5)
 
 
+@pytest.mark.slow
 def test_terminate_kills_what_ignores_sigterm(tmp_path):
     child = stand_in(tmp_path, "replica-0", "replica", free_port())
     child = supervisor.Child(

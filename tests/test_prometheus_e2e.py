@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_deploy_e2e import Deploy, alive, free_port_range, wait_for
 
 from fastgen.launch.grafana import DASHBOARD_JSON
 from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
+from fastgen.testing import wait_until
+
+from .helpers import Deploy, alive, free_port_range
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,7 +74,7 @@ class Prometheus:
         return float(result[0]["value"][1]) if result else None
 
     def wait_for_value(self, expr: str, want: float, timeout: float = 30.0) -> None:
-        wait_for(lambda: self.scalar(expr) == want, timeout, f"{expr} == {want}")
+        wait_until(lambda: self.scalar(expr) == want, timeout, f"{expr} == {want}")
 
 
 def start_prometheus(config: Path, data: Path, log_path: Path, port: int) -> Prometheus:
@@ -93,7 +95,7 @@ def start_prometheus(config: Path, data: Path, log_path: Path, port: int) -> Pro
         except OSError:
             return False
 
-    wait_for(ready, 30, "prometheus to be ready")
+    wait_until(ready, 30, "prometheus to be ready")
     return prom
 
 
@@ -253,7 +255,7 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
     assert targets == [{"targets": [f"127.0.0.1:{r['metrics_port']}" for r in rows], "labels": {"deployment": NAME}}]
 
     prom = prometheus_server()
-    wait_for(lambda: prom.scalar(f'count(up{{deployment="{NAME}"}} == 1)') == 3, 30, "all three targets up")
+    wait_until(lambda: prom.scalar(f'count(up{{deployment="{NAME}"}} == 1)') == 3, 30, "all three targets up")
     balancer = f"127.0.0.1:{port}"
 
     # Phase 1: the SLA as the replicas counted it, against the client's own measurements.
@@ -274,8 +276,8 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
         row = deploy.status(NAME)[1]
         return row["pid"] not in (None, old_pid) and row["health"] == "SERVING"
 
-    wait_for(replica_back, 60, "replica-0 to be restarted")
-    wait_for(
+    wait_until(replica_back, 60, "replica-0 to be restarted")
+    wait_until(
         lambda: prom.scalar(f'fastgen_balancer_replica_healthy{{deployment="{NAME}", replica="replica-0"}}') == 1,
         30,
         "the balancer to route to replica-0 again",
@@ -284,7 +286,7 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
     assert "replica-0" in {m.replica for m in second}
     total = len(first) + len(second)
     finished = f'fastgen_requests_finished_total{{deployment="{NAME}"}}'
-    wait_for(lambda: reset_aware_total(prom, finished) == total, 30, f"Prometheus to hold {total} finished requests")
+    wait_until(lambda: reset_aware_total(prom, finished) == total, 30, f"Prometheus to hold {total} finished requests")
     assert json.loads(targets_file.read_text()) == targets
     assert prom.scalar(f'count(fastgen_build_info{{deployment="{NAME}"}})') == 3  # no second series of replica-0
     assert prom.scalar(f"sum(resets({finished}[{WINDOW}]))") >= 1  # Prometheus did see the counters restart

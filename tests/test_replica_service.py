@@ -9,7 +9,7 @@ import pytest
 from fastgen.server import Client, GenerationError
 from fastgen.testing import wait_until
 
-from .procs import start_replica, wait_serving
+from .helpers import start_replica, wait_serving
 
 LONG = dict(max_new_tokens=600, ignore_eos=True)
 
@@ -34,6 +34,7 @@ def kv_used(client: Client) -> int:
     return client.status().replicas[0].kv_blocks_used
 
 
+@pytest.mark.slow
 def test_cancelled_stream_frees_its_blocks_and_others_go_on(replica):
     with Client(replica.address, timeout=120) as client:
         assert kv_used(client) == 0
@@ -48,6 +49,7 @@ def test_cancelled_stream_frees_its_blocks_and_others_go_on(replica):
         wait_until(lambda: kv_used(client) == 0, 5, what="every block free")
 
 
+@pytest.mark.slow
 def test_full_queue_is_resource_exhausted_and_the_rest_is_served(replica):
     results, errors = [], []
 
@@ -77,6 +79,7 @@ def test_full_queue_is_resource_exhausted_and_the_rest_is_served(replica):
     assert all(r.generated_tokens == 40 for r in results)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
     proc = start_replica(tiny_model_dir, "drained", tmp_path)
     try:
@@ -99,8 +102,8 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
 
     from prometheus_client import CollectorRegistry
 
-    from fastgen.replica.config import CacheConfig, EngineConfig
     from fastgen.replica.builder import build_engine
+    from fastgen.replica.config import CacheConfig, EngineConfig
     from fastgen.replica.parallel import TPGroup
     from fastgen.replica.request import SamplingParams
     from fastgen.replica.service import EngineLoop, QueueLimits

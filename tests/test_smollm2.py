@@ -57,8 +57,8 @@ def test_smollm2_bf16_cpu_kernels_agree_with_torch_kernels():
     from dataclasses import replace
 
     from fastgen.kernels import cpu
-    from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
     from fastgen.replica.builder import build_engine, build_runner
+    from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
     from fastgen.replica.request import SamplingParams
 
     if cpu._elementwise() is None:
