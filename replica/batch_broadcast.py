@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,18 @@ IDLE_TIMEOUT = timedelta(days=365)
 # Exit status of a rank whose group broke (a peer died, or this rank failed between two collectives).
 EXIT_GROUP_BROKEN = 3
 _SEQ_HEADER = 5  # seq_id, start, sample, number of tokens, number of blocks
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends this rank's process with `code` without interpreter finalization, for a rank that leaves without
+    destroy_process_group (its group broke, or it failed): gloo's worker threads may still hold a finished or
+    failed collective, and dropping it frees that step's tensors, whose Python objects need the GIL. Once
+    Py_Finalize has begun, the GIL ends any other thread that asks for it with pthread_exit, whose unwinding
+    through the tensor's noexcept destructor calls std::terminate: SIGABRT ("terminate called without an active
+    exception") instead of `code`. os._exit ends every thread at once, whatever it holds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def encode_batch(batch: Batch) -> list[int]:
@@ -69,12 +82,14 @@ class BatchBroadcast:
         flat = encode_batch(batch)
         self._send([len(flat), *flat])
 
-    def stop(self) -> None:
-        """Tells the other ranks to exit; a no-op when they are already gone."""
+    def stop(self) -> bool:
+        """Tells the other ranks to exit; False when they are already gone (the group is broken)."""
         try:
             self._send([STOP])
         except RuntimeError as exc:
             log.warning("could not tell the other ranks to stop (already gone?): %s", exc)
+            return False
+        return True
 
     def receive(self) -> Batch | None:
         """The next batch from rank 0, or None when it says stop. Raises RuntimeError when rank 0 is gone."""
@@ -90,14 +105,13 @@ class BatchBroadcast:
             flat += rest.tolist()
         return decode_batch(flat)
 
-    def abandon(self, exc: BaseException) -> None:
-        """Ends this process at once: its ranks are out of step (a peer died, or a step failed between two
-        collectives), so no later step can succeed, and the engine thread that noticed cannot unwind the server.
-        The launcher (fastgen-deploy's supervisor, torchrun) then restarts the whole group."""
+    def abandon(self, exc: BaseException) -> NoReturn:
+        """Ends this process at once with EXIT_GROUP_BROKEN: its ranks are out of step (a peer died, or a step
+        failed between two collectives), so no later step can succeed; the engine thread that noticed cannot unwind
+        the server, and a rank that returned would exit through interpreter finalization (see exit_now). The
+        launcher (fastgen-deploy's supervisor, torchrun) then restarts the whole group."""
         log.critical("rank %d left its tensor-parallel group: %s: %s", self.rank, type(exc).__name__, exc)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_GROUP_BROKEN)
+        exit_now(EXIT_GROUP_BROKEN)
 
     def _send(self, message: list[int]) -> None:
         first = torch.zeros(INLINE, dtype=torch.int64)

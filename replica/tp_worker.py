@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .batch_broadcast import EXIT_GROUP_BROKEN, BatchBroadcast
+from .batch_broadcast import BatchBroadcast, exit_now
+from .builder import build_runner
 from .config import EngineConfig
-from .engine import build_runner
 from .parallel import TPGroup
 
 log = logging.getLogger("fastgen.replica")
@@ -79,8 +79,9 @@ def run_tensor_parallel(
     run_replica: Callable[..., int],
     engine_config: Callable[[argparse.Namespace], EngineConfig],
 ) -> int:
-    """Runs this process as its rank of the replica; returns the exit status. run_replica(args, tp, broadcast) is
-    the single-process replica's server, run by rank 0."""
+    """Runs this process as its rank of the replica; returns 0 once the group has ended in order. Once the group
+    exists, any other ending leaves the process at once with its status (exit_now: interpreter finalization could
+    abort it). run_replica(args, tp, broadcast) is the single-process replica's server, run by rank 0."""
     try:
         env = RankEnv.from_env(os.environ, args.tp)
     except ValueError as exc:
@@ -95,22 +96,28 @@ def run_tensor_parallel(
     log.info("rank %d of %d joined (%s, %s)", env.rank, env.world_size, dist.get_backend(), device)
     if env.rank == 0:
         code = run_replica(args, tp, broadcast)
-        if code == 0:  # it drained: the other ranks wait in follow() for this
-            broadcast.stop()
+        # 0: it drained, and the other ranks wait in follow() for stop. If they are gone, its group is broken as
+        # after any failed collective, and it leaves at once too (with the status of its drain).
+        if code == 0 and not broadcast.stop():
+            exit_now(code)
     else:
         code = follow(engine_config(args), tp, broadcast)
-    if code == 0:  # after a failure a peer may be gone, and tearing down could wait on it
-        dist.destroy_process_group()
-    return code
+    if code != 0:  # after a failure a peer may be gone, and tearing down could wait on it
+        exit_now(code)
+    dist.destroy_process_group()
+    return 0
 
 
 def follow(config: EngineConfig, tp: TPGroup, broadcast: BatchBroadcast) -> int:
-    """Ranks > 0: loads this rank's shards, then runs every batch rank 0 sends until it says stop."""
+    """Ranks > 0: loads this rank's shards, then runs every batch rank 0 sends until it says stop. A rank that
+    loses rank 0, or fails between two collectives, ends its process with EXIT_GROUP_BROKEN (abandon)."""
     try:
         runner, num_blocks = build_runner(config, tp, broadcast)
     except ValueError as exc:  # bad model or settings: rank 0 reports the same
         print(f"fastgen.replica: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a collective of the load failed: rank 0 is gone
+        broadcast.abandon(exc)
     # From here rank 0 decides when the group ends, after draining its requests; a SIGTERM sent to every rank
     # (fastgen-deploy stop, torchrun) must not cut them off.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -118,8 +125,9 @@ def follow(config: EngineConfig, tp: TPGroup, broadcast: BatchBroadcast) -> int:
     log.info("rank %d of %d ready (%d KV blocks)", tp.rank, tp.size, num_blocks)
     try:
         runner.follow()
-    except RuntimeError as exc:
-        log.error("rank %d lost rank 0: %s", tp.rank, exc)
-        return EXIT_GROUP_BROKEN
+    except Exception as exc:  # noqa: BLE001 - rank 0 is gone (RuntimeError), or this rank is out of step
+        # Not a return: this thread would leave through interpreter finalization while a gloo worker thread may
+        # still hold the failed collective, and that worker dies of SIGABRT when it frees the collective's tensors.
+        broadcast.abandon(exc)
     log.info("rank %d stopped", tp.rank)
     return 0

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from test_engine import assert_matches, hf_greedy, random_prompts
 
 from fastgen.launch import cli, supervisor
 from fastgen.launch import config as cfg
@@ -27,8 +26,8 @@ from fastgen.replica.batch_broadcast import EXIT_GROUP_BROKEN, decode_batch, enc
 from fastgen.replica.tp_worker import RankEnv, rank_device
 from fastgen.testing import free_port, make_tiny_model, wait_until
 
-from .procs import REPLICA_DEFAULTS, SINGLE_THREAD_ENV, Proc, wait_serving
-from .tp_ranks import broadcast_rank, engine_rank, layers_rank, run_ranks
+from .helpers import REPLICA_DEFAULTS, SINGLE_THREAD_ENV, Proc, assert_matches, hf_greedy, random_prompts, wait_serving
+from .tp_ranks import FINALIZING, broadcast_rank, engine_rank, layers_rank, run_ranks
 
 BATCHES = [
     Batch([ScheduledSeq(7, [5], 40, [3, 1, 4], True), ScheduledSeq(2, [9, 8, 7], 0, [0], False)], 1, []),
@@ -127,10 +126,12 @@ def test_supervisor_starts_and_restarts_the_ranks_of_a_replica_together(tmp_path
 
 
 # ---- gloo groups of spawned processes ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_parallel_layers_match_single_process():
     run_ranks(layers_rank, timeout=90)
 
 
+@pytest.mark.slow
 def test_batch_broadcast_reaches_every_rank():
     run_ranks(broadcast_rank, BATCHES, world=3, timeout=90)
 
@@ -144,6 +145,7 @@ def tp_models(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_tp2_engine_gives_tp1_greedy_tokens(tp_models, tmp_path):
     from fastgen.replica import pipeline
 
@@ -239,6 +241,50 @@ def assert_exit(procs: list[Proc], codes: list[int], timeout: float = 30.0) -> N
 
 
 @pytest.mark.slow
+def test_ranks_that_leave_a_broken_group_exit_at_once_with_their_status(tmp_path):
+    """Three groups of two rank processes (model and server stubbed out, see tp_ranks.exit_rank): rank 0 killed
+    while rank 1 waits for a batch; rank 1 failing on a batch; rank 0 failing. Each rank that leaves its group
+    exits with its status and without interpreter finalization, where a gloo worker thread that still held the
+    failed collective's tensors aborted the rank (SIGABRT) in a loaded test run."""
+    modes = ("idle", "step", "fail")
+    groups = []
+    for mode in modes:
+        port, group = free_port(), []
+        for rank in range(2):
+            env = {
+                **os.environ,
+                **SINGLE_THREAD_ENV,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            log_path = tmp_path / f"{mode}-rank-{rank}.log"
+            with open(log_path, "wb") as log:
+                argv = [sys.executable, "-m", "fastgen.tests.tp_ranks", mode]
+                popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            group.append(Proc(f"{mode}-rank-{rank}", popen, 0, 0, log_path))
+        groups.append(group)
+    idle, step, fail = groups
+    try:
+        wait_until(lambda: all("ready" in p.log_tail() for p in idle), 60, what="the idle group's ranks")
+        idle[0].kill()
+        assert_exit(step[1:], [EXIT_GROUP_BROKEN], timeout=60)  # out of step: it leaves; rank 0 still serves
+        step[0].kill()
+        assert_exit(idle, [-signal.SIGKILL, EXIT_GROUP_BROKEN])
+        assert_exit(step, [-signal.SIGKILL, EXIT_GROUP_BROKEN])
+        assert_exit(fail, [2, EXIT_GROUP_BROKEN])
+        for p in (idle[1], step[1], fail[0], fail[1]):
+            assert FINALIZING not in p.log_tail(), f"{p.name} exited through interpreter finalization"
+        assert "left its tensor-parallel group: RuntimeError" in idle[1].log_tail()
+        assert "left its tensor-parallel group: ValueError: cannot run" in step[1].log_tail()
+    finally:
+        for p in (p for g in groups for p in g):
+            p.kill()
+
+
+@pytest.mark.slow
 def test_rank_processes_serve_stop_together_and_exit_when_a_peer_is_lost(tiny_model_dir, tmp_path):
     from fastgen.replica import pipeline
     from fastgen.server import Client, GenerationError
@@ -269,7 +315,7 @@ def test_rank_processes_serve_stop_together_and_exit_when_a_peer_is_lost(tiny_mo
 # ---- fastgen-deploy ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
-    from test_deploy_e2e import Deploy, alive, free_port_range, wait_for
+    from .helpers import Deploy, alive, free_port_range
 
     deploy = Deploy(tmp_path / "home")
     port = free_port_range(3)
@@ -322,17 +368,17 @@ def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
         # Killing rank 1 takes replica-0 out of rotation and restarts both of its ranks.
         old = {r["id"]: r["pid"] for r in rows}
         os.kill(old["replica-0-rank-1"], signal.SIGKILL)
-        wait_for(lambda: not alive(old["replica-0"]), 10, "replica-0's rank 0 to be stopped with its group")
+        wait_until(lambda: not alive(old["replica-0"]), 10, "replica-0's rank 0 to be stopped with its group")
 
         def group_back():
             now = {r["id"]: r for r in deploy.status()}
             group = [now["replica-0"], now["replica-0-rank-1"]]
             return all(r["pid"] not in (None, old[r["id"]]) and r["health"] == "SERVING" for r in group) and group
 
-        back = wait_for(group_back, 90, "replica-0's ranks to be restarted and SERVING")
+        back = wait_until(group_back, 90, "replica-0's ranks to be restarted and SERVING")
         assert [r["restarts"] for r in back] == [1, 1]
         assert deploy.status()[3]["pid"] == old["replica-1"]  # the other replica kept running
-        wait_for(
+        wait_until(
             lambda: deploy("generate", "Hi", "--name", "e2e", "--max-new-tokens", "2").returncode == 0,
             20,
             "the balancer to route again",

@@ -1,11 +1,18 @@
 """What each rank runs in the tensor-parallel tests: gloo groups of spawned processes on the CPU.
 
 `run_ranks(fn, *args)` starts `world` processes that each call fn(rank, world, port, *args) and waits for all of
-them within a deadline; an exception in any rank fails the test with that rank's traceback."""
+them within a deadline; an exception in any rank fails the test with that rank's traceback.
+
+`python -m fastgen.tests.tp_ranks MODE` (RANK etc. in the environment) runs one rank of a replica through
+tp_worker.run_tensor_parallel, as `python -m fastgen.replica --tp 2` does, with the model and the server stubbed
+out (see exit_rank)."""
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -153,8 +160,8 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
     """Rank 0 runs each run's prompts through a tensor-parallel engine; the other ranks follow. Rank 0 writes the
     tokens (and preemptions), every rank what it holds, to out (JSON)."""
     from fastgen.replica.batch_broadcast import BatchBroadcast
+    from fastgen.replica.builder import build_engine, build_runner
     from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
-    from fastgen.replica.engine import build_engine, build_runner
     from fastgen.replica.offline import Pipeline
     from fastgen.replica.parallel import TPGroup
 
@@ -183,3 +190,51 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
         results[-1]["kv_heads"] = runner.model.layers[0].self_attn.kv_heads
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+# ---- how a rank process ends --------------------------------------------------------------------------------------
+FINALIZING = "interpreter finalization"  # what an exit_rank process prints if it ends through Py_Finalize
+
+
+def exit_rank(mode: str) -> None:
+    """One rank through run_tensor_parallel and follow, ending the process as fastgen.replica's main does. Rank 0
+    stands in for the server: "idle" serves until killed, "step" sends one batch then does the same, "fail" returns
+    status 2 at once. Rank 1 runs ModelRunner.follow's loop, and in "step" fails on the batch (out of step).
+
+    Each process prints FINALIZING if it exits through interpreter finalization, which a rank leaving a broken group
+    must not: a gloo worker thread may still hold the failed collective, and when it frees the collective's tensors
+    during Py_Finalize, the GIL ends it with pthread_exit, which aborts the process (SIGABRT) instead of its status."""
+    from fastgen.replica import tp_worker
+    from fastgen.replica.batch import Batch
+
+    atexit.register(print, FINALIZING, flush=True)
+
+    class Runner:
+        def __init__(self, broadcast) -> None:
+            self.broadcast = broadcast
+
+        def follow(self) -> None:
+            while (batch := self.broadcast.receive()) is not None:
+                if mode == "step":
+                    raise ValueError(f"cannot run {batch}")
+
+    def build_runner(config, tp, broadcast):
+        print("ready", flush=True)
+        return Runner(broadcast), 0
+
+    def run_replica(args, tp, broadcast) -> int:
+        print("ready", flush=True)
+        if mode == "fail":
+            return 2
+        if mode == "step":
+            broadcast.send(Batch([], 0, []))
+        time.sleep(300)
+        return 0
+
+    tp_worker.build_runner = build_runner
+    args = argparse.Namespace(tp=2, device="cpu", threads=1)
+    sys.exit(tp_worker.run_tensor_parallel(args, run_replica, lambda args: None))
+
+
+if __name__ == "__main__":
+    exit_rank(sys.argv[1])
