@@ -7,7 +7,10 @@
    (the whole model per pass, as a forward pass does). Also the weight bytes per second at each size.
 2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
    turn, the C kernel against the torch reference; bytes of K/V read per second.
-Both kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
+3. Prompt attention, float32 and bfloat16: one prompt chunk over its cached history, as the CPU kernels attend it
+   (every row through the C decode kernel, or the AMX prompt kernel for bfloat16 where there is AMX) against torch's
+   CPU attention, whose results depend on the thread count.
+The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
 from __future__ import annotations
@@ -103,6 +106,27 @@ def attention_table(repeats: int) -> list[str]:
     ]
 
 
+def prompt_attention_table(repeats: int) -> list[str]:
+    from fastgen.kernels.attention import paged_attention as torch_attention
+    from fastgen.testing import make_paged_batch
+
+    rows = [
+        "| dtype | chunk / sequence | CPU kernels ms | torch ms | CPU kernels / torch time |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for chunk, length in ((128, 128), (512, 512), (512, 1024)):
+            torch.manual_seed(0)
+            b = make_paged_batch([chunk], [length], heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+            ours = median_s(lambda b=b: cpu.paged_attention_cpu(b.q, b.k_cache, b.v_cache, b.meta, 0.125), repeats)
+            theirs = median_s(lambda b=b: torch_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.125), repeats)
+            name = str(dtype).removeprefix("torch.")
+            rows.append(
+                f"| {name} | {chunk} / {length} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {ours / theirs:.2f} |"
+            )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
@@ -112,6 +136,8 @@ def main() -> None:
     print("\n".join(linear_table(args.repeats)))
     print()
     print("\n".join(attention_table(args.repeats)))
+    print()
+    print("\n".join(prompt_attention_table(args.repeats)))
 
 
 if __name__ == "__main__":

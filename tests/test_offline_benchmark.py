@@ -6,7 +6,10 @@ import statistics
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_offline_benchmark_smoke(tmp_path):
     """Both workloads, FastGen and transformers in turn, each repeat's own ratio, the medians and the run's
     provenance in the summary JSON (the only file it writes)."""

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the Triton interpreter on CPU
+
 pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent(

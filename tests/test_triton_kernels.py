@@ -28,6 +28,8 @@ import fastgen.kernels as K
 from fastgen.kernels import rope_cos_sin, rope_inv_freq
 from fastgen.testing import make_paged_batch
 
+pytestmark = pytest.mark.slow  # the Triton interpreter on CPU
+
 MODULE = "fastgen.kernels.triton_kernels"
 
 
