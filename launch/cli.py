@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import fields
 from pathlib import Path
 
-from ..replica.config import DTYPES, SCHEDULERS, parse_size
+from ..replica.config import DEVICES, DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, SCHEDULERS, CacheConfig, parse_size
 from . import deployment, prometheus
 from .config import POLICIES, DeployConfig, address, default_threads, format_size
 from .deployment import DeployError
@@ -61,7 +61,16 @@ def add_start(sub) -> None:
     p = sub.add_parser("start", help="launch a deployment and wait until it serves", epilog=PORTS_HELP)
     add_name(p)
     p.add_argument(
-        "--model", default=d.model, help="embedded alias, Hugging Face folder or .gguf file (default: %(default)s)"
+        "--model",
+        default=d.model,
+        help="embedded alias, preset (llama-3-8b, llama-3-70b, llama-3.2-1b, mistral-7b, qwen2-7b; with --load-format "
+        "dummy), Hugging Face folder or .gguf file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default=d.load_format,
+        help="auto: read the weights; dummy: random weights made on the device, no checkpoint (default: %(default)s)",
     )
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
     p.add_argument(
@@ -83,6 +92,19 @@ def add_start(sub) -> None:
     )
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
     p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=d.device,
+        help="auto: cuda where GPUs are found, else cpu. On cuda every replica process (every rank with --tp) gets a "
+        "GPU of its own, so replicas x tp GPUs are needed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=KERNEL_BACKENDS,
+        default=d.kernels,
+        help="auto: triton on cuda, the C kernels on cpu (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-batch-tokens",
         type=int,
         default=d.max_batch_tokens,
@@ -94,8 +116,16 @@ def add_start(sub) -> None:
     p.add_argument(
         "--kv-cache-memory",
         type=size_arg,
-        default=format_size(d.kv_cache_memory),
-        help="KV pool per replica (per rank with --tp): 512MiB, 2GiB or bytes (default: %(default)s)",
+        default=None,
+        help=f"KV pool per replica (per rank with --tp): 512MiB, 2GiB or bytes (default: "
+        f"{format_size(CacheConfig.memory_bytes)} on CPU; on CUDA what --gpu-memory-utilization leaves)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="on CUDA without --kv-cache-memory: the share of each GPU that weights, activations and the KV pool may "
+        "fill (default: %(default)s)",
     )
     p.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="default: %(default)s")
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
@@ -180,7 +210,7 @@ def add_prometheus_config(sub) -> None:
 
 
 def config_from(args: argparse.Namespace) -> DeployConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(DeployConfig) if f.name != "threads"}
+    values = {f.name: getattr(args, f.name) for f in fields(DeployConfig) if f.name not in ("threads", "gpus")}
     processes = max(1, args.replicas) * max(1, args.tp)
     threads = args.threads if args.threads is not None else default_threads(cpu_count(), processes)
     return DeployConfig(**values, threads=threads)
@@ -188,8 +218,10 @@ def config_from(args: argparse.Namespace) -> DeployConfig:
 
 def announce(config: DeployConfig) -> None:
     ranks = f" ({config.tp} ranks each)" if config.tp > 1 else ""
+    where = f"on GPUs {','.join(config.gpus)}" if config.gpus else f"on {config.device}"
     print(
-        f"starting deployment {config.name!r}: {config.replicas} replica(s){ranks} of {config.model}; waiting until "
+        f"starting deployment {config.name!r}: {config.replicas} replica(s){ranks} of {config.model} {where}; "
+        "waiting until "
         f"all serve (up to {config.timeout:g} s) …",
         file=sys.stderr,
         flush=True,
@@ -204,12 +236,13 @@ def cmd_start(args: argparse.Namespace, home: Path) -> int:
         f"supervisor pid {state['supervisor']['pid']}"
     )
     for rec in state["processes"]:
+        gpu = f"  gpu {rec['gpu']}" if rec.get("gpu") is not None else ""
         if rec["port"] is None:  # a TP rank > 0 serves through its rank 0
-            print(f"  {rec['id']:<18} tp rank {rec['rank']} of {rec['replica']}  pid {rec['pid']}")
+            print(f"  {rec['id']:<18} tp rank {rec['rank']} of {rec['replica']}  pid {rec['pid']}{gpu}")
             continue
         print(
             f"  {rec['id']:<18} grpc {address(state['host'], rec['port']):<22} "
-            f"metrics http://{address(state['host'], rec['metrics_port'])}/metrics  pid {rec['pid']}"
+            f"metrics http://{address(state['host'], rec['metrics_port'])}/metrics  pid {rec['pid']}{gpu}"
         )
     print(
         f"send requests to {address(state['host'], state['processes'][0]['port'])}; logs: {home / config.name / 'logs'}"
@@ -228,14 +261,15 @@ def cmd_status(args: argparse.Namespace, home: Path) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(
-        f"deployment {args.name!r}: {state['status']}, model {state['model']}, policy {state['policy']}, "
+        f"deployment {args.name!r}: {state['status']}, model {state['model']} on {state.get('device', 'cpu')}, "
+        f"policy {state['policy']}, "
         f"supervisor pid {state['supervisor']['pid']}"
     )
-    print(f"{'PROCESS':<18} {'PID':>7} {'PORT':>6} {'METRICS':>7} {'HEALTH':<12} {'RESTARTS':>8}  LOAD")
+    print(f"{'PROCESS':<18} {'PID':>7} {'PORT':>6} {'METRICS':>7} {'GPU':>4} {'HEALTH':<12} {'RESTARTS':>8}  LOAD")
     for r in rows:
         print(
             f"{r['id']:<18} {r['pid'] or '-':>7} {r['port'] or '-':>6} {r['metrics_port'] or '-':>7} "
-            f"{r['health']:<12} {r['restarts']:>8}  {load_text(r)}"
+            f"{r.get('gpu') or '-':>4} {r['health']:<12} {r['restarts']:>8}  {load_text(r)}"
         )
     return 0
 

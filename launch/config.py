@@ -8,15 +8,29 @@ Port layout of a deployment with N replicas (documented in the CLI's help):
     replica i  gRPC --port + 1 + i  metrics --metrics-port + 1 + i
 With --tp K, rank 0 of replica i holds these ports; its other ranks listen on none, and meet rank 0 on a free
 MASTER_PORT that the supervisor picks at every (re)start of the group.
+
+On CUDA every replica process (every rank with --tp) gets a GPU of its own: R replicas x K ranks take R*K GPUs,
+replica i rank r the (i*K + r)-th, through CUDA_VISIBLE_DEVICES, so each process sees one device, cuda:0.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..replica.config import DTYPES, SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig
+from ..replica.config import (
+    DEVICES,
+    DTYPES,
+    KERNEL_BACKENDS,
+    LOAD_FORMATS,
+    SCHEDULERS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    preset_path,
+)
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
 
 POLICIES = ("round_robin", "least_loaded")
@@ -36,11 +50,16 @@ class DeployConfig:
     port: int = 50050
     metrics_port: int = 9400
     dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)
+    kernels: str = EngineConfig.kernels
+    load_format: str = EngineConfig.load_format
+    gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
     max_batch_tokens: int = SchedulerConfig.max_batch_tokens
     max_seqs: int = SchedulerConfig.max_seqs
     block_size: int = CacheConfig.block_size
     num_blocks: int | None = None
-    kv_cache_memory: int = CacheConfig.memory_bytes  # bytes
+    kv_cache_memory: int | None = None  # bytes; None: the replica's default (sized from device memory on CUDA)
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: share of the device the replica may fill
     scheduler: str = SchedulerConfig.policy
     max_model_len: int | None = None
     threads: int = 1  # torch threads per process: per replica, or per rank with --tp
@@ -51,6 +70,7 @@ class DeployConfig:
     def __post_init__(self):
         # config.json stores it as a JSON list
         object.__setattr__(self, "sla_token_rates", tuple(self.sla_token_rates))
+        object.__setattr__(self, "gpus", tuple(self.gpus))
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,7 @@ class ProcessSpec:
     argv: list[str] = field(default_factory=list)
     replica: str | None = None
     rank: int | None = None
+    gpu: str | None = None  # its CUDA_VISIBLE_DEVICES entry on CUDA; None on CPU and for the balancer
 
 
 def format_size(n: int) -> str:
@@ -95,6 +116,11 @@ def validate(config: DeployConfig) -> list[str]:
     """Every problem with the settings, each saying what to change; empty when they are fine."""
     problems = _name_problems(config.name) + _count_problems(config) + _choice_problems(config)
     problems += _engine_problems(config) + _port_problems(config) + _sla_problems(config)
+    if preset_path(config.model) is not None and config.load_format != "dummy":
+        problems.append(
+            f"--model {config.model} is a preset: its architecture ships without weights; pass --load-format dummy "
+            "for random weights, or --model a Hugging Face folder with its weights"
+        )
     if looks_like_path(config.model) and not Path(config.model).expanduser().exists():
         problems.append(
             f"--model {config.model}: no such file or folder; pass {DEFAULT_MODEL!r}, a Hugging Face folder "
@@ -123,7 +149,14 @@ def _count_problems(c: DeployConfig) -> list[str]:
 
 
 def _choice_problems(c: DeployConfig) -> list[str]:
-    checks = [("--policy", c.policy, POLICIES), ("--dtype", c.dtype, DTYPES), ("--scheduler", c.scheduler, SCHEDULERS)]
+    checks = [
+        ("--policy", c.policy, POLICIES),
+        ("--dtype", c.dtype, DTYPES),
+        ("--scheduler", c.scheduler, SCHEDULERS),
+        ("--device", c.device, DEVICES),
+        ("--kernels", c.kernels, KERNEL_BACKENDS),
+        ("--load-format", c.load_format, LOAD_FORMATS),
+    ]
     return [f"{flag} {value!r}: use one of {', '.join(ok)}" for flag, value, ok in checks if value not in ok]
 
 
@@ -133,7 +166,14 @@ def _engine_problems(c: DeployConfig) -> list[str]:
         (c.max_seqs >= 1, f"--max-seqs must be at least 1, got {c.max_seqs}"),
         (c.block_size >= 1, f"--block-size must be at least 1, got {c.block_size}"),
         (c.num_blocks is None or c.num_blocks >= 1, f"--num-blocks must be at least 1, got {c.num_blocks}"),
-        (c.kv_cache_memory >= 1, f"--kv-cache-memory must be positive, got {c.kv_cache_memory}"),
+        (
+            c.kv_cache_memory is None or c.kv_cache_memory >= 1,
+            f"--kv-cache-memory must be positive, got {c.kv_cache_memory}",
+        ),
+        (
+            0 < c.gpu_memory_utilization <= 1,
+            f"--gpu-memory-utilization is a share of the device in (0, 1], got {c.gpu_memory_utilization}",
+        ),
         (c.max_model_len is None or c.max_model_len >= 2, f"--max-model-len must be at least 2, got {c.max_model_len}"),
     ]
     problems = [message for ok, message in checks if not ok]
@@ -171,6 +211,44 @@ def _port_problems(c: DeployConfig) -> list[str]:
     return problems
 
 
+def gpus_needed(c: DeployConfig) -> int:
+    return max(1, c.replicas) * max(1, c.tp)
+
+
+def device_problems(c: DeployConfig, found: Sequence[str]) -> list[str]:
+    """What stops the deployment from running on its device, given the GPUs found; each says what to change."""
+    device = resolved_device(c, found)
+    if device == "cpu":
+        return []
+    need = gpus_needed(c)
+    processes = f"{c.replicas} replica(s) x --tp {c.tp}" if c.tp > 1 else f"{c.replicas} replica(s)"
+    if not found:
+        return [
+            "--device cuda: no GPU found (nvidia-smi lists none, no /proc/driver/nvidia/gpus, or CUDA_VISIBLE_DEVICES "
+            "is empty); use --device cpu, or --device auto to take GPUs where there are some"
+        ]
+    problems = []
+    if need > len(found):
+        problems.append(
+            f"{processes} need {need} GPUs, one per process, and {len(found)} found ({', '.join(found)}): "
+            f"lower --replicas or --tp so that replicas x tp <= {len(found)}, or use --device cpu"
+        )
+    if c.kernels == "cpu":
+        problems.append("--kernels cpu runs on CPUs only: use --kernels auto, triton or torch on CUDA")
+    return problems
+
+
+def resolved_device(c: DeployConfig, found: Sequence[str]) -> str:
+    return ("cuda" if found else "cpu") if c.device == "auto" else c.device
+
+
+def place(c: DeployConfig, found: Sequence[str]) -> DeployConfig:
+    """The settings with --device resolved and, on CUDA, the first replicas x tp GPUs found taken (device_problems
+    must be empty)."""
+    device = resolved_device(c, found)
+    return replace(c, device=device, gpus=tuple(found[: gpus_needed(c)]) if device == "cuda" else ())
+
+
 def connect_host(host: str) -> str:
     """Where a local client reaches a server bound to host (a wildcard bind is reached on loopback)."""
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
@@ -190,22 +268,41 @@ def plan(config: DeployConfig, python: str) -> list[ProcessSpec]:
 def replica_group(c: DeployConfig, python: str, index: int) -> list[ProcessSpec]:
     """Replica i's processes: one, or with --tp K, K ranks with the same command (as torchrun runs them); rank 0
     serves on the replica's ports, the others only compute."""
-    head = replica_spec(c, python, index)
+    head = replace(replica_spec(c, python, index), gpu=gpu_of(c, index, 0))
     if c.tp == 1:
         return [head]
     ranks = [
-        replace(head, id=f"{head.id}-rank-{r}", role="tp_rank", port=None, metrics_port=None, rank=r)
+        replace(
+            head,
+            id=f"{head.id}-rank-{r}",
+            role="tp_rank",
+            port=None,
+            metrics_port=None,
+            rank=r,
+            gpu=gpu_of(c, index, r),
+        )
         for r in range(1, c.tp)
     ]
     return [replace(head, rank=0)] + ranks
 
 
+def gpu_of(c: DeployConfig, replica: int, rank: int) -> str | None:
+    return c.gpus[replica * c.tp + rank] if c.gpus else None
+
+
+def device_env(spec: ProcessSpec) -> dict[str, str]:
+    """The one GPU a process sees; nothing for a process without one."""
+    return {} if spec.gpu is None else {"CUDA_VISIBLE_DEVICES": spec.gpu}
+
+
 def rank_env(spec: ProcessSpec, tp: int, host: str, master_port: int) -> dict[str, str]:
-    """torchrun's variables for one rank of a replica on this host; rank 0 hosts the rendezvous on master_port."""
+    """torchrun's variables for one rank of a replica on this host; rank 0 hosts the rendezvous on master_port.
+    A rank takes the visible device of its LOCAL_RANK (replica/tp_worker.py, rank_device); a rank with a GPU of its
+    own sees only that one, so its LOCAL_RANK is 0."""
     return {
         "RANK": str(spec.rank),
         "WORLD_SIZE": str(tp),
-        "LOCAL_RANK": str(spec.rank),
+        "LOCAL_RANK": "0" if spec.gpu is not None else str(spec.rank),
         "MASTER_ADDR": connect_host(host),
         "MASTER_PORT": str(master_port),
     }
@@ -216,13 +313,16 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     port, metrics_port = c.port + 1 + index, c.metrics_port + 1 + index
     argv = [python, "-m", "fastgen.replica", "--host", c.host, "--port", str(port), "--metrics-port", str(metrics_port)]
     argv += ["--replica-id", rid, "--model", c.model]
+    argv += ["--device", c.device, "--kernels", c.kernels, "--load-format", c.load_format]
     if c.dtype != "auto":  # the replica picks the dtype itself when not told
         argv += ["--dtype", c.dtype]
     argv += ["--max-batch-tokens", str(c.max_batch_tokens), "--max-seqs", str(c.max_seqs)]
     argv += ["--block-size", str(c.block_size)]
     if c.num_blocks is not None:
         argv += ["--num-blocks", str(c.num_blocks)]
-    argv += ["--kv-cache-memory", str(c.kv_cache_memory), "--scheduler", c.scheduler]
+    if c.kv_cache_memory is not None:
+        argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
+    argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}", "--scheduler", c.scheduler]
     if c.max_model_len is not None:
         argv += ["--max-model-len", str(c.max_model_len)]
     argv += ["--threads", str(c.threads)]

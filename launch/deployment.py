@@ -16,8 +16,19 @@ from pathlib import Path
 import psutil
 
 from ..proto import fastgen_pb2
-from . import probe, prometheus
-from .config import DEFAULT_MODEL, DeployConfig, address, grpc_ports, looks_like_path, metrics_ports, plan, validate
+from . import gpus, probe, prometheus
+from .config import (
+    DEFAULT_MODEL,
+    DeployConfig,
+    address,
+    device_problems,
+    grpc_ports,
+    looks_like_path,
+    metrics_ports,
+    place,
+    plan,
+    validate,
+)
 from .state import (
     Paths,
     deployment_names,
@@ -42,9 +53,14 @@ class DeployError(Exception):
     """A failure to show the user as it is: the message says what went wrong and what to change."""
 
 
-def prepare(config: DeployConfig) -> DeployConfig:
-    """Validated settings with a model path made absolute (the supervisor runs elsewhere)."""
+def prepare(config: DeployConfig, find_gpus: Callable[[], list[str]] = gpus.visible_gpus) -> DeployConfig:
+    """Validated settings with a model path made absolute (the supervisor runs elsewhere), --device resolved and,
+    on CUDA, a GPU for every replica process out of those find_gpus returns."""
     problems = validate(config)
+    if not problems:
+        found = find_gpus() if config.device != "cpu" else []
+        problems = device_problems(config, found)
+        config = place(config, found)
     if problems:
         raise DeployError("invalid settings:\n  " + "\n  ".join(problems))
     if not probe.host_resolves(config.host):
@@ -60,10 +76,12 @@ def start(
     home: Path,
     python: str = sys.executable,
     on_launch: Callable[[DeployConfig], None] | None = None,
+    find_gpus: Callable[[], list[str]] = gpus.visible_gpus,
 ) -> dict:
     """Launches the deployment and waits until every process is SERVING; returns the supervisor's state.
-    on_launch runs once the checks have passed and the supervisor is on its way (to tell the user to wait)."""
-    config = prepare(config)
+    on_launch runs once the checks have passed and the supervisor is on its way (to tell the user to wait);
+    find_gpus lists the GPUs to hand out (tests pass their own)."""
+    config = prepare(config, find_gpus)
     paths = paths_for(home, config.name)
     lock_fd = try_lock(paths)
     if lock_fd is None:
@@ -283,6 +301,8 @@ def process_status(rec: dict, host: str, timeout: float) -> dict:
         row["replica"] = rec["replica"]
     if rec.get("rank") is not None:
         row["rank"] = rec["rank"]
+    if rec.get("gpu") is not None:
+        row["gpu"] = rec["gpu"]
     row["restarts"] = rec.get("restarts", 0)
     if rec["port"] is None:  # a TP rank > 0: status() gives it its group's health
         row["health"] = probe.DOWN

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import probe
-from .config import DeployConfig, ProcessSpec, address, grpc_ports, metrics_ports, plan, rank_env
+from .config import DeployConfig, ProcessSpec, address, device_env, grpc_ports, metrics_ports, plan, rank_env
 from .state import Paths, load_config, read_json, write_json_atomic
 
 log = logging.getLogger("fastgen.supervisor")
@@ -108,6 +108,7 @@ def process_record(child: Child) -> dict:
         "role": spec.role,
         "replica": spec.replica,
         "rank": spec.rank,
+        "gpu": spec.gpu,
         "pid": child.proc.pid if running else None,
         "create_time": child.create_time if running else None,
         "port": spec.port,
@@ -132,6 +133,7 @@ def write_state(paths: Paths, config: DeployConfig, children: list[Child], statu
             "model": config.model,
             "policy": config.policy,
             "tp": config.tp,
+            "device": config.device,
             "updated": time.time(),
             "processes": [process_record(c) for c in children],
         },
@@ -199,13 +201,13 @@ def groups_of(children: list[Child]) -> list[list[Child]]:
 
 def launch_group(group: list[Child], env: dict[str, str], config: DeployConfig, first: bool) -> None:
     """Starts a group; the ranks of a tensor-parallel replica get torchrun's variables and a fresh MASTER_PORT (the
-    last one may linger in TIME_WAIT, or have been taken meanwhile)."""
+    last one may linger in TIME_WAIT, or have been taken meanwhile); on CUDA each process sees only its own GPU."""
     reserved = frozenset(grpc_ports(config) + metrics_ports(config))  # not yet bound while the deployment starts
     master_port = probe.free_port(config.host, reserved) if group[0].spec.rank is not None else None
     for c in group:
         c.master_port = master_port
         ranks = rank_env(c.spec, config.tp, config.host, master_port) if master_port is not None else {}
-        launch(c, {**env, **ranks}, first)
+        launch(c, {**env, **ranks, **device_env(c.spec)}, first)
 
 
 def reap_group(group: list[Child], backoff: Backoff, now: float) -> bool:

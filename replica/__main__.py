@@ -14,10 +14,21 @@ import time
 
 from ..server.grpc_server import PortInUseError, create_server, set_serving
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
-from .config import DTYPES, SCHEDULERS, CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from .config import (
+    DEVICES,
+    DTYPES,
+    KERNEL_BACKENDS,
+    LOAD_FORMATS,
+    SCHEDULERS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_size,
+)
 
 log = logging.getLogger("fastgen.replica")
 _SCHEDULER, _CACHE, _ENGINE = SchedulerConfig(), CacheConfig(), EngineConfig()
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 def size(text: str) -> int:
@@ -35,6 +46,13 @@ def positive(text: str) -> int:
     return value
 
 
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -48,15 +66,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: pick a free one)")
     p.add_argument("--replica-id", default="replica-0")
-    p.add_argument("--model", default=_ENGINE.model, help="alias, Hugging Face folder or .gguf file")
+    p.add_argument("--model", default=_ENGINE.model, help="alias, preset, Hugging Face folder or .gguf file")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument(
+        "--device",
+        default=_ENGINE.device,
+        help=f"{', '.join(DEVICES)} or cuda:N (auto: cuda where there is a GPU; default: %(default)s)",
+    )
+    p.add_argument("--kernels", default=_ENGINE.kernels, choices=KERNEL_BACKENDS)
+    p.add_argument(
+        "--load-format",
+        default=_ENGINE.load_format,
+        choices=LOAD_FORMATS,
+        help="auto: read the checkpoint; dummy: random weights made on the device (any model, and the presets, "
+        "which ship without weights)",
+    )
     p.add_argument("--max-batch-tokens", type=positive, default=_SCHEDULER.max_batch_tokens)
     p.add_argument("--max-seqs", type=positive, default=_SCHEDULER.max_seqs)
     p.add_argument("--block-size", type=positive, default=_CACHE.block_size)
     p.add_argument("--num-blocks", type=positive, default=None)
-    p.add_argument("--kv-cache-memory", type=size, default=_CACHE.memory_bytes)
+    p.add_argument(
+        "--kv-cache-memory",
+        type=size,
+        default=None,
+        help=f"KV pool per rank, e.g. 2GiB (default on CPU: {_CACHE.memory_bytes >> 20}MiB; on CUDA: sized from "
+        "--gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=share,
+        default=GPU_MEMORY_UTILIZATION,
+        help="on CUDA, the share of the device's memory for weights, activations and the KV pool, which gets what "
+        "a profiling pass leaves; --kv-cache-memory or --num-blocks override it (default: %(default)g)",
+    )
     p.add_argument("--scheduler", default=_SCHEDULER.policy, choices=SCHEDULERS)
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--default-max-new-tokens", type=positive, default=_ENGINE.default_max_new_tokens)
@@ -90,10 +132,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=None if args.dtype == "auto" else args.dtype,
         device=args.device,
         kernels=args.kernels,
+        load_format=args.load_format,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, policy=args.scheduler
         ),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, memory_bytes=args.kv_cache_memory),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            memory_bytes=args.kv_cache_memory or _CACHE.memory_bytes,
+            # An explicit --kv-cache-memory is the budget on every device; num_blocks overrides both in the builder.
+            gpu_memory_utilization=None if args.kv_cache_memory else args.gpu_memory_utilization,
+        ),
         max_model_len=args.max_model_len,
         default_max_new_tokens=args.default_max_new_tokens,
     )
@@ -187,6 +236,10 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    if args.device == "auto":
+        from .weights import resolve_device
+
+        args.device = resolve_device(args.device)
     if args.tp > 1:
         from .tp_worker import run_tensor_parallel
 

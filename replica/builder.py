@@ -5,26 +5,31 @@ ranks build only the model runner."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from ..kernels import select_kernels
 from . import weights
+from .batch import Batch, ScheduledSeq
 from .batch_broadcast import BatchBroadcast
 from .block_allocator import BlockAllocator
 from .config import EngineConfig
 from .engine import Engine
-from .kv_cache import allocate_kv_cache, bytes_per_block
+from .kv_cache import allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel, ModelConfig
 from .parallel import TPGroup
+from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
+
+log = logging.getLogger("fastgen.replica")
 
 
 def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None) -> Engine:
     """Loads the model and tokenizer, sizes the KV pool and wires up the engine. With tensor parallelism this is
     rank 0's part: it sends every batch through `broadcast` to the other ranks (which run `build_runner` only)."""
-    folder = weights.resolve_model(config.model)
+    folder = weights.resolve_model(config.model, config.load_format)
     hf_config = weights.load_hf_config(folder)
     model_config = ModelConfig.from_hf(hf_config)
     tokenizer = weights.load_tokenizer(folder)
@@ -48,8 +53,10 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     """This rank's shards of the weights and its KV cache (for its KV heads), in a model runner; returns the runner
     and the number of KV blocks, the same on every rank."""
     device = torch.device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # Triton launches on the current device, which must be the tensors'
     dtype = weights.parse_dtype(config.dtype, device)
-    folder = weights.resolve_model(config.model)
+    folder = weights.resolve_model(config.model, config.load_format)
     model_config = ModelConfig.from_hf(weights.load_hf_config(folder))
     kernels = select_kernels(config.kernels, device)
 
@@ -60,8 +67,10 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             model = LlamaModel(model_config, tp, kernels)
     finally:
         torch.set_default_dtype(previous)
-    # Tensors are memory-mapped: each rank reads only the pages of its own shards.
-    model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
+    if config.load_format == "dummy":  # random weights made where the parameters live: no read, no CPU copy
+        model.init_random_weights()
+    else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
+        model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
     model.eval()
     model.pack_weights()
 
@@ -69,6 +78,85 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     block_size = config.cache.block_size
     # The memory budget is per rank; each block holds only this rank's KV heads.
     per_block = bytes_per_block(model_config.num_layers, block_size, attn.kv_heads, attn.head_dim, dtype)
-    num_blocks = tp.agree_min(config.cache.num_blocks or max(1, config.cache.memory_bytes // per_block), device)
+    num_blocks = tp.agree_min(_kv_blocks(config, model, per_block, dtype, device), device)
+    if tp.rank == 0:
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens, %s",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            gib(num_blocks * per_block),
+        )
     kv = allocate_kv_cache(model_config.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype, device)
     return ModelRunner(model, kv, block_size, device, broadcast), num_blocks
+
+
+def _kv_blocks(
+    config: EngineConfig, model: LlamaModel, per_block: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """This rank's pool: num_blocks if given; on CUDA with a utilization, what the device has left after the
+    weights and a profiling pass; otherwise the memory budget."""
+    cache = config.cache
+    if cache.num_blocks:
+        return cache.num_blocks
+    if device.type != "cuda" or cache.gpu_memory_utilization is None:
+        return max(1, cache.memory_bytes // per_block)
+    weights_bytes = torch.cuda.memory_allocated(device)  # nothing but the model is on the device yet
+    peak = _activation_peak(config, model, dtype, device)
+    total = torch.cuda.mem_get_info(device)[1]
+    blocks = kv_blocks_for_device(total, weights_bytes, peak, cache.gpu_memory_utilization, per_block)
+    log.info(
+        "device memory %s x %g: weights %s, activation peak %s at %d tokens -> KV pool %d blocks (%d tokens)",
+        gib(total),
+        cache.gpu_memory_utilization,
+        gib(weights_bytes),
+        gib(peak),
+        config.scheduler.max_batch_tokens,
+        blocks,
+        blocks * config.cache.block_size,
+    )
+    return blocks
+
+
+def _activation_peak(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes a full step allocates on the CUDA device above what is there before it (weights and the profile's own
+    small KV cache): the peak of `profile_step`."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_step(config, model, dtype, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return peak
+
+
+def profile_step(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
+    """Runs the largest step the scheduler can build, forward pass and sampling, on a throwaway KV cache just
+    large enough for it. Every rank of a tensor-parallel group runs the same step, so their collectives match."""
+    block_size = config.cache.block_size
+    batch, num_blocks = profile_batch(
+        config.scheduler.max_batch_tokens, config.scheduler.max_seqs, block_size, model.config.max_position_embeddings
+    )
+    attn = model.layers[0].self_attn
+    kv = allocate_kv_cache(len(model.layers), num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype, device)
+    logits = ModelRunner(model, kv, block_size, device).forward(batch)
+    # Sampled rows with top-k and top-p take the sampler's largest path.
+    rows = [SamplingRow(1.0, 0.9, 50, 0, len(s.token_ids), []) for s in batch.seqs]
+    sample(logits, rows, model.kernels.argmax)
+
+
+def profile_batch(max_batch_tokens: int, max_seqs: int, block_size: int, max_len: int) -> tuple[Batch, int]:
+    """The fullest step: max_seqs sequences (no more than there are tokens) sharing the token budget, none longer
+    than max_len, each sampled; and the KV blocks it needs. Returns (batch, num_blocks)."""
+    n = min(max_seqs, max_batch_tokens)
+    # The remainder goes to the last sequences, so one-token sequences (decodes) come first as in a real batch.
+    lengths = [min(max_len, max_batch_tokens // n + (i >= n - max_batch_tokens % n)) for i in range(n)]
+    seqs, next_block = [], 0
+    for i, length in enumerate(lengths):
+        blocks = -(-length // block_size)
+        table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        seqs.append(ScheduledSeq(i, [1] * length, 0, table, True))
+    return Batch(seqs, sum(1 for length in lengths if length == 1), []), next_block

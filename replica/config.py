@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 SCHEDULERS = ("splitfuse", "prefill_first", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where the hardware has it, else float32
+DEVICES = ("auto", "cpu", "cuda")  # auto: cuda where a GPU is found, else cpu (a replica also takes cuda:N)
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # auto: triton on CUDA, cpu elsewhere
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names; dummy: random weights on the device, no checkpoint read
+# Real-size architectures shipped as config.json only (no weights): `--model llama-3-8b --load-format dummy`.
+PRESETS_DIR = Path(__file__).parent / "presets"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 # Bare K/M/G are binary, as in most serving tools' memory flags; KB/MB/GB are decimal.
 _UNITS = {
@@ -66,8 +72,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # exact pool size; None: derive from memory_bytes
-    memory_bytes: int = 1 << 30  # KV pool budget when num_blocks is None
+    num_blocks: int | None = None  # exact pool size; None: derive from memory_bytes or device memory
+    memory_bytes: int = 1 << 30  # KV pool budget when num_blocks is None and the pool is not sized from the device
+    # On CUDA, with num_blocks None: the share of the device's total memory that weights, activations and the KV
+    # pool may take together (vLLM's --gpu-memory-utilization); the pool gets what is left after a profiling pass.
+    # None: memory_bytes. Ignored on CPU.
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -76,6 +86,9 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if self.memory_bytes < 1:
             raise ValueError(f"kv cache memory must be positive, got {self.memory_bytes}")
+        u = self.gpu_memory_utilization
+        if u is not None and not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu memory utilization is a share of device memory in (0, 1], got {u}")
 
 
 @dataclass(frozen=True)
@@ -84,11 +97,18 @@ class EngineConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 where the hardware has it
     device: str = "cpu"
     kernels: str = "auto"  # auto | torch | cpu | triton
+    load_format: str = "auto"  # auto: the checkpoint | dummy: random weights (any model, presets too)
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     max_model_len: int | None = None  # None: the model's own context
     default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
     progress: bool = True  # show weight-loading progress
+
+
+def preset_path(model: str) -> Path | None:
+    """The shipped config.json folder of a preset name such as 'llama-3-8b', or None."""
+    folder = PRESETS_DIR / model
+    return folder if model and "/" not in model and (folder / "config.json").is_file() else None
 
 
 def parse_size(text: str) -> int:

@@ -5,11 +5,9 @@ schedule -> run -> sample -> emit and returns what changed plus one stats record
 
 from __future__ import annotations
 
-import random
+import secrets
 import time
 from dataclasses import dataclass
-
-import torch
 
 from .batch import Batch
 from .detokenizer import IncrementalDetokenizer
@@ -27,7 +25,7 @@ class _Request:
     request_id: str
     seq: Sequence
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the request's, or one drawn at admission: every stream can be replayed
     detok: IncrementalDetokenizer
     timings: RequestTimings
     text: str = ""
@@ -80,16 +78,13 @@ class Engine:
         seq = Sequence(self._next_seq_id, list(prompt_ids), len(prompt_ids), max_new)
         self.scheduler.add(seq)  # refuses what can never fit
         self._next_seq_id += 1
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator().manual_seed(
-                params.seed if params.seed is not None else random.getrandbits(63)
-            )
+        # From the OS, not the random module: replicas started alike must not draw alike for unseeded requests.
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         req = _Request(
             request_id,
             seq,
             params,
-            generator,
+            seed,
             IncrementalDetokenizer(self.tokenizer, prompt_ids),
             RequestTimings(arrival=time.monotonic()),
         )
@@ -143,7 +138,8 @@ class Engine:
     def _sampling_row(self, req: _Request) -> SamplingRow:
         p = req.params
         banned = self.eos_token_ids if req.seq.num_generated < p.min_new_tokens and not p.ignore_eos else []
-        return SamplingRow(p.temperature, p.top_p, p.top_k, req.generator, banned)
+        # The token being sampled goes at index num_tokens: its draws are keyed by (seed, that position).
+        return SamplingRow(p.temperature, p.top_p, p.top_k, req.seed, req.seq.num_tokens, banned)
 
     def _emit(self, req: _Request, token: int, now: float) -> RequestOutput:
         seq, params = req.seq, req.params

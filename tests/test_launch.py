@@ -113,6 +113,10 @@ def test_defaults_are_valid():
         (dict(timeout=0), "--timeout"),
         (dict(model="/no/such/model"), "--model"),
         (dict(model="missing.gguf"), "--model"),
+        (dict(device="tpu"), "--device"),
+        (dict(kernels="cuda"), "--kernels"),
+        (dict(load_format="pt"), "--load-format"),
+        (dict(model="llama-3-8b"), "--load-format dummy"),
     ],
 )
 def test_validate_names_the_flag(change, flag):
@@ -168,12 +172,16 @@ def test_port_layout_and_commands():
         "--metrics-port": "8002",
         "--replica-id": "replica-1",
         "--model": "smollm2-135m",
+        "--device": "auto",
+        "--kernels": "auto",
+        "--load-format": "auto",
         "--dtype": "float32",
         "--max-batch-tokens": "512",
         "--max-seqs": "64",
         "--block-size": "16",
         "--num-blocks": "64",
         "--kv-cache-memory": str(1 << 20),
+        "--gpu-memory-utilization": "0.9",
         "--scheduler": "splitfuse",
         "--max-model-len": "256",
         "--threads": "2",
@@ -198,7 +206,10 @@ def test_cli_builds_the_config():
     c = cli.config_from(args)
     assert (c.name, c.replicas, c.kv_cache_memory, c.port) == ("x", 4, 2 << 30, 50050)
     assert c.threads == cfg.default_threads(cli.cpu_count(), 4)
-    assert cli.config_from(cli.build_parser().parse_args(["start"])).kv_cache_memory == 1 << 30
+    default = cli.config_from(cli.build_parser().parse_args(["start"]))
+    assert default.kv_cache_memory is None and default.gpu_memory_utilization == 0.9
+    replica = cfg.plan(default, "python")[1]
+    assert "--kv-cache-memory" not in replica.argv and "--gpu-memory-utilization" in replica.argv
 
 
 def test_cli_rejects_a_bad_size(capsys):

@@ -21,6 +21,9 @@ from ..parallel import (
 )
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+# Random weights of load_format "dummy": Llama's initializer_range, so activations stay in range through the layers.
+DUMMY_STD = 0.02
+DUMMY_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,22 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # (rows, vocab) in the model's dtype: the sampler widens only rows it samples
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = DUMMY_SEED) -> None:
+        """load_format "dummy": random weights written in place where the parameters already live (the target
+        device), so nothing is read and nothing crosses from the CPU. Norm weights are ones, as a trained model's
+        roughly are; every other weight is N(0, DUMMY_STD). Seeded, so every start builds the same model; each
+        tensor-parallel rank draws its own shards, so the weights differ with --tp."""
+        norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        generator = None
+        for param in self.parameters():  # a tied LM head is the embedding, drawn once
+            if generator is None or generator.device != param.device:
+                generator = torch.Generator(param.device).manual_seed(seed)
+            if id(param) in norms:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, DUMMY_STD, generator=generator)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
