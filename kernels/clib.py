@@ -30,7 +30,10 @@ from pathlib import Path
 
 log = logging.getLogger("fastgen.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "elementwise.c", "linear.c")]
+SOURCES = [
+    CSRC / name
+    for name in ("decode_attention.c", "prefill_attention.c", "prefill_attention_avx512.c", "elementwise.c", "linear.c")
+]
 HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
@@ -110,6 +113,40 @@ class CLibrary:
         kv_heads=INT,
         head_dim=INT,
         block_size=INT,
+        scale=FLOAT,
+        threads=INT,
+    )
+    prefill_attention_avx512_bf16: Callable[..., int] = entry(
+        q=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        tables=POINTER,
+        query_start=POINTER,
+        seq_lens=POINTER,
+        out=POINTER,
+        seqs=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        block_size=INT,
+        table_width=INT,
+        scale=FLOAT,
+        threads=INT,
+    )
+    prefill_attention_avx512_f32: Callable[..., int] = entry(
+        q=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        tables=POINTER,
+        query_start=POINTER,
+        seq_lens=POINTER,
+        out=POINTER,
+        seqs=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        block_size=INT,
+        table_width=INT,
         scale=FLOAT,
         threads=INT,
     )

@@ -3,8 +3,10 @@
 - Attention (csrc/decode_attention.c): pure torch must gather every decode's cache blocks into a padded copy before
   attending; the C kernel follows the block tables directly and reads each cached key and value once for all query
   heads of its group, which is what a memory-bound decode needs. Each query row of a prompt chunk is attended the
-  same way, as a decode whose sequence ends at that row's position: torch's CPU attention rounds differently
-  depending on the thread count, these rows do not.
+  same way, as a decode whose sequence ends at that row's position, where the prompt kernels below do not apply:
+  torch's CPU attention rounds differently depending on the thread count, these rows do not.
+- Prompt-chunk attention elsewhere with AVX-512F (csrc/prefill_attention_avx512.c): flash attention in float32
+  over 16-query x 16-key tiles, float32 or bfloat16 in, reading the cache in place.
 - Prompt-chunk attention for bfloat16 on CPUs with AMX (csrc/prefill_attention.c): flash attention with both
   products on the matrix engine, reading the chunk's keys and values from the paged cache.
 - Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
@@ -123,11 +125,14 @@ def rows_as_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
 def paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Same contract as attention.paged_attention. Decodes, and prompt chunks that the AMX kernel does not take,
-    in one call of the C decode kernel (a row each); where that kernel does not apply, torch for the whole batch."""
+    """Same contract as attention.paged_attention. Decodes in one call of the C decode kernel; prompt chunks on the
+    AMX kernel (bfloat16 on CPUs with AMX), else on the AVX-512 prompt kernel, else each of their rows as a decode in
+    that same decode call; where the decode kernel does not apply, torch for the whole batch."""
     out = torch.empty_like(q)
-    prompts_on_amx = meta.num_decodes < len(meta.seq_lens_host) and _amx_prefill_applies(q, k_cache, v_cache, out)
-    if prompts_on_amx:
+    has_prompts = meta.num_decodes < len(meta.seq_lens_host)
+    prompts_on_amx = has_prompts and _amx_prefill_applies(q, k_cache, v_cache, out)
+    prompts_done = prompts_on_amx or (has_prompts and _prefill_attention_avx512(q, k_cache, v_cache, meta, scale, out))
+    if prompts_done:
         rows, tables, lens = meta.num_decodes, meta.block_tables[: meta.num_decodes], meta.seq_lens[: meta.num_decodes]
     else:
         rows, (tables, lens) = q.shape[0], rows_as_decodes(meta)
@@ -136,6 +141,47 @@ def paged_attention_cpu(
     if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out):
         prefill_attention(q, k_cache, v_cache, meta, scale, out)  # shapes the AMX kernel does not take
     return out
+
+
+def _prefill_attention_avx512(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+    """Every prompt chunk of the batch on the AVX-512 prompt kernel (csrc/prefill_attention_avx512.c) in one call,
+    into out; False where it does not apply (no library, dtypes, layouts, shapes it declines)."""
+    library = _get_library()
+    if (
+        library is None
+        or q.dtype not in (torch.bfloat16, torch.float32)
+        or not (k_cache.dtype == v_cache.dtype == q.dtype)
+        or not q.is_cpu
+        or not all(t.is_contiguous() for t in (q, k_cache, v_cache, out))
+    ):
+        return False
+    kernel = (
+        library.prefill_attention_avx512_bf16 if q.dtype == torch.bfloat16 else library.prefill_attention_avx512_f32
+    )
+    first = meta.num_decodes
+    heads, head_dim = q.shape[1:]
+    block_size, kv_heads = k_cache.shape[1:3]
+    tables = meta.block_tables[first:].to(torch.int32).contiguous()
+    starts = torch.tensor(meta.query_start_host[first:], dtype=torch.int32)
+    lens = torch.tensor(meta.seq_lens_host[first:], dtype=torch.int32)
+    status = kernel(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        len(lens),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        tables.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
+    return status == 0
 
 
 def _amx_prefill_applies(q, k_cache, v_cache, out) -> bool:

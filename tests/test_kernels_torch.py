@@ -194,6 +194,59 @@ def test_cpu_attention_of_long_prompts_is_thread_count_independent(
     check_cpu_attention(batch, dtype, head_dim, f"chunk {chunk} of {length}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group, head_dim", [(1, 32), (3, 64), (8, 128), (8, 32), (1, 128), (3, 128)])
+def test_cpu_prefill_attention_avx512_matches_dense(dtype, block_size, group, head_dim, c_attention, forbid):
+    """The AVX-512 prompt-chunk kernel (csrc/prefill_attention_avx512.c) on mixed batches (decodes, then chunks of
+    1 to 300 rows around its 16-row and 16-key tiles, fresh or after a cached history): against dense float32
+    attention on one thread, and bit for bit equal on 2 and THREADS threads. Neither torch nor the rows-as-decodes
+    fallback may serve (the AMX kernel does, for bfloat16, where there is AMX); slots no sequence owns hold NaN."""
+    from fastgen.kernels import clib
+
+    if "avx512f" not in clib.cpu_identity()[1]:
+        pytest.skip("no AVX-512F: prompt rows are attended as decodes there")
+    forbid(c_attention, "rows_as_decodes")
+    rng = random.Random(block_size * 1000 + group * 100 + head_dim)
+    torch.manual_seed(block_size + group + head_dim)
+    kv_heads = rng.choice([1, 2])
+    chunks = [1, 15, 16, 17, 100, 300]
+    rng.shuffle(chunks)
+    for part in (chunks[:3], chunks[3:]):
+        decodes = [(rng.randrange(0, 200), 1) for _ in range(rng.randrange(0, 4))]
+        seqs = decodes + [(rng.choice([0, rng.randrange(1, 200)]), c) for c in part]
+        batch = make_paged_batch(
+            [new for _, new in seqs],
+            [cached + new for cached, new in seqs],
+            heads=kv_heads * group,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            rng=rng,
+            poison=True,
+            num_decodes=len(decodes),
+        )
+        check_cpu_attention(batch, dtype, head_dim, f"chunks {seqs}")
+
+
+def test_cpu_prefill_attention_avx512_declines_shapes_it_does_not_take():
+    """head_dim not a multiple of 16, or a group above 16: the kernel returns non-zero and writes nothing, and the
+    CPU backend attends the rows as decodes instead."""
+    from fastgen.kernels import clib, cpu
+
+    if cpu.load_library() is None or "avx512f" not in clib.cpu_identity()[1]:
+        pytest.skip("no C compiler, or no AVX-512F")
+    torch.manual_seed(0)
+    for heads, kv_heads, head_dim in ((2, 1, 40), (17, 1, 16)):
+        batch = make_paged_batch([20], [50], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16)
+        out = torch.zeros_like(batch.q)
+        assert not cpu._prefill_attention_avx512(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.5, out)
+        assert not out.any()
+        got = cpu.paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.5)
+        assert torch.allclose(got, dense_attention(batch, 0.5), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("hidden", [576, 40, 100])  # 40, 100: masked tails of the 16-wide vectors
 def test_cpu_elementwise_kernels_match_torch(hidden, forbid):
     """The fused bf16 C kernels round where torch rounds: SiLU*up bit for bit, norms but for rare outputs on a

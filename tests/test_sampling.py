@@ -314,3 +314,11 @@ def test_seeded_draws_are_the_same_on_cuda_and_cpu():
     on_cpu = sample(logits.clone(), batch, TORCH_KERNELS.argmax)
     on_cuda = sample(logits.cuda(), batch, TORCH_KERNELS.argmax)
     assert on_cuda == on_cpu
+
+
+def test_sampler_benchmark_command_runs(capsys):
+    from fastgen.benchmarks import sampler as sampler_benchmark
+
+    sampler_benchmark.main(["--repeats", "1"])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| rows |") and [line.split("|")[1].strip() for line in table[2:]] == ["1", "8", "64"]
