@@ -314,7 +314,7 @@ def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim,
     from fastgen.kernels import cpu
 
     if cpu._amx() is None:
-        pytest.skip("no C compiler, or a CPU/kernel without AMX tiles: the C decode kernel serves prompts there")
+        pytest.skip("no C compiler, or a CPU/kernel without AMX tiles: the AVX-512 prompt kernel serves prompts there")
     forbid(cpu, "prefill_attention")
     rng = random.Random(block_size * 100 + head_dim + kv_heads)
     torch.manual_seed(block_size)
