@@ -79,9 +79,9 @@ def run_tensor_parallel(
     run_replica: Callable[..., int],
     engine_config: Callable[[argparse.Namespace], EngineConfig],
 ) -> int:
-    """Runs this process as its rank of the replica; returns 0 once the group has ended in order. Once the group
-    exists, any other ending leaves the process at once with its status (exit_now: interpreter finalization could
-    abort it). run_replica(args, tp, broadcast) is the single-process replica's server, run by rank 0."""
+    """Runs this process as its rank of the replica. Once the group exists, the process ends here with its status
+    (exit_now: interpreter finalization could abort it), 0 once the group has ended in order. run_replica(args, tp,
+    broadcast) is the single-process replica's server, run by rank 0."""
     try:
         env = RankEnv.from_env(os.environ, args.tp)
     except ValueError as exc:
@@ -102,10 +102,11 @@ def run_tensor_parallel(
             exit_now(code)
     else:
         code = follow(engine_config(args), tp, broadcast)
-    if code != 0:  # after a failure a peer may be gone, and tearing down could wait on it
-        exit_now(code)
-    dist.destroy_process_group()
-    return 0
+    if code == 0:  # after a failure a peer may be gone, and tearing down could wait on it
+        dist.destroy_process_group()
+    # Even an orderly end leaves without interpreter finalization: a gloo worker thread may still be releasing the
+    # last collective (the stop message) when it begins, and dies of SIGABRT asking for the GIL (see exit_now).
+    exit_now(code)
 
 
 def follow(config: EngineConfig, tp: TPGroup, broadcast: BatchBroadcast) -> int:

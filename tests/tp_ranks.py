@@ -199,11 +199,13 @@ FINALIZING = "interpreter finalization"  # what an exit_rank process prints if i
 def exit_rank(mode: str) -> None:
     """One rank through run_tensor_parallel and follow, ending the process as fastgen.replica's main does. Rank 0
     stands in for the server: "idle" serves until killed, "step" sends one batch then does the same, "fail" returns
-    status 2 at once. Rank 1 runs ModelRunner.follow's loop, and in "step" fails on the batch (out of step).
+    status 2 at once, "orderly" sends one batch and drains (status 0). Rank 1 runs ModelRunner.follow's loop, and in
+    "step" fails on the batch (out of step).
 
-    Each process prints FINALIZING if it exits through interpreter finalization, which a rank leaving a broken group
-    must not: a gloo worker thread may still hold the failed collective, and when it frees the collective's tensors
-    during Py_Finalize, the GIL ends it with pthread_exit, which aborts the process (SIGABRT) instead of its status."""
+    Each process prints FINALIZING if it exits through interpreter finalization, which no rank may: a gloo worker
+    thread may still hold the last collective (failed, or the stop message), and when it frees the collective's
+    tensors during Py_Finalize, the GIL ends it with pthread_exit, which aborts the process (SIGABRT) instead of its
+    status."""
     from fastgen.replica import tp_worker
     from fastgen.replica.batch import Batch
 
@@ -226,9 +228,10 @@ def exit_rank(mode: str) -> None:
         print("ready", flush=True)
         if mode == "fail":
             return 2
-        if mode == "step":
+        if mode in ("step", "orderly"):
             broadcast.send(Batch([], 0, []))
-        time.sleep(300)
+        if mode != "orderly":
+            time.sleep(300)
         return 0
 
     tp_worker.build_runner = build_runner
