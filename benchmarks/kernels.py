@@ -61,12 +61,13 @@ def padded_dense(b: PagedBatch):
 
 def attention_work(b: PagedBatch) -> tuple[float, float]:
     """(bytes, flops) that paged attention must move and compute: every cached K/V row once, q and the output
-    once; 4 flops per (query head, visible key, dim)."""
+    once; 4 flops per (query head, visible key, dim). The shape is read from the batch."""
     elem = b.q.element_size()
-    kv_bytes = 2 * sum(b.seq_lens) * KV_HEADS * HEAD_DIM * elem
+    heads, kv_heads, head_dim = b.q.shape[1], b.k_cache.shape[2], b.k_cache.shape[3]
+    kv_bytes = 2 * sum(b.seq_lens) * kv_heads * head_dim * elem
     q_bytes = 2 * b.q.numel() * elem
     pairs = sum(n * (s - n) + n * (n + 1) // 2 for n, s in zip(b.q_lens, b.seq_lens))
-    return kv_bytes + q_bytes, 4.0 * pairs * HEADS * HEAD_DIM
+    return kv_bytes + q_bytes, 4.0 * pairs * heads * head_dim
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -132,16 +133,25 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def card_peaks() -> tuple[float, float]:
-    """(copy bytes/s, bf16 matmul flop/s) measured on this card."""
-    src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)  # 1 GiB: far past any cache
+def card_peaks(device=DEVICE, copy_bytes: int = 2**30, n: int = 8192, timer=None) -> tuple[float, float]:
+    """(copy bytes/s, bf16 matmul flop/s) measured on this card; smaller sizes and another timer (ms of a call)
+    let the GPU suite's dry run take the same path on a CPU."""
+    timer = timer or bench_ms
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)  # 1 GiB by default: far past any cache
     dst = torch.empty_like(src)
-    copy = 2 * src.numel() / (bench_ms(lambda: dst.copy_(src)) * 1e-3)  # read + write
+    copy = 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-3)  # read + write
     src = dst = None  # frees the card's memory before the matmul
-    n = 8192
-    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
-    matmul = 2 * n**3 / (bench_ms(lambda: a @ b) * 1e-3)
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    matmul = 2 * n**3 / (timer(lambda: a @ b) * 1e-3)
     return copy, matmul
+
+
+def attention_rate(kernels, b: PagedBatch, timer=None) -> tuple[float, float, float]:
+    """(ms, bytes/s, flop/s) of the kernels' paged attention over one batch."""
+    head_dim = b.q.shape[2]
+    ms = (timer or bench_ms)(lambda: kernels.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, head_dim**-0.5))
+    nbytes, flops = attention_work(b)
+    return ms, nbytes / (ms * 1e-3), flops / (ms * 1e-3)
 
 
 def sdpa_ms(q, k, v, mask, causal) -> tuple[float, str]:
@@ -176,12 +186,10 @@ def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
     for label, (q_lens, seq_lens) in cases.items():
         for block_size in (16, 32):
             b = make_paged_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, **SHAPE)
-            ours = bench_ms(lambda: triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5))  # noqa: B023 - timed at once
+            ours, bw, rate = attention_rate(triton_k, b)
             q, k, v, mask = padded_dense(b)
             causal = mask is None and b.q_lens[0] > 1
             theirs, variant = sdpa_ms(q, k, v, mask, causal)
-            nbytes, flops = attention_work(b)
-            bw, rate = nbytes / (ours * 1e-3), flops / (ours * 1e-3)
             rows.append(
                 f"| {label} | {block_size} | {ours:.3f} | {theirs:.3f} ({variant}) | {theirs / ours:.2f}× "
                 f"| {bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%) | {rate / 1e12:.1f} ({100 * rate / matmul_flops:.0f}%) |"
@@ -191,17 +199,20 @@ def attention_rows(triton_k, dtype, copy_bw, matmul_flops) -> list[str]:
     return rows
 
 
-def other_rows(triton_k, torch_k, dtype, copy_bw) -> list[str]:
-    b = make_paged_batch([8192], [8192], block_size=16, dtype=dtype, **SHAPE)  # one 8192-token prompt
-    tokens, hidden = b.q.shape[0], 4096
-    x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
-    weight = torch.randn(hidden, dtype=dtype, device=DEVICE)
+def fused_cases(dtype, tokens: int = 8192, hidden: int = 4096, shape: dict = SHAPE):
+    """The fused kernels over one prompt of `tokens` tokens: (label, make, bytes) with make(kernels) a call to
+    time and bytes what it must move. `shape` as SHAPE (the GPU suite's dry run passes a small one on the CPU)."""
+    device = shape["device"]
+    b = make_paged_batch([tokens], [tokens], block_size=16, dtype=dtype, **shape)
+    kv_heads, head_dim = b.k_cache.shape[2], b.k_cache.shape[3]
+    x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(2))
+    weight = torch.randn(hidden, dtype=dtype, device=device)
     elem = x.element_size()
     norm_bytes = 4 * tokens * hidden * elem  # read x, residual; write out, residual
 
-    k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in "kv")
-    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0), tokens).to(DEVICE)
-    positions = torch.arange(tokens, device=DEVICE)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv")
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 500000.0), tokens).to(device)
+    positions = torch.arange(tokens, device=device)
     rotary_bytes = 2 * b.q.numel() * elem + 4 * k.numel() * elem  # q read + written; k, v read + written to cache
 
     def norm(kernels):
@@ -210,11 +221,15 @@ def other_rows(triton_k, torch_k, dtype, copy_bw) -> list[str]:
     def rotary(kernels):
         return lambda: kernels.rotary_write_kv(b.q, k, v, cos_sin, positions, b.k_cache, b.v_cache, b.meta.slot_mapping)
 
-    rows = []
-    for label, make, nbytes in [
+    return [
         (f"add_rms_norm {tokens} × {hidden}", norm, norm_bytes),
         (f"rotary_write_kv {tokens} tokens", rotary, rotary_bytes),
-    ]:
+    ]
+
+
+def other_rows(triton_k, torch_k, dtype, copy_bw) -> list[str]:
+    rows = []
+    for label, make, nbytes in fused_cases(dtype):
         ours, theirs = bench_ms(make(triton_k)), bench_ms(make(torch_k))
         bw = nbytes / (ours * 1e-3)
         speed = f"{theirs / ours:.2f}×"

@@ -1,4 +1,5 @@
-"""Triton kernels against the torch references, on CPU tensors under the Triton interpreter.
+"""Triton kernels against the torch references: compiled, on CUDA tensors, where there is a GPU (the GPU suite runs
+these with -m cuda); elsewhere on CPU tensors under the Triton interpreter.
 
 Inputs are random with a fixed seed per test; the seed is printed on failure and FASTGEN_TEST_SEED=<seed> runs
 every test with another.
@@ -8,6 +9,7 @@ and cache slots no sequence owns hold NaN so a read past a sequence's end poison
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -28,7 +30,8 @@ import fastgen.kernels as K
 from fastgen.kernels import rope_cos_sin, rope_inv_freq
 from fastgen.testing import make_paged_batch
 
-pytestmark = pytest.mark.slow  # the Triton interpreter on CPU
+pytestmark = [pytest.mark.slow, pytest.mark.cuda]  # the Triton interpreter on CPU; compiled kernels on a GPU
+ON_CUDA = torch.cuda.is_available()
 
 MODULE = "fastgen.kernels.triton_kernels"
 
@@ -54,15 +57,23 @@ def _import_interpreted():
             K.triton_kernels = saved_attr
 
 
-tk = _import_interpreted()
+tk = importlib.import_module(MODULE) if ON_CUDA else _import_interpreted()
 REF = K.TORCH_KERNELS
 
 
 @pytest.fixture(autouse=True)
 def interpreting(monkeypatch):
+    if ON_CUDA:
+        # Every tensor a test makes, and every paged batch, on the GPU: the same tests run the compiled kernels.
+        monkeypatch.setitem(globals(), "make_paged_batch", functools.partial(make_paged_batch, device="cuda"))
+        torch.set_default_device("cuda")
+        yield
+        torch.set_default_device(None)
+        return
     # On the first launch triton lazily imports a module that asserts its library is compiled-mode unless the flag
     # is on; the flag being on while these tests run keeps that working if triton was first imported with it.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
 
 
 @pytest.fixture
@@ -359,7 +370,7 @@ def _compile_for_sm90(kernel, args, kwargs):
 def test_kernels_compile_for_sm90(monkeypatch):
     if not isinstance(triton.language.standard.sum, triton.runtime.JITFunction):
         pytest.skip("triton was first imported with TRITON_INTERPRET=1 in this session, so it cannot compile")
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = importlib.import_module(MODULE)
     recorders = {}
     for name in ("_paged_attention_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel"):

@@ -1,0 +1,59 @@
+"""The GPU suite's dry run (every stage at toy size on the CPU) writes its JSON and Markdown with every stage, and a
+stage that fails is recorded while the others still run, so the one prepared GPU command cannot rot."""
+
+import json
+
+import pytest
+
+from fastgen.benchmarks import gpu_suite
+
+
+@pytest.mark.slow  # builds models and runs both engines and transformers (about 15 s)
+def test_dry_run_writes_every_stage(tmp_path):
+    assert gpu_suite.main(["--out", str(tmp_path), "--dry-run"]) == 0
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert list(stages) == list(gpu_suite.STAGES) and report["failed"] == [] and report["dry_run"]
+    assert all(s["status"] == "ok" or s["status"].startswith("skipped: ") for s in stages.values())
+    assert stages["environment"]["results"]["copy_gbps"] > 0
+    assert stages["cuda_tests"]["results"]["counts"]["tests collected"] > 0
+    assert {r["block"] for r in stages["kernels"]["results"]["attention"]} == {16, 32}
+    offline = stages["offline"]["results"]
+    assert offline["fastgen_tokens_per_s"] > 0 and offline["transformers_tokens_per_s"] > 0
+    assert offline["decode_step_ms"] > 0 and offline["weights_read_bound_ms"] > 0
+    systems = stages["sla"]["results"]["systems"]
+    assert set(systems) == {"splitfuse", "prefill_first"}
+    assert all(set(s["effective_rps"]) == {"2", "4", "6"} and s["failed"] == 0 for s in systems.values())
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert all(f"## {name}: " in md for name in gpu_suite.STAGES)
+    assert (tmp_path / "cuda_tests.log").is_file()
+
+
+def test_a_failing_stage_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch):
+    def boom(ctx):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setitem(gpu_suite.STAGES, "boom", boom)
+    monkeypatch.setitem(gpu_suite.STAGES, "after", lambda ctx: {"ran": True})
+    monkeypatch.setattr(gpu_suite, "toy_model", lambda folder: folder)  # neither stage builds a model
+    assert gpu_suite.main(["--out", str(tmp_path), "--dry-run", "--stages", "boom,after"]) == 1
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    boom_record, after = report["stages"]
+    assert boom_record["status"] == "failed" and "out of memory" in boom_record["error"]
+    assert after["status"] == "ok" and after["results"] == {"ran": True} and report["failed"] == ["boom"]
+    assert "out of memory" in (tmp_path / "gpu_suite.md").read_text()
+
+
+def test_pytest_summary():
+    output = "\n".join(
+        [
+            "FAILED tests/test_a.py::test_x - AssertionError",
+            "ERROR tests/test_b.py::test_y - ValueError",
+            "SKIPPED [1] tests/test_c.py:3: needs a CUDA device",
+            "==== 1 failed, 7 passed, 1 skipped, 500 deselected, 1 error in 12.3s ====",
+        ]
+    )
+    s = gpu_suite.summarise_pytest(output)
+    assert s["counts"] == {"failed": 1, "passed": 7, "skipped": 1, "deselected": 500, "error": 1}
+    assert s["failed"] == output.splitlines()[:2] and len(s["skipped"]) == 1
+    assert s["summary"] == "1 failed, 7 passed, 1 skipped, 500 deselected, 1 error in 12.3s"
