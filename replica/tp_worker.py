@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .batch_broadcast import BatchBroadcast, exit_now
+from .batch_broadcast import EXIT_GROUP_BROKEN, BatchBroadcast, exit_now
 from .builder import build_runner
 from .config import EngineConfig
 from .parallel import TPGroup
@@ -90,9 +90,13 @@ def run_tensor_parallel(
     device = rank_device(args.device, env.local_rank)
     args = argparse.Namespace(**{**vars(args), "device": str(device)})
     torch.set_num_threads(args.threads)
-    init_process_group(env, device)
+    try:
+        init_process_group(env, device)
+        broadcast = BatchBroadcast(env.rank)
+    except RuntimeError as exc:  # a peer died while the group was forming: the group is broken before it served
+        log.critical("rank %d could not form its tensor-parallel group: %s", env.rank, exc)
+        exit_now(EXIT_GROUP_BROKEN)
     tp = TPGroup(env.rank, env.world_size)
-    broadcast = BatchBroadcast(env.rank)
     log.info("rank %d of %d joined (%s, %s)", env.rank, env.world_size, dist.get_backend(), device)
     if env.rank == 0:
         code = run_replica(args, tp, broadcast)

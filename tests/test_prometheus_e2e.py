@@ -113,6 +113,10 @@ class Measured:
         ema = max_inter_token_ema(self.token_times)
         return max(ttft_ratio, 0.0 if ema is None else ema * token_rate)
 
+    def read_in_one_burst(self) -> bool:
+        """The client read every token at once (it was starved of CPU): it saw none of the gaps the server scored."""
+        return len(self.token_times) > 1 and self.token_times[-1] - self.token_times[0] < 1e-3
+
 
 def one_request(address: str, rng: random.Random) -> Measured:
     prompt = [rng.randrange(100, 5000) for _ in range(rng.randrange(16, 48))]
@@ -177,15 +181,15 @@ def prometheus_server(tmp_path, prometheus_config):
 def check_sla_counters(prom: Prometheus, measured: list[Measured]) -> None:
     for rate in TOKEN_RATES:
         margins = [m.margin(rate) for m in measured]
-        sure_met = sum(x <= 1 - AMBIGUOUS for x in margins)
+        # A stream read in one burst looks gapless to the client whatever the server saw: never surely met.
+        sure_met = sum(x <= 1 - AMBIGUOUS and not m.read_in_one_burst() for m, x in zip(measured, margins))
         sure_missed = sum(x > 1 + AMBIGUOUS for x in margins)
         selector = f'deployment="{NAME}", token_rate="{rate_label(rate)}", prompt_rate="{rate_label(PROMPT_RATE)}"'
         met = prom.scalar(f'sum(fastgen_sla_requests_total{{{selector}, result="met"}})')
         missed = prom.scalar(f'sum(fastgen_sla_requests_total{{{selector}, result="missed"}})')
         assert met + missed == len(measured), (rate, met, missed)
         assert sure_met <= met <= len(measured) - sure_missed, (rate, met, margins)
-        # Most outcomes are clear-cut (met at R = 2, missed at R = 10000), so the check above has teeth. (A client
-        # starved of CPU may read a whole stream in one burst and see no gap at all: such a request is ambiguous.)
+        # Most outcomes are clear-cut (met at R = 2, missed at R = 10000), so the check above has teeth.
         assert sure_met + sure_missed >= len(measured) / 2, (rate, margins)
 
 

@@ -242,12 +242,12 @@ def assert_exit(procs: list[Proc], codes: list[int], timeout: float = 30.0) -> N
 
 @pytest.mark.slow
 def test_ranks_that_leave_a_broken_group_exit_at_once_with_their_status(tmp_path):
-    """Four groups of two rank processes (model and server stubbed out, see tp_ranks.exit_rank): rank 0 killed
+    """Five groups of two rank processes (model and server stubbed out, see tp_ranks.exit_rank): rank 0 killed
     while rank 1 waits for a batch; rank 1 failing on a batch; rank 0 failing; an orderly end (rank 0 drains and
-    tells rank 1 to stop). Every rank exits with its status and without interpreter finalization, where a gloo
-    worker thread that still held the last collective's tensors aborted ranks (SIGABRT) in loaded test runs, after a
-    failure and after an orderly stop alike."""
-    modes = ("idle", "step", "fail", "orderly")
+    tells rank 1 to stop); rank 0 dying while the group forms. Every rank exits with its status and without
+    interpreter finalization, where a gloo worker thread that still held the last collective's tensors aborted ranks
+    (SIGABRT) in loaded test runs, after a failure and after an orderly stop alike."""
+    modes = ("idle", "step", "fail", "orderly", "forming")
     groups = []
     for mode in modes:
         port, group = free_port(), []
@@ -267,7 +267,7 @@ def test_ranks_that_leave_a_broken_group_exit_at_once_with_their_status(tmp_path
                 popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             group.append(Proc(f"{mode}-rank-{rank}", popen, 0, 0, log_path))
         groups.append(group)
-    idle, step, fail, orderly = groups
+    idle, step, fail, orderly, forming = groups
     try:
         wait_until(lambda: all("ready" in p.log_tail() for p in idle), 60, what="the idle group's ranks")
         idle[0].kill()
@@ -277,7 +277,8 @@ def test_ranks_that_leave_a_broken_group_exit_at_once_with_their_status(tmp_path
         assert_exit(step, [-signal.SIGKILL, EXIT_GROUP_BROKEN])
         assert_exit(fail, [2, EXIT_GROUP_BROKEN])
         assert_exit(orderly, [0, 0])
-        for p in (idle[1], step[1], fail[0], fail[1], orderly[0], orderly[1]):
+        assert_exit(forming, [9, EXIT_GROUP_BROKEN], timeout=60)
+        for p in (idle[1], step[1], fail[0], fail[1], orderly[0], orderly[1], forming[1]):
             assert FINALIZING not in p.log_tail(), f"{p.name} exited through interpreter finalization"
         assert "left its tensor-parallel group: RuntimeError" in idle[1].log_tail()
         assert "left its tensor-parallel group: ValueError: cannot run" in step[1].log_tail()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -199,8 +200,9 @@ FINALIZING = "interpreter finalization"  # what an exit_rank process prints if i
 def exit_rank(mode: str) -> None:
     """One rank through run_tensor_parallel and follow, ending the process as fastgen.replica's main does. Rank 0
     stands in for the server: "idle" serves until killed, "step" sends one batch then does the same, "fail" returns
-    status 2 at once, "orderly" sends one batch and drains (status 0). Rank 1 runs ModelRunner.follow's loop, and in
-    "step" fails on the batch (out of step).
+    status 2 at once, "orderly" sends one batch and drains (status 0), "forming" dies (status 9) before the batch
+    broadcast's group has formed. Rank 1 runs ModelRunner.follow's loop, and in "step" fails on the batch (out of
+    step).
 
     Each process prints FINALIZING if it exits through interpreter finalization, which no rank may: a gloo worker
     thread may still hold the last collective (failed, or the stop message), and when it frees the collective's
@@ -234,7 +236,12 @@ def exit_rank(mode: str) -> None:
             time.sleep(300)
         return 0
 
+    def die_forming(rank):
+        os._exit(9)
+
     tp_worker.build_runner = build_runner
+    if mode == "forming" and os.environ["RANK"] == "0":
+        tp_worker.BatchBroadcast = die_forming
     args = argparse.Namespace(tp=2, device="cpu", threads=1)
     sys.exit(tp_worker.run_tensor_parallel(args, run_replica, lambda args: None))
 
