@@ -242,6 +242,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+# What every end-to-end deployment of the tiny model shares: float32, a small KV pool, one thread, a bounded start.
+TINY_DEPLOYMENT = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--threads", "1", "--timeout", "120")
+
+
+def tiny_start(name: str, model: Path, replicas: int, port: int, metrics_port: int, *extra: str) -> list[str]:
+    """`fastgen-deploy start` arguments for a deployment of the tiny model on the given ports; `extra` comes last,
+    so its flags override the shared ones."""
+    what = ["--name", name, "--model", str(model), "--replicas", str(replicas)]
+    where = ["--port", str(port), "--metrics-port", str(metrics_port)]
+    return ["start", *what, *where, *TINY_DEPLOYMENT, *extra]
+
+
 # ---- the reference for greedy outputs ----
 def hf_greedy(model_dir, prompts, max_new):
     """Reference tokens per prompt, cut where transformers' own top-2 logits are within 1e-4 (a near-tie

@@ -16,7 +16,7 @@ import pytest
 from fastgen.launch.probe import port_free
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range
+from .helpers import Deploy, alive, free_port_range, tiny_start
 
 pytestmark = pytest.mark.slow
 
@@ -37,27 +37,7 @@ def deploy(tmp_path):
 def test_deployment_lifecycle(deploy, tiny_model_dir):
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
-    start = [
-        "start",
-        "--name",
-        "e2e",
-        "--model",
-        str(tiny_model_dir),
-        "--replicas",
-        "2",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "8MiB",
-        "--threads",
-        "1",
-        "--timeout",
-        "120",
-    ]
+    start = tiny_start("e2e", tiny_model_dir, 2, port, metrics)
     done = deploy(*start, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"127.0.0.1:{port}" in done.stdout and f"http://127.0.0.1:{metrics + 2}/metrics" in done.stdout
@@ -119,24 +99,7 @@ def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
     port = free_port_range(2)
-    done = deploy(
-        "start",
-        "--name",
-        "e2e",
-        "--model",
-        str(not_a_model),
-        "--replicas",
-        "1",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(free_port_range(2, avoid={port, port + 1})),
-        "--threads",
-        "1",
-        "--timeout",
-        "120",
-        timeout=180,
-    )
+    done = deploy(*tiny_start("e2e", not_a_model, 1, port, free_port_range(2, avoid={port, port + 1})), timeout=180)
     assert done.returncode != 0
     assert "replica-0 exited with code" in done.stderr and "not a Hugging Face model folder" in done.stderr
     assert "no deployments" in deploy("list").stdout
@@ -145,28 +108,7 @@ def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
 
 def test_stop_cleans_up_after_a_killed_supervisor(deploy, tiny_model_dir):
     port = free_port_range(2)
-    done = deploy(
-        "start",
-        "--name",
-        "e2e",
-        "--model",
-        str(tiny_model_dir),
-        "--replicas",
-        "1",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(free_port_range(2, avoid={port, port + 1})),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "8MiB",
-        "--threads",
-        "1",
-        "--timeout",
-        "120",
-        timeout=180,
-    )
+    done = deploy(*tiny_start("e2e", tiny_model_dir, 1, port, free_port_range(2, avoid={port, port + 1})), timeout=180)
     assert done.returncode == 0, done.stderr
     pids = [r["pid"] for r in deploy.status()]
     state = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())

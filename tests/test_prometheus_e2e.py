@@ -30,7 +30,7 @@ from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range
+from .helpers import Deploy, alive, free_port_range, tiny_start
 
 pytestmark = [
     pytest.mark.slow,
@@ -226,25 +226,7 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
     done = deploy(
-        "start",
-        "--name",
-        NAME,
-        "--model",
-        str(tiny_model_dir),
-        "--replicas",
-        "2",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "8MiB",
-        "--threads",
-        "1",
-        "--timeout",
-        "120",
+        *tiny_start(NAME, tiny_model_dir, 2, port, metrics),
         "--sla-prompt-rate",
         f"{PROMPT_RATE:g}",
         "--sla-token-rate",

@@ -318,34 +318,16 @@ def test_rank_processes_serve_stop_together_and_exit_when_a_peer_is_lost(tiny_mo
 # ---- fastgen-deploy ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
-    from .helpers import Deploy, alive, free_port_range
+    from .helpers import Deploy, alive, free_port_range, tiny_start
 
     deploy = Deploy(tmp_path / "home")
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
     try:
         done = deploy(
-            "start",
-            "--name",
-            "e2e",
-            "--model",
-            str(tiny_model_dir),
-            "--replicas",
-            "2",
-            "--tp",
-            "2",
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics),
-            "--dtype",
-            "float32",
-            "--num-blocks",
-            "128",
-            "--threads",
-            "1",
-            "--timeout",
-            "150",
+            *tiny_start(
+                "e2e", tiny_model_dir, 2, port, metrics, "--tp", "2", "--num-blocks", "128", "--timeout", "150"
+            ),
             timeout=200,
         )
         assert done.returncode == 0, done.stdout + done.stderr
