@@ -15,6 +15,21 @@ class RequestTimings:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float  # natural log, under the raw (unpenalised, untempered) distribution
+    token: str = ""  # the token decoded alone; filled by the engine
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int  # the sampled token
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()  # the most likely tokens at its position, most likely first
+    token: str = ""
+
+
 @dataclass
 class RequestOutput:
     request_id: str

@@ -6,6 +6,10 @@ import enum
 from dataclasses import dataclass, field
 
 
+MAX_N = 128  # completions per request
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"  # max_new_tokens reached
     STOP = "stop"  # a stop string matched
@@ -23,8 +27,19 @@ class SamplingParams:
     seed: int | None = None  # the same seed gives the same tokens whatever else is in the batch
     stop: tuple[str, ...] = ()  # stop strings, matched on text and left out of the output
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from every generated token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # 1: off; > 1 discourages tokens of the prompt and output
+    min_p: float = 0.0  # 0: off; drops tokens below min_p times the top token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
+    stop_token_ids: tuple[int, ...] = ()  # end the request like EOS, with finish reason STOP
+    n: int = 1  # completions of the prompt, prefilled once
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and its k most likely alternatives
+    include_stop_str_in_output: bool = False
+    keep_special_tokens: bool = False
+    echo: bool = False  # return the prompt's text
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the field and what to change."""
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0 means the server default), got {self.max_new_tokens}")
@@ -45,6 +60,26 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty: remove the empty entry")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 turns it off), got {value}")
+        if not 0.0 < self.repetition_penalty <= 1e4 or self.repetition_penalty != self.repetition_penalty:
+            raise ValueError(f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+        ids = [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
+        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+            raise ValueError(f"token ids in logit_bias and stop_token_ids must be {limit}, got {bad[:5]}")
 
 
 class SeqStatus(enum.Enum):
