@@ -1,10 +1,12 @@
 """python -m fastgen.balancer: the gRPC load balancer in front of FastGen replicas.
 
     python -m fastgen.balancer --port 50050 --metrics-port 9400 \\
-        --replica r0=127.0.0.1:50051 --replica r1=127.0.0.1:50052 --policy least_loaded
+        --replica r0=127.0.0.1:50051 --replica r1=127.0.0.1:50052 --policy least_loaded [--http-port 8000]
 
-Health is SERVING while at least one replica is healthy. SIGTERM (or SIGINT) stops taking new calls, lets calls
-in flight finish (up to --grace seconds) and exits 0.
+Health is SERVING while at least one replica is healthy. With --http-port it also serves the OpenAI-compatible
+HTTP API (openai_api.py) from the same event loop; FASTGEN_API_KEY (or --api-key, which `ps` shows) makes it require
+`Authorization: Bearer <key>`. SIGTERM (or SIGINT) stops taking new calls, lets calls in flight finish (up to
+--grace seconds) and exits 0.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 from prometheus_client import CollectorRegistry
 
 from ..server.grpc_server import PortInUseError, create_server, set_serving
-from ..server.metrics import BalancerMetrics, BuildInfo, record_build_info, start_metrics_server
+from ..server.metrics import BalancerMetrics, BuildInfo, HttpMetrics, record_build_info, start_metrics_server
+from .openai_api import API_KEY_ENV, ApiSettings, OpenAIApi, start_http
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
 from .service import RETRY_CODES, BalancerService
@@ -74,6 +78,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a replica to balance over; repeat for each",
     )
     p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded", help="routing policy")
+    p.add_argument(
+        "--http-port", type=_port, default=0, help="port of the OpenAI-compatible HTTP API (default 0: no HTTP API)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"key the HTTP API requires as Authorization: Bearer <key> (default: ${API_KEY_ENV}; prefer the "
+        "environment variable, since ps shows a command line)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a model name the HTTP API accepts besides the one the replicas report; repeat for each",
+    )
     p.add_argument("--health-interval", type=_positive_float, default=0.5, help="seconds between health checks")
     p.add_argument("--health-timeout", type=_positive_float, default=1.0, help="deadline of one health check (s)")
     p.add_argument(
@@ -104,9 +124,12 @@ async def serve(args: argparse.Namespace) -> int:
 
     pool = ReplicaPool(args.replica, args.health_interval, args.health_timeout, metrics, on_health_change)
     service = BalancerService(pool, Router(args.policy, len(args.replica)), metrics, args.max_retries)
+    http = None
     try:
         server, health = create_server(service, args.host, args.port)
         metrics_port = start_metrics_server(registry, args.host, args.metrics_port)
+        if args.http_port:
+            http = await serve_http(args, service, registry)
     except PortInUseError as e:
         await pool.close()
         print(f"fastgen balancer: error: {e}", file=sys.stderr)
@@ -115,21 +138,34 @@ async def serve(args: argparse.Namespace) -> int:
     await server.start()
     pool.start()
     log.info(
-        "balancing %d replicas (%s) with %s on %s:%d, metrics on port %d",
+        "balancing %d replicas (%s) with %s on %s:%d, metrics on port %d%s",
         len(pool.replicas),
         ", ".join(f"{r.id}={r.address}" for r in pool.replicas),
         args.policy,
         args.host,
         args.port,
         metrics_port,
+        _http_note(args) if http else "",
     )
     await _wait_for_stop_signal()
     log.info("stopping: no new calls, waiting up to %.0f s for calls in flight", args.grace)
     await set_serving(health, False)
-    await server.stop(args.grace)
+    await asyncio.gather(server.stop(args.grace), *([http.cleanup()] if http else []))
     await pool.close()
     log.info("stopped")
     return 0
+
+
+async def serve_http(args: argparse.Namespace, service: BalancerService, registry: CollectorRegistry):
+    settings = ApiSettings(api_key=args.api_key, served_model_names=tuple(args.served_model_name))
+    api = OpenAIApi(service.balancer, settings, HttpMetrics(registry))
+    runner, _port = await start_http(api, args.host, args.http_port, shutdown_timeout=args.grace)
+    return runner
+
+
+def _http_note(args: argparse.Namespace) -> str:
+    auth = " (API key required)" if args.api_key else ""
+    return f", OpenAI-compatible HTTP API on port {args.http_port}{auth}"
 
 
 async def _wait_for_stop_signal() -> None:

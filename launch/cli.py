@@ -16,12 +16,13 @@ from pathlib import Path
 
 from ..replica.config import DEVICES, DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, SCHEDULERS, CacheConfig, parse_size
 from . import deployment, prometheus
-from .config import POLICIES, DeployConfig, address, default_threads, format_size
+from .config import API_KEY_ENV, POLICIES, DeployConfig, address, default_threads, format_size, http_url
 from .deployment import DeployError
 from .state import fastgen_home, paths_for
 
 PORTS_HELP = """ports: the balancer listens on --port and replica i on --port+1+i; metrics (Prometheus, /metrics) of the
-balancer are on --metrics-port and those of replica i on --metrics-port+1+i. State and logs live in
+balancer are on --metrics-port and those of replica i on --metrics-port+1+i; the balancer serves the OpenAI-compatible
+HTTP API on --http-port (0: none). State and logs live in
 $FASTGEN_HOME/<name> (default ~/.fastgen/<name>)."""
 
 
@@ -89,6 +90,19 @@ def add_start(sub) -> None:
         type=int,
         default=d.metrics_port,
         help="balancer metrics port; replica i: metrics-port+1+i (default: %(default)s)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=d.http_port,
+        help="the balancer's OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...); 0: none "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"key the HTTP API requires as Authorization: Bearer <key> (default: ${API_KEY_ENV}). Prefer the "
+        "environment variable: a command line shows in ps. The balancer gets it through its environment only",
     )
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
     p.add_argument(
@@ -193,14 +207,55 @@ def add_generate(sub) -> None:
     target.add_argument("--name", default="default", help="deployment name (default: %(default)s)")
     target.add_argument("--address", default=None, help="host:port of a balancer or replica")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--min-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None, help="0: greedy")
-    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1: off")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument(
+        "--stop-token-id", action="append", type=int, default=None, metavar="ID", help="stop token id (repeatable)"
+    )
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        type=logit_bias_arg,
+        default=None,
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
+    p.add_argument("--n", type=int, default=None, help="completions of the prompt, prefilled once (default: 1)")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="print each token's logprob and its K most likely alternatives (0: the token's only)",
+    )
+    p.add_argument("--echo", action="store_true", help="print the prompt (as the model saw it) before the completion")
+    p.add_argument(
+        "--stream", action="store_true", help="print text as it is generated (with --n, each completion as it ends)"
+    )
     p.add_argument(
         "--chat",
         action="store_true",
         help="send the prompt as a user message, rendered with the model's chat template (instructions)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (default: 120)")
+
+
+def logit_bias_arg(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 50256=-100), got {text!r}") from None
 
 
 def add_prometheus_config(sub) -> None:
@@ -230,7 +285,7 @@ def announce(config: DeployConfig) -> None:
 
 def cmd_start(args: argparse.Namespace, home: Path) -> int:
     config = config_from(args)
-    state = deployment.start(config, home, on_launch=announce)
+    state = deployment.start(config, home, on_launch=announce, api_key=args.api_key)
     print(
         f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
         f"supervisor pid {state['supervisor']['pid']}"
@@ -247,6 +302,9 @@ def cmd_start(args: argparse.Namespace, home: Path) -> int:
     print(
         f"send requests to {address(state['host'], state['processes'][0]['port'])}; logs: {home / config.name / 'logs'}"
     )
+    if config.http_port:
+        auth = " (API key required)" if args.api_key else ""
+        print(f"OpenAI-compatible API: {http_url(state['host'], config.http_port)}{auth}")
     print(
         f"Prometheus targets: {paths_for(home, config.name).prometheus_targets} "
         "(fastgen-deploy prometheus-config prints a prometheus.yml that reads them)"
@@ -271,6 +329,10 @@ def cmd_status(args: argparse.Namespace, home: Path) -> int:
             f"{r['id']:<18} {r['pid'] or '-':>7} {r['port'] or '-':>6} {r['metrics_port'] or '-':>7} "
             f"{r.get('gpu') or '-':>4} {r['health']:<12} {r['restarts']:>8}  {load_text(r)}"
         )
+    for r in rows:
+        if r.get("http_url"):
+            auth = " (API key required)" if state.get("api_key_required") else ""
+            print(f"OpenAI-compatible API: {r['http_url']}{auth}")
     return 0
 
 
@@ -330,23 +392,90 @@ def follow(f) -> None:
         pass
 
 
+GENERATE_FLAGS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "n",
+)
+
+
+def generate_kwargs(args: argparse.Namespace) -> dict:
+    """The client's keyword arguments from `generate`'s flags (unset flags leave the server's defaults)."""
+    kwargs = {k: getattr(args, k) for k in GENERATE_FLAGS if getattr(args, k) is not None}
+    if args.stop_token_id:
+        kwargs["stop_token_ids"] = args.stop_token_id
+    if args.logit_bias:
+        kwargs["logit_bias"] = dict(args.logit_bias)
+    if args.logprobs is not None:
+        kwargs.update(logprobs=True, top_logprobs=args.logprobs)
+    if args.echo:
+        kwargs["echo"] = True
+    return kwargs
+
+
+def print_logprobs(logprobs) -> None:
+    """One token a line: its logprob, the token, and the most likely alternatives."""
+    for lp in logprobs:
+        top = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top)
+        print(f"  {lp.logprob:9.4f}  {lp.token!r}" + (f"    top: {top}" if top else ""))
+
+
+def print_completion(choice, many: bool) -> None:
+    """A completion's text (under a header naming it when there are several), then its logprobs."""
+    if many:
+        print(f"--- completion {choice.index} ({choice.generated_tokens} tokens, {choice.finish_reason}) ---")
+    print(choice.text)
+    print_logprobs(choice.logprobs)
+
+
+def stream_generate(client, prompt, kwargs: dict) -> None:
+    """Prints one completion's text as it comes, or with --n each completion once it ends; logprobs at the end."""
+    from ..server.client import Choice
+
+    many = (kwargs.get("n") or 1) > 1
+    choices: dict[int, Choice] = {}
+    for chunk in client.stream_chunks(prompt, **kwargs):
+        if chunk.prompt_text:  # echo: the completion continues the prompt
+            print(chunk.prompt_text, end="\n" if many else "", flush=True)
+        c = choices.setdefault(chunk.index, Choice(chunk.index, "", [], None, 0))
+        c.text += chunk.text
+        c.logprobs += chunk.logprobs
+        if not many:
+            print(chunk.text, end="", flush=True)
+        elif chunk.finish_reason is not None:
+            c.finish_reason, c.generated_tokens = chunk.finish_reason, chunk.generated_tokens
+            print_completion(c, many=True)
+    if not many:
+        print()
+        print_logprobs(choices[0].logprobs if choices else [])
+
+
 def cmd_generate(args: argparse.Namespace, home: Path) -> int:
     target = args.address or deployment.balancer_address(home, args.name)
     from ..server import Client, GenerationError  # here, not at the top: only this command needs the client
 
-    sampling = {
-        k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)) if v is not None
-    }
+    kwargs = generate_kwargs(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         with Client(target, timeout=args.timeout) as client:
             if args.stream:
-                for text in client.stream(prompt, **sampling):
-                    print(text, end="", flush=True)
-                print()
+                stream_generate(client, prompt, kwargs)
             else:
-                result = client.generate(prompt, **sampling)
-                print(result.text)
+                result = client.generate(prompt, **kwargs)
+                completions = result.completions()
+                if result.prompt_text:
+                    print(result.prompt_text, end="\n" if len(completions) > 1 else "")
+                for choice in completions:
+                    print_completion(choice, len(completions) > 1)
                 print(
                     f"(served by {result.replica}: {result.prompt_tokens} prompt tokens, {result.generated_tokens} "
                     f"generated, {result.finish_reason})",

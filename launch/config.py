@@ -4,7 +4,7 @@ Pure: no sockets, no processes, no torch (the CLI must answer instantly). The en
 fastgen.replica.config, which imports no torch either.
 
 Port layout of a deployment with N replicas (documented in the CLI's help):
-    balancer   gRPC --port          metrics --metrics-port
+    balancer   gRPC --port          metrics --metrics-port          HTTP (OpenAI API) --http-port (0: none)
     replica i  gRPC --port + 1 + i  metrics --metrics-port + 1 + i
 With --tp K, rank 0 of replica i holds these ports; its other ranks listen on none, and meet rank 0 on a free
 MASTER_PORT that the supervisor picks at every (re)start of the group.
@@ -35,6 +35,10 @@ from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
 
 POLICIES = ("round_robin", "least_loaded")
 DEFAULT_MODEL = EngineConfig.model
+DEFAULT_HTTP_PORT = 8000  # vLLM's and the OpenAI clients' customary port
+# The OpenAI API's key travels to the balancer in its environment, never on a command line (which `ps` shows) nor in
+# config.json; the balancer (balancer/openai_api.py) reads the same variable.
+API_KEY_ENV = "FASTGEN_API_KEY"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -49,6 +53,7 @@ class DeployConfig:
     host: str = "127.0.0.1"
     port: int = 50050
     metrics_port: int = 9400
+    http_port: int = DEFAULT_HTTP_PORT  # the balancer's OpenAI-compatible API; 0: none
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)
     kernels: str = EngineConfig.kernels
@@ -86,6 +91,7 @@ class ProcessSpec:
     replica: str | None = None
     rank: int | None = None
     gpu: str | None = None  # its CUDA_VISIBLE_DEVICES entry on CUDA; None on CPU and for the balancer
+    http_port: int | None = None  # the balancer's OpenAI-compatible API, when it serves one
 
 
 def format_size(n: int) -> str:
@@ -106,6 +112,11 @@ def grpc_ports(config: DeployConfig) -> list[int]:
 
 def metrics_ports(config: DeployConfig) -> list[int]:
     return [config.metrics_port + i for i in range(config.replicas + 1)]
+
+
+def http_ports(config: DeployConfig) -> list[int]:
+    """The balancer's HTTP port, when it serves the OpenAI API."""
+    return [config.http_port] if config.http_port else []
 
 
 def looks_like_path(model: str) -> bool:
@@ -208,6 +219,13 @@ def _port_problems(c: DeployConfig) -> list[str]:
             f"--port {c.port} and --metrics-port {c.metrics_port} overlap (both need {min(overlap)}): the gRPC ports "
             f"are {c.port}..{c.port + n} and the metrics ports {c.metrics_port}..{c.metrics_port + n}"
         )
+    if not 0 <= c.http_port <= 65535:
+        problems.append(f"--http-port {c.http_port}: use a port in 1..65535, or 0 for no HTTP API")
+    elif c.http_port in grpc_ports(c) + metrics_ports(c):
+        problems.append(
+            f"--http-port {c.http_port} is one of the deployment's other ports (gRPC {c.port}..{c.port + n}, metrics "
+            f"{c.metrics_port}..{c.metrics_port + n}): choose another"
+        )
     return problems
 
 
@@ -290,6 +308,11 @@ def gpu_of(c: DeployConfig, replica: int, rank: int) -> str | None:
     return c.gpus[replica * c.tp + rank] if c.gpus else None
 
 
+def http_url(host: str, port: int) -> str:
+    """Where clients reach the OpenAI-compatible API (the base URL the openai SDK takes)."""
+    return f"http://{address(host, port)}/v1"
+
+
 def device_env(spec: ProcessSpec) -> dict[str, str]:
     """The one GPU a process sees; nothing for a process without one."""
     return {} if spec.gpu is None else {"CUDA_VISIBLE_DEVICES": spec.gpu}
@@ -338,4 +361,13 @@ def balancer_spec(c: DeployConfig, python: str, replicas: list[ProcessSpec]) -> 
     for r in replicas:
         argv += ["--replica", f"{r.replica}={address(c.host, r.port)}"]
     argv += ["--policy", c.policy]
-    return ProcessSpec(id="balancer", role="balancer", port=c.port, metrics_port=c.metrics_port, argv=argv)
+    if c.http_port:  # the API key, if any, comes through the environment (API_KEY_ENV)
+        argv += ["--http-port", str(c.http_port), "--served-model-name", c.model]
+    return ProcessSpec(
+        id="balancer",
+        role="balancer",
+        port=c.port,
+        metrics_port=c.metrics_port,
+        argv=argv,
+        http_port=c.http_port or None,
+    )

@@ -18,11 +18,14 @@ import psutil
 from ..proto import fastgen_pb2
 from . import gpus, probe, prometheus
 from .config import (
+    API_KEY_ENV,
     DEFAULT_MODEL,
     DeployConfig,
     address,
     device_problems,
     grpc_ports,
+    http_ports,
+    http_url,
     looks_like_path,
     metrics_ports,
     place,
@@ -77,10 +80,12 @@ def start(
     python: str = sys.executable,
     on_launch: Callable[[DeployConfig], None] | None = None,
     find_gpus: Callable[[], list[str]] = gpus.visible_gpus,
+    api_key: str | None = None,
 ) -> dict:
     """Launches the deployment and waits until every process is SERVING; returns the supervisor's state.
     on_launch runs once the checks have passed and the supervisor is on its way (to tell the user to wait);
-    find_gpus lists the GPUs to hand out (tests pass their own)."""
+    find_gpus lists the GPUs to hand out (tests pass their own); api_key, the key the HTTP API requires, reaches the
+    balancer through the environment only."""
     config = prepare(config, find_gpus)
     paths = paths_for(home, config.name)
     lock_fd = try_lock(paths)
@@ -97,7 +102,7 @@ def start(
         remove_live_state(paths)
         save_config(paths, config)
         write_json_atomic(paths.prometheus_targets, prometheus.targets(config))
-        supervisor = spawn_supervisor(paths, lock_fd, python)
+        supervisor = spawn_supervisor(paths, lock_fd, python, api_key)
     finally:
         os.close(lock_fd)  # the supervisor holds the lock from now on (inherited fd)
     if on_launch is not None:
@@ -117,7 +122,11 @@ def port_problems(config: DeployConfig, home: Path) -> list[str]:
     owners = ports_of_live_deployments(home, exclude=config.name)
     problems = []
     roles = [spec.id for spec in plan(config, python="python") if spec.port is not None]
-    layout = (("gRPC", "--port", grpc_ports(config)), ("metrics", "--metrics-port", metrics_ports(config)))
+    layout = (
+        ("gRPC", "--port", grpc_ports(config)),
+        ("metrics", "--metrics-port", metrics_ports(config)),
+        ("HTTP", "--http-port", http_ports(config)),
+    )
     for kind, flag, ports in layout:
         for role, port in zip(roles, ports):
             if port in owners:
@@ -136,13 +145,16 @@ def ports_of_live_deployments(home: Path, exclude: str) -> dict[int, str]:
         config = load_config(paths)
         if name == exclude or config is None or not is_live(paths):
             continue
-        for port in grpc_ports(config) + metrics_ports(config):
+        for port in grpc_ports(config) + metrics_ports(config) + http_ports(config):
             owners[port] = name
     return owners
 
 
-def spawn_supervisor(paths: Paths, lock_fd: int, python: str) -> subprocess.Popen:
+def spawn_supervisor(paths: Paths, lock_fd: int, python: str, api_key: str | None = None) -> subprocess.Popen:
     paths.logs.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    if api_key:  # the supervisor hands it to the balancer alone (supervisor.child_env)
+        env[API_KEY_ENV] = api_key
     with open(paths.log("supervisor"), "w") as out:
         return subprocess.Popen(
             [python, "-m", "fastgen.launch.supervisor", str(paths.root), "--lock-fd", str(lock_fd)],
@@ -152,6 +164,7 @@ def spawn_supervisor(paths: Paths, lock_fd: int, python: str) -> subprocess.Pope
             cwd=paths.root,
             start_new_session=True,  # survives the terminal and Ctrl-C of the shell that ran `start`
             pass_fds=(lock_fd,),
+            env=env,
         )
 
 
@@ -303,6 +316,9 @@ def process_status(rec: dict, host: str, timeout: float) -> dict:
         row["rank"] = rec["rank"]
     if rec.get("gpu") is not None:
         row["gpu"] = rec["gpu"]
+    if rec.get("http_port"):
+        row["http_port"] = rec["http_port"]
+        row["http_url"] = http_url(host, rec["http_port"])
     row["restarts"] = rec.get("restarts", 0)
     if rec["port"] is None:  # a TP rank > 0: status() gives it its group's health
         row["health"] = probe.DOWN
@@ -346,6 +362,7 @@ def list_deployments(home: Path) -> list[dict]:
                 "replicas": config.replicas,
                 "tp": config.tp,
                 "address": address(config.host, config.port),
+                "http_url": http_url(config.host, config.http_port) if config.http_port else None,
                 "metrics_ports": f"{config.metrics_port}..{config.metrics_port + config.replicas}",
                 "supervisor_pid": (state.get("supervisor") or {}).get("pid") if live else None,
             }

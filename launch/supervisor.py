@@ -22,7 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import probe
-from .config import DeployConfig, ProcessSpec, address, device_env, grpc_ports, metrics_ports, plan, rank_env
+from .config import (
+    API_KEY_ENV,
+    DeployConfig,
+    ProcessSpec,
+    address,
+    device_env,
+    grpc_ports,
+    http_ports,
+    metrics_ports,
+    plan,
+    rank_env,
+)
 from .state import Paths, load_config, read_json, write_json_atomic
 
 log = logging.getLogger("fastgen.supervisor")
@@ -113,6 +124,7 @@ def process_record(child: Child) -> dict:
         "create_time": child.create_time if running else None,
         "port": spec.port,
         "metrics_port": spec.metrics_port,
+        "http_port": spec.http_port,
         "master_port": child.master_port,
         "log": str(child.log_path),
         "restarts": child.restarts,
@@ -134,6 +146,7 @@ def write_state(paths: Paths, config: DeployConfig, children: list[Child], statu
             "policy": config.policy,
             "tp": config.tp,
             "device": config.device,
+            "api_key_required": bool(config.http_port and os.environ.get(API_KEY_ENV)),
             "updated": time.time(),
             "processes": [process_record(c) for c in children],
         },
@@ -202,12 +215,17 @@ def groups_of(children: list[Child]) -> list[list[Child]]:
 def launch_group(group: list[Child], env: dict[str, str], config: DeployConfig, first: bool) -> None:
     """Starts a group; the ranks of a tensor-parallel replica get torchrun's variables and a fresh MASTER_PORT (the
     last one may linger in TIME_WAIT, or have been taken meanwhile); on CUDA each process sees only its own GPU."""
-    reserved = frozenset(grpc_ports(config) + metrics_ports(config))  # not yet bound while the deployment starts
+    reserved = frozenset(grpc_ports(config) + metrics_ports(config) + http_ports(config))  # not yet bound at start
     master_port = probe.free_port(config.host, reserved) if group[0].spec.rank is not None else None
     for c in group:
         c.master_port = master_port
         ranks = rank_env(c.spec, config.tp, config.host, master_port) if master_port is not None else {}
-        launch(c, {**env, **ranks, **device_env(c.spec)}, first)
+        launch(c, {**child_env(env, c.spec), **ranks, **device_env(c.spec)}, first)
+
+
+def child_env(env: dict[str, str], spec: ProcessSpec) -> dict[str, str]:
+    """The supervisor's environment for a child; the API key only for the balancer, the one process that checks it."""
+    return env if spec.role == "balancer" else {k: v for k, v in env.items() if k != API_KEY_ENV}
 
 
 def reap_group(group: list[Child], backoff: Backoff, now: float) -> bool:

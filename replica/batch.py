@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class Batch:
     seqs: list[ScheduledSeq]  # decodes (one token) first, then prompt chunks
     num_decodes: int
     preempted: list[int]  # seq ids preempted while building this batch (their blocks are free again)
+    # (src, dst) KV blocks to copy in every layer before the forward pass: a forked sequence's copy of its parent's
+    # prompt. All copies read the cache as the previous step left it.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

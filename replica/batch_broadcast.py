@@ -46,9 +46,11 @@ def exit_now(code: int) -> NoReturn:
 
 
 def encode_batch(batch: Batch) -> list[int]:
-    """[seqs, decodes, preempted, *preempted ids, then per sequence: seq_id, start, sample, tokens, blocks,
-    *token_ids, *block_table]."""
-    flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), *batch.preempted]
+    """[seqs, decodes, preempted, copies, *preempted ids, *copies as src, dst pairs, then per sequence: seq_id,
+    start, sample, tokens, blocks, *token_ids, *block_table]."""
+    flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), len(batch.copies), *batch.preempted]
+    for src, dst in batch.copies:
+        flat += (src, dst)
     for s in batch.seqs:
         flat += (s.seq_id, s.start, int(s.sample), len(s.token_ids), len(s.block_table))
         flat += s.token_ids
@@ -57,9 +59,11 @@ def encode_batch(batch: Batch) -> list[int]:
 
 
 def decode_batch(flat: list[int]) -> Batch:
-    num_seqs, num_decodes, num_preempted = flat[:3]
-    i = 3 + num_preempted
-    preempted = flat[3:i]
+    num_seqs, num_decodes, num_preempted, num_copies = flat[:4]
+    i = 4 + num_preempted
+    preempted = flat[4:i]
+    copies = list(zip(flat[i : i + 2 * num_copies : 2], flat[i + 1 : i + 2 * num_copies : 2]))
+    i += 2 * num_copies
     seqs = []
     for _ in range(num_seqs):
         seq_id, start, sample, num_tokens, num_blocks = flat[i : i + _SEQ_HEADER]
@@ -67,7 +71,7 @@ def decode_batch(flat: list[int]) -> Batch:
         tokens, blocks = flat[i : i + num_tokens], flat[i + num_tokens : i + num_tokens + num_blocks]
         i += num_tokens + num_blocks
         seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample)))
-    return Batch(seqs, num_decodes, preempted)
+    return Batch(seqs, num_decodes, preempted, copies)
 
 
 class BatchBroadcast:

@@ -7,14 +7,17 @@ CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], keep_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = not keep_special_tokens
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix = 0  # ids[prefix:read] is the context the next delta is decoded against
         self.read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add(self, token_id: int) -> str:
         """Returns the text that token_id completes ('' while a character is still partial)."""

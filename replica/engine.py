@@ -1,36 +1,69 @@
 """The engine: requests in, one forward pass per step, new tokens and text out.
 
 One thread owns an engine. `add_request` and `abort` between steps; `step()` runs
-schedule -> run -> sample -> emit and returns what changed plus one stats record."""
+schedule -> run -> sample -> emit and returns what changed plus one stats record.
+
+A request for n > 1 completions is one sequence until its prompt is prefilled; the step that computes the prompt's
+last chunk draws the n first tokens from that one logits row, each completion with its own seed, and forks n - 1
+sequences onto copies of the prompt's KV blocks. From there each completion runs, stops and finishes on its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .batch import Batch
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
-from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats
+from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob
 from .prompts import Prompt, PromptEncoder
 from .request import FinishReason, SamplingParams, Sequence
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
 
+_MASK64 = (1 << 64) - 1
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request seeded `seed`: the request's own for index 0, so that n = 1 is
+    unchanged, else splitmix64 of (seed, index) cut to 63 bits. A request for one completion with this seed gives
+    the same tokens as completion `index` of the n."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
 
 @dataclass(eq=False)
 class _Request:
     request_id: str
-    seq: Sequence
     params: SamplingParams
     seed: int  # the request's, or one drawn at admission: every stream can be replayed
+    prompt_text: str  # with echo; else ""
+    banned: list[int]  # tokens that may not end the request before min_new_tokens
+    unfinished: int  # completions not finished, those not forked yet included
+    forked: bool  # the n - 1 other completions exist (always, for n = 1)
+    completions: list[_Completion] = field(default_factory=list)  # index order
+
+
+@dataclass(eq=False)
+class _Completion:
+    req: _Request
+    index: int
+    seq: Sequence
+    seed: int
     detok: IncrementalDetokenizer
     timings: RequestTimings
+    output_ids: list[int] = field(default_factory=list)  # generated tokens (seq.token_ids' tail), for penalties
+    logprobs: list[TokenLogprob] | None = None  # a list when asked for
     text: str = ""
     emitted: int = 0  # characters of text already sent
-    emitted_tokens: int = 0
+    finished: bool = False
 
 
 class Engine:
@@ -51,8 +84,9 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.default_max_new_tokens = default_max_new_tokens
         self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
+        self._by_seq: dict[int, _Completion] = {}
         self._next_seq_id = 0
+        self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -63,8 +97,8 @@ class Engine:
         """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use: choose a unique id")
-        params.validate()
-        prompt_ids = self.prompts.encode(prompt)
+        params.validate(self.model_config.vocab_size)
+        prompt_ids, prompt_text = self.prompts.encode_with_text(prompt, want_text=params.echo)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise ValueError(
@@ -80,24 +114,35 @@ class Engine:
         self._next_seq_id += 1
         # From the OS, not the random module: replicas started alike must not draw alike for unseeded requests.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = _Request(
-            request_id,
-            seq,
-            params,
-            seed,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            RequestTimings(arrival=time.monotonic()),
-        )
+        banned = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
+        text = prompt_text if params.echo else ""
+        req = _Request(request_id, params, seed, text, banned, unfinished=params.n, forked=params.n == 1)
         self._requests[request_id] = req
-        self._by_seq[seq.seq_id] = req
+        self._start(req, seq, RequestTimings(arrival=time.monotonic()))
         return len(prompt_ids)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancels a request and frees its KV blocks at once; None if it is unknown or already finished."""
+    def _start(self, req: _Request, seq: Sequence, timings: RequestTimings) -> _Completion:
+        """Completion number len(req.completions) of req, on seq."""
+        index = len(req.completions)
+        p = req.params
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.keep_special_tokens)
+        c = _Completion(req, index, seq, completion_seed(req.seed, index), detok, timings)
+        c.logprobs = [] if p.logprobs is not None else None
+        req.completions.append(c)
+        self._by_seq[seq.seq_id] = c
+        return c
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Cancels a request's unfinished completions and frees their KV blocks at once: one output per completion
+        it ends, in index order; empty if the request is unknown or already finished."""
         req = self._requests.get(request_id)
         if req is None:
-            return None
-        return self._finish(req, FinishReason.CANCELLED, [], time.monotonic())
+            return []
+        now = time.monotonic()
+        outputs = [self._finish(c, FinishReason.CANCELLED, [], now) for c in req.completions if not c.finished]
+        if not req.forked:  # cancelled while its prompt was prefilled: the other completions never started
+            outputs += [self._unborn(req, i, now) for i in range(1, req.params.n)]
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -126,64 +171,156 @@ class Engine:
             return StepResult()
         forward_start = time.monotonic()
         logits = self.runner.run(batch)
-        to_sample = [self._by_seq[s.seq_id] for s in batch.seqs if s.sample]
-        tokens = sample(logits, [self._sampling_row(r) for r in to_sample], self.runner.kernels.argmax)
-        now = time.monotonic()
         for s in batch.seqs:  # queue time ends when a request's first forward pass starts
             timings = self._by_seq[s.seq_id].timings
             timings.first_scheduled = timings.first_scheduled or forward_start
-        outputs = [self._emit(req, token, now) for req, token in zip(to_sample, tokens)]
+        owners, rows = self._rows([self._by_seq[s.seq_id] for s in batch.seqs if s.sample])
+        sampled = sample(logits, rows, self.runner.kernels.argmax)
+        now = time.monotonic()
+        outputs = [self._emit(c, t, lp, now) for c, t, lp in zip(owners, sampled.tokens, sampled.logprobs)]
         return StepResult(outputs, self._stats(batch, now - forward_start, start))
 
-    def _sampling_row(self, req: _Request) -> SamplingRow:
-        p = req.params
-        banned = self.eos_token_ids if req.seq.num_generated < p.min_new_tokens and not p.ignore_eos else []
-        # The token being sampled goes at index num_tokens: its draws are keyed by (seed, that position).
-        return SamplingRow(p.temperature, p.top_p, p.top_k, req.seed, req.seq.num_tokens, banned)
+    def _rows(self, sampled: list[_Completion]) -> tuple[list[_Completion], list[SamplingRow]]:
+        """The completions to sample and their rows, from the logits of the sequences sampled (one row each, in
+        batch order). A prompt prefilled for n > 1 completions forks here and gets n rows from its one."""
+        owners: list[_Completion] = []
+        rows: list[SamplingRow] = []
+        for i, c in enumerate(sampled):
+            group = (c,) if c.req.forked else (c, *self._fork(c))
+            for member in group:
+                rows.append(self._sampling_row(member, None if len(rows) == i else i))
+                owners.append(member)
+        return owners, rows
 
-    def _emit(self, req: _Request, token: int, now: float) -> RequestOutput:
-        seq, params = req.seq, req.params
+    def _fork(self, parent: _Completion) -> list[_Completion]:
+        """The n - 1 other completions of parent's request, on sequences holding its prompt; the scheduler starts
+        them on copies of parent's KV blocks (or queues them to be recomputed when blocks are short)."""
+        req, seq = parent.req, parent.seq
+        req.forked = True
+        children = []
+        for _ in range(1, req.params.n):
+            child = Sequence(self._next_seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.max_new_tokens)
+            self._next_seq_id += 1
+            children.append(self._start(req, child, dataclasses.replace(parent.timings)))
+        self.scheduler.fork(seq, [c.seq for c in children])
+        return children
+
+    def _sampling_row(self, c: _Completion, source: int | None) -> SamplingRow:
+        p, seq = c.req.params, c.seq
+        banned = c.req.banned if seq.num_generated < p.min_new_tokens else []
+        # The token being sampled goes at index num_tokens: its draws are keyed by (seed, that position).
+        return SamplingRow(
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            c.seed,
+            seq.num_tokens,
+            banned,
+            source=source,
+            min_p=p.min_p,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=p.logit_bias,
+            output_ids=c.output_ids,  # the lists themselves: the sampler only reads them
+            context_ids=seq.token_ids,
+            logprobs=p.logprobs,
+        )
+
+    def _emit(self, c: _Completion, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+        seq, params = c.seq, c.req.params
         seq.token_ids.append(token)
-        req.timings.first_token = req.timings.first_token or now
-        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        c.output_ids.append(token)
+        if c.logprobs is not None and logprob is not None:
+            c.logprobs.append(self._named(logprob))
+        c.timings.first_token = c.timings.first_token or now
+        reason = self._token_reason(token, params)  # EOS or a stop token: its text is left out
         at_length = seq.num_generated >= seq.max_new_tokens
-        previous = len(req.text)
-        if not is_eos:
-            req.text += req.detok.add(token)
-        if is_eos or at_length:
-            req.text += req.detok.flush()
-        reason = FinishReason.EOS if is_eos else FinishReason.LENGTH if at_length else None
+        previous = len(c.text)
+        if reason is None:
+            c.text += c.detok.add(token)
+        if reason is not None or at_length:
+            c.text += c.detok.flush()
+        reason = reason or (FinishReason.LENGTH if at_length else None)
         if params.stop and seq.num_generated >= params.min_new_tokens:
-            cut = _find_stop(req.text, params.stop, previous)
-            if cut is not None:
-                req.text, reason = req.text[:cut], FinishReason.STOP
+            found = _find_stop(c.text, params.stop, previous)
+            if found is not None:
+                cut, stop = found
+                end = cut + len(stop) if params.include_stop_str_in_output else cut
+                c.text, reason = c.text[:end], FinishReason.STOP
         if reason is not None:
-            return self._finish(req, reason, [token], now)
+            return self._finish(c, reason, [token], now)
         # Hold back text that could still turn out to start a stop string.
         hold = max((len(s) for s in params.stop), default=1) - 1
-        return self._output(req, [token], max(req.emitted, len(req.text) - hold), None, now)
+        return self._output(c, [token], max(c.emitted, len(c.text) - hold), None, now)
 
-    def _finish(self, req: _Request, reason: FinishReason, new_tokens: list[int], now: float) -> RequestOutput:
-        self.scheduler.finish(req.seq)
-        del self._requests[req.request_id]
-        del self._by_seq[req.seq.seq_id]
-        req.timings.finished = now
-        return self._output(req, new_tokens, len(req.text), reason, now)
+    def _token_reason(self, token: int, params: SamplingParams) -> FinishReason | None:
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.EOS
+        return FinishReason.STOP if token in params.stop_token_ids else None
 
-    def _output(self, req, new_tokens, visible: int, reason, now) -> RequestOutput:
-        new_text, req.emitted = req.text[req.emitted : visible], visible
-        seq = req.seq
+    def _named(self, lp: TokenLogprob) -> TokenLogprob:
+        """lp with the token strings filled in."""
+        top = tuple(dataclasses.replace(t, token=self._token_text(t.token_id)) for t in lp.top)
+        return dataclasses.replace(lp, token=self._token_text(lp.token_id), top=top)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def _finish(self, c: _Completion, reason: FinishReason, new_tokens: list[int], now: float) -> RequestOutput:
+        self.scheduler.finish(c.seq)
+        del self._by_seq[c.seq.seq_id]
+        c.finished = True
+        c.timings.finished = now
+        self._count_finished(c.req)
+        return self._output(c, new_tokens, len(c.text), reason, now)
+
+    def _count_finished(self, req: _Request) -> None:
+        req.unfinished -= 1
+        if req.unfinished == 0:
+            del self._requests[req.request_id]
+
+    def _output(self, c: _Completion, new_tokens, visible: int, reason, now) -> RequestOutput:
+        new_text, c.emitted = c.text[c.emitted : visible], visible
+        seq, logprobs = c.seq, c.logprobs or []
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=c.req.request_id,
             new_text=new_text,
             new_token_ids=new_tokens,
-            text=req.text[:visible],
-            token_ids=seq.token_ids[seq.num_prompt_tokens :],
+            text=c.text[:visible],
+            token_ids=list(c.output_ids),
             prompt_tokens=seq.num_prompt_tokens,
             finish_reason=reason,
-            timings=req.timings,
+            timings=c.timings,
             time=now,
             num_preemptions=seq.num_preemptions,
+            index=c.index,
+            new_logprobs=logprobs[len(logprobs) - len(new_tokens) :],
+            logprobs=list(logprobs),
+            prompt_text=c.req.prompt_text,
+        )
+
+    def _unborn(self, req: _Request, index: int, now: float) -> RequestOutput:
+        """The cancelled output of a completion that was never forked."""
+        self._count_finished(req)
+        parent = req.completions[0]
+        timings = dataclasses.replace(parent.timings, finished=now)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_text="",
+            new_token_ids=[],
+            text="",
+            token_ids=[],
+            prompt_tokens=parent.seq.num_prompt_tokens,
+            finish_reason=FinishReason.CANCELLED,
+            timings=timings,
+            time=now,
+            index=index,
+            prompt_text=req.prompt_text,
         )
 
     def _stats(self, batch: Batch, forward_s: float, start: float) -> StepStats:
@@ -203,11 +340,12 @@ class Engine:
         )
 
 
-def _find_stop(text: str, stops: tuple[str, ...], previous: int) -> int | None:
-    """Earliest index where a stop string starts, looking only where new text could have completed one."""
+def _find_stop(text: str, stops: tuple[str, ...], previous: int) -> tuple[int, str] | None:
+    """Where the earliest stop string starts and which it is, looking only where new text could have completed
+    one."""
     best = None
     for s in stops:
         i = text.find(s, max(0, previous - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
     return best

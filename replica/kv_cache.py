@@ -17,6 +17,18 @@ def allocate_kv_cache(
     return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
 
 
+def copy_blocks(kv_caches, copies: list[tuple[int, int]], device) -> None:
+    """Copies whole blocks (src, dst) in every layer's keys and values. Each layer gathers every source before it
+    writes any destination, so a block that is both (freed and reused since) is read as it was."""
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+    for k_cache, v_cache in kv_caches:
+        k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+        v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
 def kv_blocks_for_device(total: int, weights: int, peak: int, utilization: float, bytes_per_block: int) -> int:
     """KV blocks that fit a device: `utilization` of its total memory, less what the weights hold and the
     activation peak of a forward pass at the token budget (all in bytes; vLLM's --gpu-memory-utilization).

@@ -10,6 +10,7 @@ import torch
 from ..kernels import AttentionMetadata, Kernels
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
+from .kv_cache import copy_blocks
 from .models.llama import LlamaModel
 
 
@@ -53,7 +54,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """This rank's forward pass over the batch; every rank gets the gathered logits."""
+        """This rank's forward pass over the batch; every rank gets the gathered logits. Forked sequences' KV block
+        copies come first."""
+        copy_blocks(self.kv_caches, batch.copies, self.device)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # (tokens, hidden)
         return self.model.logits(hidden[sample_rows])

@@ -44,6 +44,10 @@ class Pipeline:
         elif "stop" in sampling:
             sampling["stop"] = tuple(sampling["stop"])
         params = SamplingParams(**sampling)
+        if params.n != 1:
+            raise ValueError(
+                f"the pipeline returns one output per prompt, so n must be 1 (got {params.n}): repeat the prompt"
+            )
         ids = []
         try:
             for prompt in prompts:

@@ -42,6 +42,10 @@ class RequestOutput:
     timings: RequestTimings
     time: float  # when this output was produced (time.monotonic())
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n completions this continues
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new_token_ids, when asked for
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids, when asked for
+    prompt_text: str = ""  # the prompt as text, when echo was asked for
 
     @property
     def finished(self) -> bool:

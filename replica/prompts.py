@@ -16,15 +16,21 @@ class PromptEncoder:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, token ids or chat messages ({role, content} dicts) -> token ids; ValueError on bad input."""
+        return self.encode_with_text(prompt, want_text=False)[0]
+
+    def encode_with_text(self, prompt: Prompt, want_text: bool = True) -> tuple[list[int], str]:
+        """Token ids and the prompt as text (for echo): text as given, chat messages as the template rendered them,
+        token ids decoded with their special tokens (only when want_text; '' otherwise)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: send some text, token ids or chat messages")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt), prompt
         items = list(prompt)
         if not items:
             raise ValueError("prompt is empty: send some text, token ids or chat messages")
         if all(isinstance(m, dict) for m in items):
-            return self.render_chat(items)
+            text = self.chat_text(items)
+            return self.tokenizer.encode(text, add_special_tokens=False), text
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise ValueError(
                 "prompt must be a string, a list of token ids (ints) or a list of {role, content} messages"
@@ -32,10 +38,16 @@ class PromptEncoder:
         bad = [t for t in items if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary: ids must be in [0, {self.vocab_size})")
-        return items
+        if not want_text:
+            return items, ""
+        return items, self.tokenizer.decode(items, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         """Messages in the model's chat template, ending with the assistant's turn to speak."""
+        return self.tokenizer.encode(self.chat_text(messages), add_special_tokens=False)
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """The rendered chat template, as text; ValueError for a bad message or a model without a template."""
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise ValueError(f"message {i} has unknown role {m.get('role')!r}: use one of {', '.join(CHAT_ROLES)}")
@@ -43,5 +55,4 @@ class PromptEncoder:
                 raise ValueError(f"message {i} needs a string 'content'")
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template: send plain text or token ids instead of messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

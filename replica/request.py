@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
 MAX_N = 128  # completions per request
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 

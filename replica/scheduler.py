@@ -3,10 +3,13 @@
 Each `schedule()` call builds one forward pass. Sequences keep FCFS priority: older sequences are served first
 and, when the KV pool runs short, the newest sequence is preempted (its blocks freed; it is recomputed later).
 The scheduler advances `num_computed` as it schedules: the batch it returns is what the model will cache.
+A sequence forked from another (`fork`: the n completions of one prompt) starts on a copy of its parent's KV blocks,
+which the next batch carries for the model runner to copy before its forward pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 from .batch import Batch, ScheduledSeq
@@ -23,6 +26,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
         self._overtakes = 0
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next batch
         self._watermark_blocks = max(1, int(allocator.num_blocks * config.watermark)) if config.watermark else 0
         self._schedule = {
             "splitfuse": self._schedule_splitfuse,
@@ -58,14 +62,41 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        self.allocator.free(seq.block_table)
+        self._release(seq)
         seq.status = SeqStatus.FINISHED
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> int:
+        """Starts children, each holding the tokens parent has computed, on copies of parent's KV blocks (copied
+        before the next forward pass). A child that finds too few free blocks or max_seqs running waits instead, with
+        nothing computed, and is recomputed from its tokens as a preempted sequence is. Returns how many share
+        parent's KV."""
+        num_tokens = parent.num_computed
+        src = parent.block_table[: self.allocator.blocks_for(num_tokens)]
+        watermark = self._watermark_blocks
+        shared = 0
+        for child in children:
+            room = len(src) + watermark <= self.allocator.num_free and len(self.running) < self.config.max_seqs
+            if not room:
+                break
+            self._copies += zip(src, self.allocator.allocate(child.block_table, num_tokens))
+            child.num_computed = num_tokens
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+            shared += 1
+        for child in children[shared:]:
+            child.num_computed = 0
+            child.status = SeqStatus.WAITING
+        self.waiting.extendleft(reversed(children[shared:]))  # ahead of newer requests, in index order
+        return shared
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
-        return self._schedule()
+        batch = self._schedule()
+        if self._copies and batch:
+            batch, self._copies = dataclasses.replace(batch, copies=self._copies), []
+        return batch
 
     # ---- the three schedules ---------------------------------------------------------------------------
     def _schedule_splitfuse(self) -> Batch:
@@ -168,13 +199,20 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
+        self._release(seq)
         seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         preempted.append(seq.seq_id)
+
+    def _release(self, seq: Sequence) -> None:
+        """Frees seq's blocks, dropping copies into them that no batch has carried yet (the blocks may be reused)."""
+        if self._copies:
+            mine = set(seq.block_table)
+            self._copies = [c for c in self._copies if c[1] not in mine]
+        self.allocator.free(seq.block_table)
 
     def _take(self, seq: Sequence, n: int, scheduled: set[int]) -> ScheduledSeq:
         start = seq.num_computed

@@ -1,9 +1,11 @@
 """The replica's gRPC service. One thread owns the engine and steps it; gRPC handlers only enqueue work and
-await their request's outputs (grpc.aio)."""
+await their request's outputs (grpc.aio). A request for n completions gets outputs of all n on one queue, each
+marked with its index, and ends when the last of them finishes."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -17,7 +19,7 @@ from ..proto import fastgen_pb2 as pb
 from ..proto import fastgen_pb2_grpc
 from ..server.errors import QueueFullError, status_for
 from .engine import Engine
-from .outputs import EngineLoad, RequestOutput
+from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import Prompt
 from .request import FinishReason, SamplingParams
 
@@ -43,6 +45,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Stream:
+    outputs: asyncio.Queue
+    unfinished: int  # completions that have not sent their last output
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class EngineLoop:
         self._build = build
         self._ready: asyncio.Future = loop.create_future()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # engine thread only
+        self._streams: dict[str, _Stream] = {}  # engine thread only
         self._in_flight = 0  # requests submitted and not finished (read from the event loop)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -139,8 +147,7 @@ class EngineLoop:
             if isinstance(command, _Add):
                 self._add(command)
             elif command.request_id in self._streams:
-                out = self.engine.abort(command.request_id)
-                if out is not None:
+                for out in self.engine.abort(command.request_id):
                     self._deliver(out)
             try:
                 command = self._inbox.get_nowait()
@@ -161,19 +168,25 @@ class EngineLoop:
         except (ValueError, QueueFullError) as exc:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
             return
-        self._streams[command.request_id] = command.outputs
+        self._streams[command.request_id] = _Stream(command.outputs, command.params.n)
 
     def _deliver(self, out: RequestOutput) -> None:
-        self.metrics.on_output(out)
-        stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
-        if stream is not None:
-            self.loop.call_soon_threadsafe(stream.put_nowait, out)
+        # The metrics time each completion's tokens as a stream of its own.
+        self.metrics.on_output(out if out.index == 0 else dataclasses.replace(out, request_id=completion_key(out)))
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            stream.unfinished -= 1
+            if stream.unfinished == 0:
+                del self._streams[out.request_id]
+        self.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):
             self.engine.abort(request_id)
             stream = self._streams.pop(request_id)
-            self.loop.call_soon_threadsafe(stream.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+            self.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {exc}"))
 
     def _publish_load(self) -> None:
         self.load = self.engine.load()
@@ -193,17 +206,96 @@ def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
     raise ValueError("no prompt: set one of text, token_ids or messages")
 
 
+def completion_key(out: RequestOutput) -> str:
+    """The request id for index 0, 'id#index' for the other completions of an n > 1 request."""
+    return out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"
+
+
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """The engine's parameters; proto3 zeros mean "off" or "default". ValueError names what to change."""
+    if p.top_logprobs and not p.logprobs:
+        raise ValueError(f"top_logprobs ({p.top_logprobs}) needs logprobs: set logprobs as well")
     return SamplingParams(
         max_new_tokens=p.max_new_tokens,
         min_new_tokens=p.min_new_tokens,
         temperature=p.temperature,
-        top_p=p.top_p if p.top_p != 0 else 1.0,  # proto3 zero means "off"
+        top_p=p.top_p if p.top_p != 0 else 1.0,
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0 else 1.0,
+        min_p=p.min_p,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        stop_token_ids=tuple(p.stop_token_ids),
+        n=p.n or 1,
+        logprobs=p.top_logprobs if p.logprobs else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        keep_special_tokens=p.keep_special_tokens,
+        echo=p.echo,
     )
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            token=lp.token,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> pb.GenerateResponse:
+    """The answer to Generate from the final output of every completion, in index order: the top-level fields are
+    completion 0's, and choices lists all of them when there are several."""
+    first = outs[0]
+    resp = pb.GenerateResponse(
+        request_id=request_id,
+        text=first.text,
+        token_ids=first.token_ids,
+        finish_reason=FINISH_REASONS[first.finish_reason],
+        prompt_tokens=first.prompt_tokens,
+        generated_tokens=first.generated_tokens,
+        replica=replica,
+        logprobs=logprobs_to_proto(first.logprobs),
+        prompt_text=first.prompt_text,
+    )
+    if len(outs) > 1:
+        resp.choices.extend(
+            pb.Choice(
+                index=o.index,
+                text=o.text,
+                token_ids=o.token_ids,
+                finish_reason=FINISH_REASONS[o.finish_reason],
+                generated_tokens=o.generated_tokens,
+                logprobs=logprobs_to_proto(o.logprobs),
+            )
+            for o in outs
+        )
+    return resp
+
+
+def chunk_from(request_id: str, out: RequestOutput, replica: str, first: bool) -> pb.GenerateChunk:
+    """One stream chunk: what out added to its completion; prompt_text on the stream's first chunk only."""
+    chunk = pb.GenerateChunk(
+        request_id=request_id,
+        text=out.new_text,
+        token_ids=out.new_token_ids,
+        replica=replica,
+        index=out.index,
+        logprobs=logprobs_to_proto(out.new_logprobs),
+        prompt_text=out.prompt_text if first else "",
+    )
+    if out.finished:
+        chunk.finish_reason = FINISH_REASONS[out.finish_reason]
+        chunk.prompt_tokens = out.prompt_tokens
+        chunk.generated_tokens = out.generated_tokens
+    return chunk
 
 
 class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
@@ -215,7 +307,8 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         self.draining = False
 
     async def _outputs(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str):
-        """Admits the request and yields its outputs; aborts it if the caller goes away first."""
+        """Admits the request and yields (request_id, output, last) for each output of its completions, last on the
+        one that finishes the final completion; aborts the request if the caller goes away first."""
         if self.engine_loop is None:
             await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica is still loading: retry shortly")
         if self.draining:
@@ -227,18 +320,18 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
         outputs = self.engine_loop.submit(request_id, prompt, params)
-        finished = False
+        unfinished = params.n
         try:
-            while not finished:
+            while unfinished:
                 out = await outputs.get()
                 if isinstance(out, Exception):
-                    finished = True
+                    unfinished = 0
                     await self._fail(context, method, status_for(out), str(out))
-                finished = out.finished
-                yield request_id, out
+                unfinished -= out.finished
+                yield request_id, out, unfinished == 0
         finally:
             self.engine_loop.done()
-            if not finished:  # cancelled, deadline passed, or the client went away
+            if unfinished:  # cancelled, deadline passed, or the client went away
                 self.engine_loop.abort(request_id)
                 self.metrics.on_rpc(method, grpc.StatusCode.CANCELLED)
 
@@ -247,30 +340,21 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         await context.abort(code, message)
 
     async def Generate(self, request, context):
-        async for request_id, out in self._outputs(request, context, "Generate"):
+        final: dict[int, RequestOutput] = {}
+        async for request_id, out, last in self._outputs(request, context, "Generate"):
             if out.finished:
+                final[out.index] = out
+            if last:
                 self.metrics.on_rpc("Generate", grpc.StatusCode.OK)
-                return pb.GenerateResponse(
-                    request_id=request_id,
-                    text=out.text,
-                    token_ids=out.token_ids,
-                    finish_reason=FINISH_REASONS[out.finish_reason],
-                    prompt_tokens=out.prompt_tokens,
-                    generated_tokens=out.generated_tokens,
-                    replica=self.replica_id,
-                )
+                return response_from(request_id, [final[i] for i in sorted(final)], self.replica_id)
 
     async def GenerateStream(self, request, context):
-        async for request_id, out in self._outputs(request, context, "GenerateStream"):
-            chunk = pb.GenerateChunk(
-                request_id=request_id, text=out.new_text, token_ids=out.new_token_ids, replica=self.replica_id
-            )
-            if out.finished:
-                chunk.finish_reason = FINISH_REASONS[out.finish_reason]
-                chunk.prompt_tokens = out.prompt_tokens
-                chunk.generated_tokens = out.generated_tokens
+        first = True
+        async for request_id, out, last in self._outputs(request, context, "GenerateStream"):
+            if last:
                 self.metrics.on_rpc("GenerateStream", grpc.StatusCode.OK)
-            yield chunk
+            yield chunk_from(request_id, out, self.replica_id, first)
+            first = False
 
     async def GetStatus(self, request, context):
         loading = self.engine_loop is None

@@ -5,6 +5,9 @@ single replica alike.
         print(client.generate("Once upon a time", max_new_tokens=32).text)
         for text in client.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1):
             print(text, end="", flush=True)
+        result = client.generate("Once upon a time", n=3, temperature=0.8, logprobs=True, top_logprobs=2)
+        for choice in result.completions():
+            print(choice.index, choice.text, [lp.logprob for lp in choice.logprobs])
 """
 
 from __future__ import annotations
@@ -21,7 +24,28 @@ import grpc
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
 from .grpc_server import CHANNEL_OPTIONS
 
-SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",  # {token id: bias}
+    "stop_token_ids",
+    "n",
+    "logprobs",  # bool
+    "top_logprobs",
+    "include_stop_str_in_output",
+    "keep_special_tokens",
+    "echo",
+)
 CALL_FIELDS = ("request_id", "timeout")
 # Requests of one batch in flight at once: enough to fill a deployment, few enough not to overflow its queues.
 DEFAULT_MAX_IN_FLIGHT = 128
@@ -54,7 +78,36 @@ class GenerationError(Exception):
 
 
 @dataclass
+class TopLogprob:
+    token_id: int
+    token: str  # the token decoded alone
+    logprob: float  # natural log, under the model's raw distribution
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int  # the generated token
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)  # the top_logprobs most likely tokens, most likely first
+
+
+@dataclass
+class Choice:
+    """One of the n completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    generated_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when logprobs was asked for
+
+
+@dataclass
 class GenerationResult:
+    """The answer; with n > 1 the top-level fields are completion 0's and `choices` holds all n in index order."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "length", "stop", "eos" or "cancelled"
@@ -62,17 +115,29 @@ class GenerationResult:
     generated_tokens: int
     replica: str  # id of the replica that served the request
     request_id: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when logprobs was asked for
+    choices: list[Choice] = field(default_factory=list)  # every completion when n > 1, else empty
+    prompt_text: str = ""  # the prompt's text when echo was asked for
+
+    def completions(self) -> list[Choice]:
+        """Every completion in index order, whatever n was (for n = 1, the one this result holds)."""
+        if self.choices:
+            return self.choices
+        return [Choice(0, self.text, self.token_ids, self.finish_reason, self.generated_tokens, self.logprobs)]
 
 
 @dataclass
 class GenerationChunk:
     text: str  # text that became final with this chunk
     token_ids: list[int]  # ids sampled since the previous chunk
-    finish_reason: str | None  # set on the last chunk only
+    finish_reason: str | None  # set on each completion's last chunk only
     prompt_tokens: int  # set on the last chunk
     generated_tokens: int  # set on the last chunk
     replica: str
     request_id: str
+    index: int = 0  # which completion this continues (n > 1); the stream ends after every index's last chunk
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids when logprobs was asked for
+    prompt_text: str = ""  # the prompt's text, on the first chunk only, when echo was asked for
 
 
 @dataclass
@@ -106,10 +171,17 @@ def check_kwargs(kwargs: Mapping[str, object]) -> None:
         )
 
 
+def check_single_completion(kwargs: Mapping[str, object]) -> None:
+    if (kwargs.get("n") or 1) > 1:
+        raise TypeError("stream yields one completion's text: use stream_chunks for n > 1 (each chunk has its index)")
+
+
 def sampling_params(kwargs: Mapping[str, object]) -> fastgen_pb2.SamplingParams:
     values = {k: kwargs[k] for k in SAMPLING_FIELDS if kwargs.get(k) is not None}
     stop = values.pop("stop", ())
-    params = fastgen_pb2.SamplingParams(**values)
+    logit_bias = {int(t): float(b) for t, b in dict(values.pop("logit_bias", {})).items()}
+    values["stop_token_ids"] = [int(t) for t in values.get("stop_token_ids", ())]
+    params = fastgen_pb2.SamplingParams(**values, logit_bias=logit_bias)
     params.stop.extend([stop] if isinstance(stop, str) else list(stop))
     return params
 
@@ -150,6 +222,13 @@ def batch_requests(prompts: Sequence, kwargs: Mapping[str, object]) -> list[fast
     return [build_request(p, f"{base_id}-{i}" if base_id else None, kwargs) for i, p in enumerate(prompts)]
 
 
+def to_logprobs(logprobs) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(lp.token_id, lp.token, lp.logprob, [TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top])
+        for lp in logprobs
+    ]
+
+
 def to_result(resp: fastgen_pb2.GenerateResponse) -> GenerationResult:
     return GenerationResult(
         text=resp.text,
@@ -159,6 +238,19 @@ def to_result(resp: fastgen_pb2.GenerateResponse) -> GenerationResult:
         generated_tokens=resp.generated_tokens,
         replica=resp.replica,
         request_id=resp.request_id,
+        logprobs=to_logprobs(resp.logprobs),
+        choices=[
+            Choice(
+                c.index,
+                c.text,
+                list(c.token_ids),
+                FINISH_REASONS[c.finish_reason],
+                c.generated_tokens,
+                to_logprobs(c.logprobs),
+            )
+            for c in resp.choices
+        ],
+        prompt_text=resp.prompt_text,
     )
 
 
@@ -171,6 +263,9 @@ def to_chunk(chunk: fastgen_pb2.GenerateChunk) -> GenerationChunk:
         generated_tokens=chunk.generated_tokens,
         replica=chunk.replica,
         request_id=chunk.request_id,
+        index=chunk.index,
+        logprobs=to_logprobs(chunk.logprobs),
+        prompt_text=chunk.prompt_text,
     )
 
 
@@ -218,7 +313,9 @@ class Client:
         return self._generate_batch(batch_requests(prompt, kwargs), timeout)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
-        """Yields the new text of each chunk (empty chunks are skipped)."""
+        """Yields the new text of each chunk (empty chunks are skipped); one completion only (stream_chunks for n > 1,
+        whose chunks say which completion they continue)."""
+        check_single_completion(kwargs)
         return self._texts(self.stream_chunks(prompt, **kwargs))
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[GenerationChunk]:
@@ -317,7 +414,9 @@ class AsyncClient:
                 t.cancel()  # the first failure ends the batch: cancel the rest
 
     def stream(self, prompt, **kwargs) -> AsyncIterator[str]:
-        """`async for text in client.stream(...)`: the new text of each chunk (empty chunks are skipped)."""
+        """`async for text in client.stream(...)`: the new text of each chunk (empty chunks are skipped); one
+        completion only (stream_chunks for n > 1)."""
+        check_single_completion(kwargs)
         return self._texts(self.stream_chunks(prompt, **kwargs))
 
     def stream_chunks(self, prompt, **kwargs) -> AsyncIterator[GenerationChunk]:

@@ -72,6 +72,10 @@ FINISH_REASONS = ("length", "stop", "eos", "cancelled")
 EXPECTED_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
 REPLICA_METHODS = ("Generate", "GenerateStream")
 BALANCER_METHODS = ("Generate", "GenerateStream", "GetStatus")
+# The OpenAI-compatible HTTP API's routes and the statuses it answers them with (499: the client left first).
+HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version")
+HTTP_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+HTTP_EXPECTED_STATUSES = ("200", "400", "401", "404", "429", "499", "500", "503", "504")
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,21 @@ BALANCER_ROUTING = MetricDef(
     "fastgen_balancer_routing_decisions_total", Counter, "Replica picks by routing policy.", ("policy", "replica")
 )
 
+# The balancer's OpenAI-compatible HTTP API (when --http-port is set). Unknown paths are one route, "other".
+HTTP_REQUESTS = MetricDef(
+    "fastgen_http_requests_total",
+    Counter,
+    "HTTP requests the OpenAI-compatible API answered, by route and status (499: the client disconnected first).",
+    ("route", "status"),
+)
+HTTP_LATENCY = MetricDef(
+    "fastgen_http_request_duration_seconds",
+    Histogram,
+    "Arrival of an HTTP request to the end of its response (a stream's last event included), by route.",
+    ("route",),
+    REQUEST_LATENCY_BUCKETS,
+)
+
 # Every process.
 BUILD_INFO = MetricDef(
     "fastgen_build_info",
@@ -216,7 +235,8 @@ BALANCER_METRICS = (
     BALANCER_RETRIES,
     BALANCER_ROUTING,
 )
-ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + (BUILD_INFO,)
+HTTP_METRICS = (HTTP_REQUESTS, HTTP_LATENCY)
+ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + HTTP_METRICS + (BUILD_INFO,)
 
 
 def register(registry: CollectorRegistry, defs: tuple[MetricDef, ...]) -> dict[MetricDef, object]:
@@ -289,6 +309,7 @@ class OutputLike(Protocol):
     generated_tokens: int
     time: float
     timings: TimingsLike
+    index: int  # which of the request's n completions (its prompt was prefilled once, for index 0)
 
     @property
     def finished(self) -> bool: ...
@@ -361,7 +382,7 @@ class ReplicaMetrics:
         if times is None:
             first = out.timings.first_token if out.timings.first_token is not None else out.time
             m[TIME_TO_FIRST_TOKEN].observe(max(0.0, first - out.timings.arrival))
-            m[PROMPT_TOKENS].inc(out.prompt_tokens)
+            self._count_prompt(out)
             times = self._token_times[out.request_id] = [first]
             n -= 1  # the first token has no predecessor to measure from
         # Tokens that arrive together share the gap evenly, so the histogram counts every token once.
@@ -376,7 +397,7 @@ class ReplicaMetrics:
         m = self._bound
         times = self._token_times.pop(out.request_id, None)
         if times is None:
-            m[PROMPT_TOKENS].inc(out.prompt_tokens)  # finished without a token (cancelled): count its prompt now
+            self._count_prompt(out)  # finished without a token (cancelled): count its prompt now
         t = out.timings
         finished = t.finished if t.finished is not None else out.time
         m[E2E_LATENCY].observe(max(0.0, finished - t.arrival))
@@ -386,6 +407,11 @@ class ReplicaMetrics:
         self._by_reason.labels(**self._replica_labels, reason=reason).inc()
         if reason != "cancelled":  # the client gave up: neither a success nor the server's miss
             self._score(out, times or [])
+
+    def _count_prompt(self, out: OutputLike) -> None:
+        # The n completions of one request share one prompt; counting it per completion would claim n prefills.
+        if out.index == 0:
+            self._bound[PROMPT_TOKENS].inc(out.prompt_tokens)
 
     def _score(self, out: OutputLike, times: list[float]) -> None:
         ttft = max(0.0, times[0] - out.timings.arrival) if times else None
@@ -440,6 +466,23 @@ class BalancerMetrics:
 
     def on_route(self, policy: str, replica: str) -> None:
         self._m[BALANCER_ROUTING].labels(policy=policy, replica=replica).inc()
+
+
+class HttpMetrics:
+    """The HTTP API's requests by route and status, and its latency by route. The generation routes' expected
+    statuses and every route's histogram are exported from the first scrape."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._m = m = register(registry, HTTP_METRICS)
+        for route in HTTP_ROUTES:
+            m[HTTP_LATENCY].labels(route=route)
+            for status in HTTP_EXPECTED_STATUSES if route in HTTP_GENERATION_ROUTES else ("200",):
+                m[HTTP_REQUESTS].labels(route=route, status=status)
+
+    def on_request(self, route: str, status: int, seconds: float) -> None:
+        """A request to `route` ("other" for unknown paths) was answered with `status` after `seconds`."""
+        self._m[HTTP_REQUESTS].labels(route=route, status=str(status)).inc()
+        self._m[HTTP_LATENCY].labels(route=route).observe(seconds)
 
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:

@@ -246,11 +246,14 @@ def alive(pid: int) -> bool:
 TINY_DEPLOYMENT = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--threads", "1", "--timeout", "120")
 
 
-def tiny_start(name: str, model: Path, replicas: int, port: int, metrics_port: int, *extra: str) -> list[str]:
-    """`fastgen-deploy start` arguments for a deployment of the tiny model on the given ports; `extra` comes last,
-    so its flags override the shared ones."""
+def tiny_start(
+    name: str, model: Path, replicas: int, port: int, metrics_port: int, *extra: str, http_port: int = 0
+) -> list[str]:
+    """`fastgen-deploy start` arguments for a deployment of the tiny model on the given ports (no HTTP API unless
+    http_port: the default 8000 would clash between tests); `extra` comes last, so its flags override the shared
+    ones."""
     what = ["--name", name, "--model", str(model), "--replicas", str(replicas)]
-    where = ["--port", str(port), "--metrics-port", str(metrics_port)]
+    where = ["--port", str(port), "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
     return ["start", *what, *where, *TINY_DEPLOYMENT, *extra]
 
 

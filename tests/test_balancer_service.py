@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from fastgen.balancer.policy import Router
 from fastgen.balancer.pool import ReplicaPool, ReplicaSpec
-from fastgen.balancer.service import BalancerService
+from fastgen.balancer.service import Balancer, BalancerService, RequestFailed
 from fastgen.proto import fastgen_pb2 as pb
 from fastgen.proto import fastgen_pb2_grpc
 from fastgen.server import AsyncClient, GenerationError
@@ -94,6 +95,7 @@ class Harness:
     pool: ReplicaPool
     registry: CollectorRegistry
     replica_health: dict
+    balancer: Balancer | None = None  # the routing core, for transports other than gRPC
 
     def retries(self, replica: str, code: str = "UNAVAILABLE") -> float:
         value = self.registry.get_sample_value("fastgen_balancer_retries_total", {"replica": replica, "code": code})
@@ -126,7 +128,7 @@ async def balancer_over(
             if all(r.checked for r in pool.replicas) and pool.any_healthy() == healthy:
                 break
             await asyncio.sleep(0.02)
-        yield Harness(client, pool, registry, health)
+        yield Harness(client, pool, registry, health, service.balancer)
     finally:
         await client.close()
         await server.stop(None)
@@ -182,6 +184,42 @@ def test_resource_exhausted_moves_once_then_reaches_the_client():
 
     run(main())
     assert (a.calls, b.calls) == (2, 2)
+
+
+def test_a_full_queue_with_no_other_replica_reaches_the_client_as_is():
+    a = FakeReplica("a", [grpc.StatusCode.RESOURCE_EXHAUSTED])
+
+    async def main():
+        async with balancer_over([a]) as h:
+            with pytest.raises(GenerationError) as err:
+                await h.client.generate("hi")
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # back off, not "unavailable"
+
+    run(main())
+    assert a.calls == 1
+
+
+def test_the_core_answers_without_a_grpc_context():
+    a = FakeReplica("a", [grpc.StatusCode.INVALID_ARGUMENT])
+
+    async def main():
+        async with balancer_over([a]) as h:
+            with pytest.raises(RequestFailed) as err:
+                await h.balancer.generate(pb.GenerateRequest(text="hi"))
+            assert (err.value.code, err.value.details) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a answers INVALID_ARGUMENT",
+            )
+            chunks = [c async for c in h.balancer.stream(pb.GenerateRequest(text="hi"), time.monotonic() + 5)]
+            assert [c.text for c in chunks] == ["0", "1", "2", ""] and a.time_remaining[-1] < 5.1
+            with pytest.raises(RequestFailed) as err:
+                await h.balancer.generate(pb.GenerateRequest(text="hi"), deadline=time.monotonic() - 1)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _wait_for(lambda: h.balancer.model() == "fake")  # from the replica's GetStatus
+            assert h.balancer.status().model == "fake"
+
+    run(main())
+    assert a.calls == 2  # the expired deadline never reached the replica
 
 
 def test_retries_are_bounded_by_max_retries():

@@ -83,3 +83,119 @@ def test_stream_checks_arguments_when_called():
             client.stream("hi", temprature=0.1)
         with pytest.raises(TypeError, match="one prompt"):
             client.stream_chunks(["a", "b"])
+
+
+def test_new_sampling_fields_reach_the_request():
+    p = build_request(
+        "x",
+        None,
+        dict(
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.1,
+            min_p=0.05,
+            logit_bias={50: -100, "7": 2.5},
+            stop_token_ids=[3, 4],
+            n=4,
+            logprobs=True,
+            top_logprobs=5,
+            include_stop_str_in_output=True,
+            keep_special_tokens=True,
+            echo=True,
+        ),
+    ).params
+    assert (p.presence_penalty, p.frequency_penalty, p.min_p, p.n, p.logprobs, p.top_logprobs) == (
+        0.5,
+        -0.5,
+        pytest.approx(0.05),
+        4,
+        True,
+        5,
+    )
+    assert dict(p.logit_bias) == {50: -100.0, 7: 2.5} and list(p.stop_token_ids) == [3, 4]
+    assert p.include_stop_str_in_output and p.keep_special_tokens and p.echo
+    assert p.repetition_penalty == pytest.approx(1.1)
+    empty = build_request("x", None, {}).params
+    assert (empty.n, dict(empty.logit_bias), list(empty.stop_token_ids), empty.logprobs) == (0, {}, [], False)
+
+
+def logprob(token_id, lp, *top):
+    return pb.TokenLogprob(
+        token_id=token_id, token=f"t{token_id}", logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=-1.0) for t in top]
+    )
+
+
+def test_results_carry_choices_logprobs_and_prompt_text():
+    choices = [
+        pb.Choice(index=i, text=f"c{i}", token_ids=[i], finish_reason=pb.FINISH_REASON_LENGTH, generated_tokens=1)
+        for i in range(2)
+    ]
+    choices[1].logprobs.append(logprob(1, -0.5, 1, 9))
+    r = to_result(pb.GenerateResponse(text="c0", token_ids=[0], choices=choices, prompt_text="p"))
+    assert [c.index for c in r.choices] == [0, 1] and r.prompt_text == "p"
+    assert r.completions() is r.choices and r.choices[1].finish_reason == "length"
+    lp = r.choices[1].logprobs[0]
+    assert (lp.token_id, lp.token, lp.logprob, [t.token_id for t in lp.top]) == (1, "t1", -0.5, [1, 9])
+    single = to_result(pb.GenerateResponse(text="t", token_ids=[5], logprobs=[logprob(5, -0.25)], generated_tokens=1))
+    [only] = single.completions()
+    assert (only.index, only.text, only.token_ids, [x.token_id for x in only.logprobs]) == (0, "t", [5], [5])
+    chunk = to_chunk(pb.GenerateChunk(index=2, token_ids=[5], logprobs=[logprob(5, -0.25)], prompt_text="p"))
+    assert (chunk.index, chunk.prompt_text, chunk.logprobs[0].token) == (2, "p", "t5")
+    old = to_chunk(pb.GenerateChunk(text="a"))  # a server without the new fields
+    assert (old.index, old.logprobs, old.prompt_text) == (0, [], "")
+
+
+def test_text_stream_is_for_one_completion():
+    with Client("127.0.0.1:1") as client:
+        with pytest.raises(TypeError, match="stream_chunks"):
+            client.stream("hi", n=2)
+        client.stream_chunks("hi", n=2).close()  # fine: chunks say their index
+
+
+def test_generate_flags_build_the_request(capsys):
+    from fastgen.launch import cli
+    from fastgen.server.client import Choice, TokenLogprob, TopLogprob
+
+    argv = ["generate", "hi", "--n", "3", "--logprobs", "2", "--presence-penalty", "0.5", "--frequency-penalty", "1"]
+    argv += ["--repetition-penalty", "1.2", "--min-p", "0.1", "--stop-token-id", "7", "--stop-token-id", "9"]
+    argv += ["--logit-bias", "50=-100", "--logit-bias", "3=2.5", "--seed", "4", "--stop", "END", "--echo"]
+    kwargs = cli.generate_kwargs(cli.build_parser().parse_args(argv))
+    assert kwargs["logit_bias"] == {50: -100.0, 3: 2.5} and kwargs["stop_token_ids"] == [7, 9]
+    assert (kwargs["logprobs"], kwargs["top_logprobs"], kwargs["n"], kwargs["echo"]) == (True, 2, 3, True)
+    p = build_request("hi", None, kwargs).params
+    assert (p.n, p.top_logprobs, p.seed, list(p.stop), dict(p.logit_bias)) == (3, 2, 4, ["END"], {50: -100, 3: 2.5})
+    assert cli.generate_kwargs(cli.build_parser().parse_args(["generate", "hi"])) == {}
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "hi", "--logit-bias", "50"])
+    assert "ID=BIAS" in capsys.readouterr().err
+
+    choice = Choice(1, "text", [4], "stop", 1, [TokenLogprob(4, "tok", -0.5, [TopLogprob(4, "tok", -0.5)])])
+    cli.print_completion(choice, many=True)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "--- completion 1 (1 tokens, stop) ---" and out[1] == "text"
+    assert "-0.5000" in out[2] and "'tok'" in out[2] and "top: 'tok' -0.500" in out[2]
+
+
+def test_generate_stream_prints_each_of_n_completions_as_it_ends(capsys):
+    from fastgen.launch import cli
+    from fastgen.server.client import GenerationChunk
+
+    def chunk(index, text, reason=None, prompt_text=""):
+        return GenerationChunk(text, [1], reason, 3, 2 if reason else 0, "r0", "id", index, [], prompt_text)
+
+    chunks = [chunk(0, "Hel", prompt_text="P"), chunk(1, "Wor"), chunk(1, "ld", "length"), chunk(0, "lo", "eos")]
+
+    class FakeClient:
+        def stream_chunks(self, prompt, **kwargs):
+            return iter(chunks)
+
+    cli.stream_generate(FakeClient(), "P", {"n": 2})
+    assert capsys.readouterr().out.splitlines() == [
+        "P",
+        "--- completion 1 (2 tokens, length) ---",
+        "World",
+        "--- completion 0 (2 tokens, eos) ---",
+        "Hello",
+    ]
+    cli.stream_generate(FakeClient(), "P", {})  # one completion: text as it comes (here both indices' text)
+    assert capsys.readouterr().out == "PHelWorldlo\n"

@@ -64,6 +64,8 @@ def test_the_dashboard_shows_what_operators_act_on():
         "Traffic per replica",
         "Replica health",
         "Retries",
+        "HTTP requests",
+        "HTTP latency",
     } <= titles
     assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "deployment", "replica", "token_rate"]
     exprs = " ".join(e for _, e in queries(board))

@@ -124,9 +124,104 @@ def test_abort_frees_blocks_at_once(models):
     engine.add_request("b", [6] * 40, SamplingParams(max_new_tokens=5))
     engine.step()
     assert engine.scheduler.allocator.num_used > 0
-    out = engine.abort("a")
+    [out] = engine.abort("a")
     assert out.finish_reason is FinishReason.CANCELLED
-    assert engine.abort("a") is None
+    assert engine.abort("a") == []
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.allocator.num_used == 0
+
+
+# ---- the OpenAI API's options, on the session's tiny model ------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    return pipeline(str(tiny_model_dir), dtype="float32", progress=False).engine
+
+
+def finish(engine, prompt, **params):
+    """Runs one request to its end: (final output, every output)."""
+    from fastgen.replica.request import SamplingParams
+
+    rid = f"r{random.random()}"
+    engine.add_request(rid, prompt, SamplingParams(**params))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
+    return outs[-1], outs
+
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+def test_stop_token_ids_end_with_stop_and_wait_for_min_new_tokens(tiny_engine):
+    ref, _ = finish(tiny_engine, PROMPT, max_new_tokens=8)
+    k = next(i for i in range(2, 8) if ref.token_ids[i] not in ref.token_ids[:i])
+    stop = ref.token_ids[k]
+    out, _ = finish(tiny_engine, PROMPT, max_new_tokens=8, stop_token_ids=(stop,))
+    assert (out.token_ids, out.finish_reason) == (ref.token_ids[: k + 1], FinishReason.STOP)  # kept in token_ids
+    before, _ = finish(tiny_engine, PROMPT, max_new_tokens=k)
+    assert out.text == before.text  # its text left out
+    late, _ = finish(tiny_engine, PROMPT, max_new_tokens=8, min_new_tokens=k + 2, stop_token_ids=(stop,))
+    assert stop not in late.token_ids[: k + 2] and late.generated_tokens >= k + 2
+    assert tiny_engine.scheduler.allocator.num_used == 0
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop(tiny_engine):
+    ref, _ = finish(tiny_engine, PROMPT, max_new_tokens=12)
+    stop = ref.text[len(ref.text) // 2 :][:3]
+    at = ref.text.find(stop)
+    cut, _ = finish(tiny_engine, PROMPT, max_new_tokens=12, stop=(stop,))
+    kept, outs = finish(tiny_engine, PROMPT, max_new_tokens=12, stop=(stop,), include_stop_str_in_output=True)
+    assert (cut.text, cut.finish_reason) == (ref.text[:at], FinishReason.STOP)
+    assert (kept.text, kept.finish_reason) == (ref.text[: at + len(stop)], FinishReason.STOP)
+    assert "".join(o.new_text for o in outs) == kept.text
+
+
+def test_echo_returns_the_prompt_as_text(tiny_engine):
+    text, _ = finish(tiny_engine, "The capital of France is", max_new_tokens=2, echo=True)
+    assert text.prompt_text == "The capital of France is"
+    ids, _ = finish(tiny_engine, [1, 9906, 2], max_new_tokens=2, echo=True)
+    assert ids.prompt_text == tiny_engine.tokenizer.decode([1, 9906, 2], skip_special_tokens=False)
+    assert ids.prompt_text.startswith("<|im_start|>")
+    chat, _ = finish(tiny_engine, [{"role": "user", "content": "Hi"}], max_new_tokens=2, echo=True)
+    assert "<|im_start|>user\nHi" in chat.prompt_text and chat.prompt_tokens == len(
+        tiny_engine.tokenizer.encode(chat.prompt_text, add_special_tokens=False)
+    )
+    plain, _ = finish(tiny_engine, "The capital", max_new_tokens=2)
+    assert plain.prompt_text == ""
+
+
+def test_logit_bias_and_keep_special_tokens(tiny_engine):
+    forced, _ = finish(tiny_engine, PROMPT, max_new_tokens=3, logit_bias=((1, 100.0),))
+    assert forced.token_ids == [1, 1, 1] and forced.text == ""  # <|im_start|> is a special token
+    kept, _ = finish(tiny_engine, PROMPT, max_new_tokens=3, logit_bias=((1, 100.0),), keep_special_tokens=True)
+    assert kept.text == "<|im_start|>" * 3
+
+
+def test_logprobs_with_token_strings(tiny_engine):
+    out, outs = finish(tiny_engine, PROMPT, max_new_tokens=6, logprobs=3)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for lp in out.logprobs:
+        assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id  # greedy takes the most likely
+        assert lp.logprob == lp.top[0].logprob <= 0 and lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+        assert lp.token == tiny_engine.tokenizer.decode([lp.token_id]) and all(t.token for t in lp.top)
+    assert [o.new_logprobs[0] for o in outs] == out.logprobs
+    bare, _ = finish(tiny_engine, PROMPT, max_new_tokens=2, logprobs=0)
+    assert [lp.top for lp in bare.logprobs] == [(), ()]
+    none, _ = finish(tiny_engine, PROMPT, max_new_tokens=2)
+    assert none.logprobs == [] and none.new_logprobs == []
+
+
+def test_new_options_are_validated_against_the_vocabulary(tiny_engine):
+    from fastgen.replica.request import SamplingParams
+
+    for params, message in [
+        (dict(logit_bias=((49152, 1.0),)), "token ids in logit_bias"),
+        (dict(stop_token_ids=(-1,)), "token ids in logit_bias and stop_token_ids"),
+        (dict(n=0), "n must be"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(logprobs=21), "top_logprobs"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            tiny_engine.add_request("bad", PROMPT, SamplingParams(**params))
+    assert not tiny_engine.has_unfinished()

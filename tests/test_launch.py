@@ -117,6 +117,10 @@ def test_defaults_are_valid():
         (dict(kernels="cuda"), "--kernels"),
         (dict(load_format="pt"), "--load-format"),
         (dict(model="llama-3-8b"), "--load-format dummy"),
+        (dict(http_port=70000), "--http-port"),
+        (dict(http_port=-1), "--http-port"),
+        (dict(http_port=50051), "--http-port"),
+        (dict(http_port=9400), "--http-port"),
     ],
 )
 def test_validate_names_the_flag(change, flag):
@@ -212,6 +216,44 @@ def test_cli_builds_the_config():
     assert "--kv-cache-memory" not in replica.argv and "--gpu-memory-utilization" in replica.argv
 
 
+def test_http_api_flags_reach_the_balancer_and_the_key_stays_off_its_command_line(monkeypatch):
+    monkeypatch.setenv(cfg.API_KEY_ENV, "sk-from-env")
+    args = cli.build_parser().parse_args(["start", "--replicas", "1", "--model", "smollm2-135m"])
+    assert (args.http_port, args.api_key) == (8000, "sk-from-env")
+    assert cli.build_parser().parse_args(["start", "--api-key", "sk-flag"]).api_key == "sk-flag"
+    balancer = cfg.plan(cli.config_from(args), "PY")[0]
+    argv = balancer.argv
+    assert argv[argv.index("--http-port") + 1] == "8000" and balancer.http_port == 8000
+    assert argv[argv.index("--served-model-name") + 1] == "smollm2-135m"
+    assert not any("sk-" in a for a in argv)
+    off = cfg.plan(DeployConfig(replicas=1, http_port=0), "PY")[0]
+    assert "--http-port" not in off.argv and off.http_port is None
+    assert (
+        cfg.http_ports(DeployConfig(http_port=0)) == [] and cfg.http_url("0.0.0.0", 8000) == "http://127.0.0.1:8000/v1"
+    )
+
+
+def test_only_the_balancer_gets_the_api_key():
+    env = {"PATH": "/bin", cfg.API_KEY_ENV: "sk-x"}
+    balancer, replica = cfg.plan(DeployConfig(replicas=1), "PY")
+    assert supervisor.child_env(env, balancer)[cfg.API_KEY_ENV] == "sk-x"
+    assert supervisor.child_env(env, replica) == {"PATH": "/bin"}
+    record = supervisor.process_record(supervisor.Child(balancer, Path("/nonexistent.log")))
+    assert record["http_port"] == 8000 and record["pid"] is None
+
+
+def test_the_balancer_and_the_cli_agree_on_the_key_variable():
+    from fastgen.balancer.openai_api import API_KEY_ENV
+
+    assert API_KEY_ENV == cfg.API_KEY_ENV
+
+
+def test_status_shows_the_http_url():
+    rec = {"id": "balancer", "role": "balancer", "pid": None, "port": 1, "metrics_port": 2, "http_port": 8000}
+    row = deployment.process_status(rec, "0.0.0.0", timeout=0.1)
+    assert (row["http_port"], row["http_url"], row["health"]) == (8000, "http://127.0.0.1:8000/v1", probe.DOWN)
+
+
 def test_cli_rejects_a_bad_size(capsys):
     with pytest.raises(SystemExit) as e:
         cli.build_parser().parse_args(["start", "--kv-cache-memory", "lots"])
@@ -273,13 +315,13 @@ def test_port_problems_name_the_flag(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port())
+        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port(), http_port=0)
         problems = deployment.port_problems(c, tmp_path)
     assert len(problems) == 1 and str(port) in problems[0] and "replica-0" in problems[0] and "--port" in problems[0]
 
 
 def test_ports_of_other_live_deployments_are_taken(tmp_path):
-    other = DeployConfig(name="other", replicas=1, port=free_port(), metrics_port=free_port())
+    other = DeployConfig(name="other", replicas=1, port=free_port(), metrics_port=free_port(), http_port=free_port())
     paths = state.paths_for(tmp_path, "other")
     state.save_config(paths, other)
     fd = state.try_lock(paths)  # stands for its supervisor
@@ -289,6 +331,16 @@ def test_ports_of_other_live_deployments_are_taken(tmp_path):
     finally:
         os.close(fd)
     assert deployment.port_problems(replace(other, name="mine"), tmp_path) == []
+
+
+def test_http_port_in_use_names_its_flag(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        c = DeployConfig(replicas=1, port=free_port(), metrics_port=free_port(), http_port=port)
+        problems = deployment.port_problems(c, tmp_path)
+    assert problems == [f"port {port} (balancer HTTP) on 127.0.0.1 is in use: choose another --http-port"]
 
 
 def test_health_of_nothing_is_down():

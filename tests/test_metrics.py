@@ -15,6 +15,7 @@ from fastgen.server.metrics import (
     ALL_METRICS,
     BalancerMetrics,
     BuildInfo,
+    HttpMetrics,
     ReplicaMetrics,
     record_build_info,
     start_metrics_server,
@@ -49,7 +50,9 @@ def stats(**overrides):
     return s
 
 
-def output(request_id, new_ids, time, reason=None, arrival=0.0, first_scheduled=0.1, first_token=None, prompt=5):
+def output(
+    request_id, new_ids, time, reason=None, arrival=0.0, first_scheduled=0.1, first_token=None, prompt=5, index=0
+):
     timings = SimpleNamespace(
         arrival=arrival, first_scheduled=first_scheduled, first_token=first_token, finished=time if reason else None
     )
@@ -62,6 +65,7 @@ def output(request_id, new_ids, time, reason=None, arrival=0.0, first_scheduled=
         generated_tokens=0,
         time=time,
         timings=timings,
+        index=index,
     )
 
 
@@ -121,6 +125,15 @@ def test_request_cancelled_before_its_first_token(registry):
     assert value(registry, "fastgen_requests_finished_total", reason="cancelled", **LABELS) == 1
 
 
+def test_n_completions_count_their_shared_prompt_once(registry):
+    m = ReplicaMetrics(registry, "r0", "tiny")
+    m.on_output(output("c", [3], 0.5, first_token=0.5, prompt=7))
+    m.on_output(output("c#1", [4], 0.5, first_token=0.5, prompt=7, index=1))
+    m.on_output(output("c#2", [], 0.6, reason=Reason.CANCELLED, prompt=7, index=2))
+    assert value(registry, "fastgen_prompt_tokens_total", **LABELS) == 7
+    assert value(registry, "fastgen_generated_tokens_total", **LABELS) == 2
+
+
 def test_rpc_codes_are_counted(registry):
     m = ReplicaMetrics(registry, "r0", "tiny")
     m.on_rpc("Generate", grpc.StatusCode.OK)
@@ -165,6 +178,22 @@ def test_balancer_metrics(registry):
     assert value(registry, "fastgen_balancer_replica_healthy", replica="r1") == 1
     assert value(registry, "fastgen_balancer_retries_total", replica="r0", code="UNAVAILABLE") == 1
     assert value(registry, "fastgen_balancer_routing_decisions_total", policy="least_loaded", replica="r1") == 1
+
+
+def test_http_metrics_by_route_and_status(registry):
+    m = HttpMetrics(registry)
+    for status in ("400", "429", "499", "503"):
+        assert value(registry, "fastgen_http_requests_total", route="/v1/chat/completions", status=status) == 0
+    assert registry.get_sample_value("fastgen_http_requests_total", {"route": "/health", "status": "200"}) == 0
+    assert registry.get_sample_value("fastgen_http_request_duration_seconds_count", {"route": "/v1/models"}) == 0
+    m.on_request("/v1/completions", 200, 0.3)
+    m.on_request("/v1/completions", 429, 0.01)
+    m.on_request("other", 404, 0.001)
+    assert value(registry, "fastgen_http_requests_total", route="/v1/completions", status="200") == 1
+    assert value(registry, "fastgen_http_requests_total", route="/v1/completions", status="429") == 1
+    assert value(registry, "fastgen_http_requests_total", route="other", status="404") == 1
+    assert value(registry, "fastgen_http_request_duration_seconds_count", route="/v1/completions") == 2
+    assert value(registry, "fastgen_http_request_duration_seconds_sum", route="/v1/completions") == pytest.approx(0.31)
 
 
 def test_registries_are_independent():

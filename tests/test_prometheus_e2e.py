@@ -225,8 +225,9 @@ def check_every_panel_returns_data(prom: Prometheus) -> int:
 def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, prometheus_server, tiny_model_dir):
     port = free_port_range(3)
     metrics = free_port_range(3, avoid=set(range(port, port + 3)))
+    http = free_port_range(1, avoid=set(range(port, port + 3)) | set(range(metrics, metrics + 3)))
     done = deploy(
-        *tiny_start(NAME, tiny_model_dir, 2, port, metrics),
+        *tiny_start(NAME, tiny_model_dir, 2, port, metrics, http_port=http),
         "--sla-prompt-rate",
         f"{PROMPT_RATE:g}",
         "--sla-token-rate",
@@ -253,6 +254,9 @@ def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, pr
             f'sum(fastgen_sla_requests_total{{deployment="{NAME}", token_rate="{rate_label(rate)}"}})', len(first)
         )
     check_sla_counters(prom, first)
+    # The HTTP API's panels: one request that reaches no replica (the counts above stay gRPC's), after Prometheus
+    # has seen its counters at 0, so their rates are defined.
+    urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=10).read()
 
     # A replica killed outright comes back on the same port: the same target and series, its counters reset.
     old_pid = rows[1]["pid"]

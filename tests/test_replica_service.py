@@ -156,3 +156,137 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
 
     with pytest.raises(ValueError, match="nonexistent"):
         asyncio.run(fail_to_build())
+
+
+# ---- the OpenAI API's options through the service, in process ---------------------------------------------------
+def test_params_from_proto_maps_zeros_to_defaults():
+    from fastgen.proto import fastgen_pb2 as pb
+    from fastgen.replica.request import SamplingParams
+    from fastgen.replica.service import params_from_proto
+
+    assert params_from_proto(pb.SamplingParams()) == SamplingParams()
+    p = params_from_proto(
+        pb.SamplingParams(
+            presence_penalty=0.5,
+            frequency_penalty=-1.0,
+            repetition_penalty=1.25,
+            min_p=0.25,
+            logit_bias={9: -5.0, 3: 2.5},
+            stop_token_ids=[7, 8],
+            n=3,
+            logprobs=True,
+            top_logprobs=4,
+            include_stop_str_in_output=True,
+            keep_special_tokens=True,
+            echo=True,
+        )
+    )
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.25, 0.25)
+    assert p.logit_bias == ((3, 2.5), (9, -5.0)) and p.stop_token_ids == (7, 8) and p.n == 3 and p.logprobs == 4
+    assert p.include_stop_str_in_output and p.keep_special_tokens and p.echo
+    assert params_from_proto(pb.SamplingParams(logprobs=True)).logprobs == 0
+    with pytest.raises(ValueError, match="needs logprobs"):
+        params_from_proto(pb.SamplingParams(top_logprobs=2))
+
+
+def test_n_completions_logprobs_and_echo_through_the_service(tiny_model_dir):
+    """Generate and GenerateStream for n completions with logprobs and echo, through a real gRPC server and the
+    async client; bad values are INVALID_ARGUMENT; a cancelled n > 1 stream frees every block."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from fastgen.replica.builder import build_engine
+    from fastgen.replica.config import CacheConfig, EngineConfig
+    from fastgen.replica.engine import completion_seed
+    from fastgen.replica.service import EngineLoop, QueueLimits, ReplicaService
+    from fastgen.server import AsyncClient
+    from fastgen.server.grpc_server import create_server
+    from fastgen.server.metrics import ReplicaMetrics
+    from fastgen.testing import free_port
+
+    prompt = "Once upon a time"
+    params = dict(max_new_tokens=6, temperature=1.0, seed=17, n=3, logprobs=True, top_logprobs=2, echo=True)
+
+    def build():
+        config = EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=128)
+        )
+        return build_engine(config)
+
+    async def check_generate(client):
+        result = await client.generate(prompt, **params)
+        assert [c.index for c in result.choices] == [0, 1, 2]
+        first = result.choices[0]
+        assert (result.text, result.token_ids, result.finish_reason) == (first.text, first.token_ids, "length")
+        assert result.logprobs == first.logprobs and result.prompt_text == prompt
+        for c in result.choices:
+            assert [lp.token_id for lp in c.logprobs] == c.token_ids and c.generated_tokens == 6
+            assert all(len(lp.top) == 2 and lp.token for lp in c.logprobs)
+            one = await client.generate(prompt, **{**params, "n": 1, "seed": completion_seed(17, c.index)})
+            assert (one.token_ids, one.text, one.choices) == (c.token_ids, c.text, [])
+        return result
+
+    async def check_stream(client, result):
+        chunks = [c async for c in client.stream_chunks(prompt, **params)]
+        assert chunks[0].prompt_text == prompt and all(c.prompt_text == "" for c in chunks[1:])
+        for choice in result.choices:
+            mine = [c for c in chunks if c.index == choice.index]
+            assert "".join(c.text for c in mine) == choice.text
+            assert [t for c in mine for t in c.token_ids] == choice.token_ids
+            assert [lp for c in mine for lp in c.logprobs] == choice.logprobs
+            assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
+            assert mine[-1].generated_tokens == 6
+
+    async def check_refusals(client):
+        from fastgen.server import GenerationError
+
+        for kwargs, message in [
+            (dict(presence_penalty=5.0), "presence_penalty"),
+            (dict(logit_bias={49152: 1.0}), "logit_bias"),
+            (dict(top_logprobs=2), "needs logprobs"),
+            (dict(n=500), "n must be"),
+        ]:
+            with pytest.raises(GenerationError) as err:
+                await client.generate("hi", **kwargs)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details
+
+    async def check_cancel(client, loop):
+        stream = client.stream_chunks(prompt, n=3, max_new_tokens=300, ignore_eos=True, temperature=1.0)
+        seen = set()
+        async for chunk in stream:
+            seen.add(chunk.index)
+            if len(seen) == 3:
+                break
+        await settle(lambda: loop.load.kv_blocks_used > 0)  # the load is published after the step's outputs
+        await stream.aclose()
+        await settle(lambda: loop.load.kv_blocks_used == 0 and loop.in_flight == 0)
+        assert loop._streams == {}
+
+    async def settle(condition):
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("not reached in 10 s")
+
+    async def main():
+        metrics = ReplicaMetrics(CollectorRegistry(), "r0", "tiny")
+        service = ReplicaService("r0", "tiny", metrics)
+        port = free_port()
+        server, _ = create_server(service, "127.0.0.1", port)
+        await server.start()
+        loop = EngineLoop(build, metrics, QueueLimits(), asyncio.get_running_loop())
+        await loop.start()
+        service.engine_loop = loop
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}", timeout=60) as client:
+                result = await check_generate(client)
+                await check_stream(client, result)
+                await check_refusals(client)
+                await check_cancel(client, loop)
+        finally:
+            await server.stop(None)
+            loop.stop()
+
+    asyncio.run(main())

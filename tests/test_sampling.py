@@ -1,5 +1,6 @@
 """Sampling, stopping and detokenization."""
 
+import dataclasses
 import random
 
 import pytest
@@ -131,7 +132,7 @@ def test_greedy_rows_take_the_given_argmax_and_banned_tokens_lose():
         seen.append(x.clone())
         return TORCH_KERNELS.argmax(x)
 
-    assert sample(logits, rows, argmax) == [2, 0]
+    assert sample(logits, rows, argmax).tokens == [2, 0]
     assert seen and seen[0][0, 1] == float("-inf")
 
 
@@ -202,7 +203,9 @@ def test_draws_follow_the_softmax(temperature, top_k, top_p):
     probs = torch.softmax(LOGITS / temperature, dim=-1)
     keep = keep_mask(LOGITS[None] / temperature, torch.tensor([top_k]), torch.tensor([top_p]), top_k, top_p < 1)[0]
     target = probs * keep / (probs * keep).sum()
-    tokens = sample(LOGITS.expand(DRAWS, -1).clone(), rows(DRAWS, temperature, top_k, top_p), TORCH_KERNELS.argmax)
+    tokens = sample(
+        LOGITS.expand(DRAWS, -1).clone(), rows(DRAWS, temperature, top_k, top_p), TORCH_KERNELS.argmax
+    ).tokens
     assert chi_square(tokens, target) < CHI2_BOUND
     if top_k == 0 and top_p == 1.0:  # the same draws are far from a slightly different distribution
         assert chi_square(tokens, torch.softmax(LOGITS / (0.85 * temperature), dim=-1)) > 4 * CHI2_BOUND
@@ -251,17 +254,76 @@ def test_a_rows_draw_depends_only_on_its_seed_position_and_logits():
     logits = torch.randn(6, 500, generator=gen)
     mine = SamplingRow(1.0, 0.95, 40, 1234, 17, [])
     others = [SamplingRow(0.5 + i / 4, 1.0 - i / 10, 3 * i, 99 + i, i, [i]) for i in range(5)]
-    alone = sample(logits[:1].clone(), [mine], TORCH_KERNELS.argmax)[0]
+    alone = sample(logits[:1].clone(), [mine], TORCH_KERNELS.argmax).tokens[0]
     for where in range(6):  # any place among any rows, sampled or greedy
         batch = others[:where] + [mine] + others[where:]
         if where % 2:
             batch = [SamplingRow(0.0, 1.0, 0, 0, 0, []) if r is not mine else r for r in batch]
         rows_logits = torch.cat([logits[1 : where + 1], logits[:1], logits[where + 1 :]])
-        assert sample(rows_logits.clone(), batch, TORCH_KERNELS.argmax)[where] == alone
+        assert sample(rows_logits.clone(), batch, TORCH_KERNELS.argmax).tokens[where] == alone
     positions = {
-        sample(logits[:1].clone(), [SamplingRow(1.0, 1.0, 0, 1234, p, [])], TORCH_KERNELS.argmax)[0] for p in range(40)
+        sample(logits[:1].clone(), [SamplingRow(1.0, 1.0, 0, 1234, p, [])], TORCH_KERNELS.argmax).tokens[0]
+        for p in range(40)
     }
     assert len(positions) > 5  # the position is part of the key: successive tokens draw afresh
+
+
+def pinned_batch() -> tuple[torch.Tensor, list[SamplingRow]]:
+    """Rows of every kind the sampler had before bias, penalties, min-p and logprobs: greedy and drawn, with top-k,
+    top-p and bans (of the top token, in some rows)."""
+    gen = torch.Generator().manual_seed(14)
+    logits = torch.randn(12, 1000, generator=gen) * 2
+    batch = [
+        SamplingRow(
+            0.0 if i % 4 == 3 else 0.6 + i / 10,
+            [1.0, 0.9, 0.5][i % 3],
+            [0, 40, 3, 1000][i % 4],
+            77 + 1000 * i,
+            5 + i,
+            [] if i % 5 else [int(logits[i].argmax())],
+        )
+        for i in range(12)
+    ]
+    return logits, batch
+
+
+# What the sampler drew for pinned_batch() before those options existed, in float32 and in bfloat16.
+PINNED = [350, 467, 859, 572, 904, 796, 484, 818, 61, 562, 526, 889]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_without_the_new_options_draw_as_before(dtype):
+    logits, batch = pinned_batch()
+    seen = []
+
+    def argmax(x):
+        seen.append(x.dtype)
+        return TORCH_KERNELS.argmax(x)
+
+    out = sample(logits.to(dtype), batch, argmax)
+    assert out.tokens == PINNED and out.logprobs == [None] * len(batch)
+    assert seen == [dtype]  # greedy rows still take the kernels' argmax, in the model's dtype
+    # Options at their off values, and logprobs (read off the raw logits), change no token.
+    off = [
+        dataclasses.replace(r, min_p=0.0, presence_penalty=0.0, repetition_penalty=1.0, logprobs=i % 3)
+        for i, r in enumerate(batch)
+    ]
+    assert sample(logits.to(dtype), off, argmax).tokens == PINNED
+
+
+def test_rows_without_the_new_options_ignore_their_neighbours_options():
+    logits, batch = pinned_batch()
+    extra = torch.randn(2, 1000, generator=torch.Generator().manual_seed(15))
+    neighbours = [
+        SamplingRow(0.9, 1.0, 0, 5, 9, [], min_p=0.1, presence_penalty=1.0, output_ids=[1, 2, 2], logprobs=2),
+        SamplingRow(0.0, 1.0, 0, 5, 9, [], logit_bias=((3, 5.0),), source=12),
+        SamplingRow(0.7, 0.9, 0, 6, 9, [4], repetition_penalty=1.3, context_ids=[7, 8, 9], source=13),
+        SamplingRow(0.0, 1.0, 0, 5, 9, [], frequency_penalty=0.5, output_ids=[350], source=0),
+    ]
+    rows_logits = torch.cat([logits, extra])
+    last = dataclasses.replace(batch[0], source=0)  # shares its logits row with the first neighbour
+    out = sample(rows_logits, neighbours[:1] + batch[1:] + neighbours[1:] + [last], TORCH_KERNELS.argmax).tokens
+    assert out[1:12] == PINNED[1:] and out[-1] == PINNED[0]
 
 
 def test_seeded_text_survives_budgets_and_preemption(tiny_model_dir):
@@ -311,8 +373,8 @@ def test_seeded_draws_are_the_same_on_cuda_and_cpu():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(64, 4096, generator=gen) * 2
     batch = [SamplingRow(0.8, 0.9 if i % 2 else 1.0, 50 * (i % 3), 1000 + i, i, []) for i in range(64)]
-    on_cpu = sample(logits.clone(), batch, TORCH_KERNELS.argmax)
-    on_cuda = sample(logits.cuda(), batch, TORCH_KERNELS.argmax)
+    on_cpu = sample(logits.clone(), batch, TORCH_KERNELS.argmax).tokens
+    on_cuda = sample(logits.cuda(), batch, TORCH_KERNELS.argmax).tokens
     assert on_cuda == on_cpu
 
 

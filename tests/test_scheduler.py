@@ -187,3 +187,102 @@ def test_max_overtakes_bounds_how_often_a_waiting_request_is_passed(max_overtake
 def test_scheduler_config_refuses_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+# ---- forks: the n completions of one prompt -------------------------------------------------------------------
+def fork_setup(num_blocks: int, max_seqs: int = 8, prompt: int = 10):
+    """A scheduler whose one sequence has just computed its prompt, and three children to fork from it."""
+    sched = Scheduler(SchedulerConfig(64, max_seqs, "splitfuse", 1000), BlockAllocator(num_blocks, 4))
+    parent = Sequence(0, list(range(prompt)), prompt, 5)
+    sched.add(parent)
+    sched.schedule()
+    children = [Sequence(i, list(parent.token_ids), prompt, 5) for i in (1, 2, 3)]
+    return sched, parent, children
+
+
+def sample_all(seqs) -> None:
+    for seq in seqs:
+        seq.token_ids.append(fake_token(seq))
+
+
+def test_fork_starts_children_on_copies_carried_by_the_next_batch():
+    sched, parent, children = fork_setup(num_blocks=20)
+    assert sched.fork(parent, children) == 3
+    assert all(c.status is SeqStatus.RUNNING and c.num_computed == 10 and len(c.block_table) == 3 for c in children)
+    sample_all([parent, *children])
+    batch = sched.schedule()
+    assert batch.copies == [(s, d) for c in children for s, d in zip(parent.block_table, c.block_table)]
+    assert [s.seq_id for s in batch.seqs] == [0, 1, 2, 3] and batch.num_decodes == 4
+    assert all(s.start == 10 for s in batch.seqs)
+    sample_all([parent, *children])
+    assert sched.schedule().copies == []  # carried once
+
+
+def test_fork_short_of_blocks_or_seats_leaves_children_to_be_recomputed():
+    # 11 blocks: the parent holds 3, two children take 3 each, the watermark keeps one: the third must wait.
+    sched, parent, children = fork_setup(num_blocks=11)
+    assert sched.fork(parent, children) == 2
+    waiting = children[2]
+    assert waiting.status is SeqStatus.WAITING and waiting.num_computed == 0 and waiting.block_table == []
+    assert list(sched.waiting) == [waiting]
+    sched, parent, children = fork_setup(num_blocks=40, max_seqs=2)
+    assert sched.fork(parent, children) == 1
+    assert list(sched.waiting) == children[1:]  # in index order, ahead of newer requests
+
+
+def test_copies_into_freed_blocks_are_dropped():
+    sched, parent, children = fork_setup(num_blocks=20)
+    sched.fork(parent, children)
+    sched.finish(children[0])  # e.g. its first token was EOS: its blocks may serve anyone now
+    sample_all([parent, *children[1:]])
+    batch = sched.schedule()
+    assert {d for _, d in batch.copies} == set(children[1].block_table + children[2].block_table)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(1, 4)), min_size=1, max_size=8),
+    budget=st.integers(8, 64),
+    max_seqs=st.integers(1, 8),
+    spare_blocks=st.integers(0, 30),
+)
+def test_random_workloads_with_forks_finish_and_free_every_block(requests, budget, max_seqs, spare_blocks):
+    block_size = 4
+    num_blocks = -(-max(p + m for p, m, _ in requests) // block_size) + spare_blocks
+    sched = Scheduler(SchedulerConfig(budget, max_seqs, "splitfuse", 10**6), BlockAllocator(num_blocks, block_size))
+    seqs, pending = {}, {}
+    for i, (p, m, n) in enumerate(requests):
+        seqs[i] = Sequence(i, [(i * 7 + j) % 1000 for j in range(p)], p, m)
+        pending[i] = n
+        sched.add(seqs[i])
+    next_id, children_of = len(requests), {}
+    for _ in range(20000):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        running = {s.seq_id: s for s in sched.running}
+        dsts = [d for _, d in batch.copies]
+        assert len(set(dsts)) == len(dsts)
+        assert all(any(d in running[c].block_table for c in running if c in children_of) for d in dsts)
+        for s in batch.seqs:
+            seq = seqs[s.seq_id]
+            if not s.sample:
+                continue
+            if pending.pop(seq.seq_id, 1) > 1:
+                kids = [
+                    Sequence(next_id + k, list(seq.token_ids), seq.num_prompt_tokens, seq.max_new_tokens)
+                    for k in range(requests[seq.seq_id][2] - 1)
+                ]
+                next_id += len(kids)
+                seqs.update({k.seq_id: k for k in kids})
+                children_of.update({k.seq_id: seq.seq_id for k in kids})
+                sched.fork(seq, kids)
+                for kid in kids:
+                    kid.token_ids.append(fake_token(kid))
+            seq.token_ids.append(fake_token(seq))
+        for seq in list(seqs.values()):
+            if seq.status is not SeqStatus.FINISHED and seq.num_generated >= seq.max_new_tokens:
+                sched.finish(seq)
+    assert not sched.has_work() and sched.allocator.num_free == num_blocks
+    for kid, parent in children_of.items():
+        assert seqs[kid].token_ids == seqs[parent].token_ids  # the fake model continues a copy identically

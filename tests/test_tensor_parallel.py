@@ -22,7 +22,7 @@ from fastgen.launch import cli, supervisor
 from fastgen.launch import config as cfg
 from fastgen.launch.config import DeployConfig
 from fastgen.replica.batch import Batch, ScheduledSeq
-from fastgen.replica.batch_broadcast import EXIT_GROUP_BROKEN, decode_batch, encode_batch
+from fastgen.replica.batch_broadcast import EXIT_GROUP_BROKEN, INLINE, decode_batch, encode_batch
 from fastgen.replica.tp_worker import RankEnv, rank_device
 from fastgen.testing import free_port, make_tiny_model, wait_until
 
@@ -34,7 +34,7 @@ BATCHES = [
     Batch([ScheduledSeq(3, list(range(100)), 16, [2, 6, 5, 8, 9, 11, 12, 13], True)], 0, [7, 2]),
     Batch([], 0, [1]),
     Batch([ScheduledSeq(4, list(range(2000)), 0, list(range(125)), True)], 0, []),  # beyond the first broadcast
-    Batch([ScheduledSeq(5, list(range(1014)), 0, [9], False)], 0, []),  # exactly fills the first broadcast
+    Batch([ScheduledSeq(5, list(range(1013)), 0, [9], False)], 0, []),  # exactly fills the first broadcast
 ]
 
 
@@ -42,6 +42,7 @@ BATCHES = [
 def test_batch_encoding_round_trips():
     for batch in BATCHES:
         assert decode_batch(encode_batch(batch)) == batch
+    assert 1 + len(encode_batch(BATCHES[-1])) == INLINE  # the length, then the batch: the edge case stays one
 
 
 def test_rank_env_comes_from_torchrun_variables():

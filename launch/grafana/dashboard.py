@@ -269,6 +269,28 @@ BALANCER = (
     ),
 )
 
+HTTP_API = (
+    Panel(
+        "HTTP requests",
+        "Requests per second the balancer's OpenAI-compatible API answered, by route and status (499: the client "
+        "disconnected first).",
+        "reqps",
+        (Query(rate("fastgen_http_requests_total", DEPLOYMENT, "route, status"), "{{route}} {{status}}"),),
+    ),
+    Panel(
+        "HTTP latency",
+        "Arrival of an HTTP request to the end of its response (a stream's last event included), all routes.",
+        "s",
+        tuple(
+            Query(
+                f"histogram_quantile({q}, {rate('fastgen_http_request_duration_seconds_bucket', DEPLOYMENT, 'le')})",
+                f"p{round(q * 100)}",
+            )
+            for q in QUANTILES
+        ),
+    ),
+)
+
 PROCESSES = (
     TablePanel(
         "Processes",
@@ -283,6 +305,7 @@ ROWS = (
     ("Latency", LATENCY),
     ("Throughput and engine", ENGINE),
     ("Balancer", BALANCER),
+    ("OpenAI-compatible HTTP API", HTTP_API),
     ("Processes", PROCESSES),
 )
 

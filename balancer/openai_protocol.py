@@ -1,0 +1,578 @@
+"""The OpenAI-compatible API's protocol: JSON bodies of /v1/completions and /v1/chat/completions turned into
+fastgen.v1 GenerateRequests, replies and stream chunks built in OpenAI's shapes, failures as OpenAI errors.
+
+Pure: no I/O, no event loop, no torch. The sources are OpenAI's API reference and vLLM's
+entrypoints/openai/protocol.py. As both do, unknown fields are ignored; a known field of the wrong type or out of
+range is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from ..proto import fastgen_pb2
+
+CHAT, COMPLETION = "chat", "completion"
+MAX_N = 128  # completions per prompt
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the engine reads 0 as greedy
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
+DONE = b"data: [DONE]\n\n"
+
+FINISH_REASONS = {
+    fastgen_pb2.FINISH_REASON_LENGTH: "length",
+    fastgen_pb2.FINISH_REASON_STOP: "stop",
+    fastgen_pb2.FINISH_REASON_EOS: "stop",
+    fastgen_pb2.FINISH_REASON_CANCELLED: "abort",  # vLLM's word for a request the server ended
+}
+HTTP_STATUS_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a replica's queue drains in about that
+
+
+# ---- errors -------------------------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An answer in OpenAI's error shape, with its HTTP status (and headers, such as a 429's Retry-After)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        if self.status == 429:
+            return "rate_limit_error"
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def error_from_failure(code: grpc.StatusCode, details: str) -> ApiError:
+    """The HTTP answer to a request the balancer failed with a gRPC status."""
+    status = HTTP_STATUS_OF.get(code, 500)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return ApiError(status, details or code.name, code=code.name.lower(), headers=headers)
+
+
+def unknown_model(name: str, served: Sequence[str]) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{name}` does not exist: this deployment serves {', '.join(f'`{s}`' for s in served)}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+# ---- typed reads of a JSON object -----------------------------------------------------------------------------------
+def _is_int(value: object) -> bool:
+    # JSON true/false are Python bools, which are ints: never a number here. 16.0 counts as 16, as pydantic reads it.
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def _range_text(lo, hi) -> str:
+    if hi is None:
+        return f">= {lo}"
+    return f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Reads a request body's fields; null or absent is the default. A wrong type or value raises a 400 naming the
+    field."""
+
+    body: dict
+
+    def get(self, name: str):
+        return self.body.get(name)
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad_request(f"{name} must be true or false, got {value!r}", name)
+        return value
+
+    def integer(self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not _is_int(value):
+            raise bad_request(f"{name} must be an integer, got {value!r}", name)
+        value = int(value)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise bad_request(f"{name} must be {_range_text(lo, hi)}, got {value}", name)
+        return value
+
+    def number(self, name: str, default: float | None = None, lo: float | None = None, hi: float | None = None):
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise bad_request(f"{name} must be a number, got {value!r}", name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise bad_request(f"{name} must be {_range_text(lo, hi)}, got {value}", name)
+        return float(value)
+
+    def text(self, name: str, default: str | None = None) -> str | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise bad_request(f"{name} must be a string, got {value!r}", name)
+        return value
+
+    def token_ids(self, name: str) -> list[int]:
+        value = self.body.get(name)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
+            raise bad_request(f"{name} must be a list of token ids (integers >= 0), got {value!r}", name)
+        return [int(t) for t in value]
+
+
+def _is_token_id(value: object) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_TOKEN_ID
+
+
+# ---- requests -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ApiRequest:
+    """One parsed API call: a GenerateRequest per prompt, and what shaping the answer needs."""
+
+    kind: str  # CHAT | COMPLETION
+    prompts: tuple[fastgen_pb2.GenerateRequest, ...]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False  # per-token logprobs asked for
+    top_logprobs: int = 0
+    echo: bool = False
+
+
+def requested_model(body: object) -> str | None:
+    """The body's `model` (None when absent); checked before the rest so an unknown model is a 404 first."""
+    return Fields(_object(body)).text("model")
+
+
+def parse_chat(body: object, request_id: str) -> ApiRequest:
+    f = Fields(_object(body))
+    f.text("model")  # its value is the caller's to check (requested_model)
+    messages = parse_messages(f.get("messages"))
+    logprobs = f.flag("logprobs")
+    top = f.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    _refuse_unsupported(f)
+    n = f.integer("n", 1, 1, MAX_N)
+    max_tokens = f.integer("max_completion_tokens", lo=1)
+    params = sampling_params(f, n, max_tokens if max_tokens is not None else f.integer("max_tokens", lo=1))
+    params.logprobs, params.top_logprobs = logprobs, top
+    request = fastgen_pb2.GenerateRequest(request_id=request_id, params=params)
+    request.messages.messages.extend(messages)
+    stream, include_usage = stream_flags(f)
+    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top)
+
+
+def parse_completion(body: object, request_id: str) -> ApiRequest:
+    f = Fields(_object(body))
+    f.text("model")
+    prompts = parse_prompts(f.get("prompt"))
+    top = f.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
+    echo = f.flag("echo")
+    if echo and top is not None:
+        raise bad_request("echo with logprobs asks for prompt logprobs, which are not supported: drop one", "echo")
+    if f.get("suffix") is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    n = f.integer("n", 1, 1, MAX_N)
+    best_of = f.integer("best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of is not supported (leave it out, or equal to n)", "best_of")
+    params = sampling_params(f, n, f.integer("max_tokens", lo=1))
+    params.logprobs, params.top_logprobs, params.echo = top is not None, top or 0, echo
+    requests = []
+    for i, prompt in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        request = fastgen_pb2.GenerateRequest(request_id=rid, params=params)
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        requests.append(request)
+    stream, include_usage = stream_flags(f)
+    return ApiRequest(COMPLETION, tuple(requests), n, stream, include_usage, top is not None, top or 0, echo)
+
+
+def _object(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _refuse_unsupported(f: Fields) -> None:
+    """Chat fields whose meaning the engine cannot honour: refused rather than silently ignored."""
+    if f.get("tools") and f.get("tool_choice") != "none":
+        raise bad_request("tools are not supported", "tools")
+    response_format = f.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise bad_request('response_format: only {"type": "text"} is supported', "response_format")
+
+
+def stream_flags(f: Fields) -> tuple[bool, bool]:
+    stream = f.flag("stream")
+    options = f.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options needs stream set to true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise bad_request(f"stream_options.include_usage must be true or false, got {include!r}", "stream_options")
+    return stream, bool(include)
+
+
+def sampling_params(f: Fields, n: int, max_tokens: int | None) -> fastgen_pb2.SamplingParams:
+    """The fields every generation route shares, in the engine's terms (0 leaves a field at its default)."""
+    p = fastgen_pb2.SamplingParams(
+        max_new_tokens=max_tokens or 0,  # unset: the server's default, capped by the context left
+        min_new_tokens=f.integer("min_tokens", 0, 0),
+        temperature=f.number("temperature", DEFAULT_TEMPERATURE, 0.0),
+        top_p=f.number("top_p", 1.0, 0.0, 1.0),
+        top_k=max(0, f.integer("top_k", 0, -1)),  # -1 is vLLM's "off", as 0 is the engine's
+        ignore_eos=f.flag("ignore_eos"),
+        presence_penalty=f.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0, 0.0),
+        min_p=f.number("min_p", 0.0, 0.0, 1.0),
+        stop_token_ids=f.token_ids("stop_token_ids"),
+        n=n,
+        include_stop_str_in_output=f.flag("include_stop_str_in_output"),
+        keep_special_tokens=not f.flag("skip_special_tokens", True),
+    )
+    if p.top_p == 0:
+        raise bad_request("top_p must be in (0, 1], got 0", "top_p")
+    if p.repetition_penalty == 0:
+        raise bad_request("repetition_penalty must be > 0 (1 turns it off), got 0", "repetition_penalty")
+    seed = f.integer("seed", None, 0, MAX_SEED)
+    if seed is not None:
+        p.seed = seed
+    p.stop.extend(parse_stop(f.get("stop")))
+    for token, bias in parse_logit_bias(f.get("logit_bias")).items():
+        p.logit_bias[token] = bias
+    return p
+
+
+def parse_stop(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request(f"stop must be a string or a list of strings, got {value!r}", "stop")
+    if any(not s for s in value):
+        raise bad_request("stop strings must not be empty", "stop")
+    return value
+
+
+def parse_logit_bias(value: object) -> dict[int, float]:
+    """OpenAI's map of token ids (JSON object keys, so strings) to a bias in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"logit_bias must be an object of token id to bias, got {value!r}", "logit_bias")
+    biases = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if token is None or token > MAX_TOKEN_ID:
+            raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {key}", "logit_bias")
+        biases[token] = float(bias)
+    return biases
+
+
+def parse_prompts(value: object) -> list[str | list[int]]:
+    """A completion prompt: a string, a list of strings, a list of token ids or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_token_id(t) for t in value):
+            return [[int(t) for t in value]]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return [[int(t) for t in p] for p in value]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists "
+        "(none of them empty)",
+        "prompt",
+    )
+
+
+def parse_messages(value: object) -> list[fastgen_pb2.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(m: object, where: str) -> fastgen_pb2.ChatMessage:
+    if not isinstance(m, dict):
+        raise bad_request(f"{where} must be an object with role and content, got {m!r}", where)
+    role = m.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_request(f"{where}.role must be a string such as user, system or assistant", f"{where}.role")
+    return fastgen_pb2.ChatMessage(role=role, content=_content(m.get("content"), role, f"{where}.content"))
+
+
+def _content(content: object, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":  # an assistant turn that only called tools
+        return ""
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)  # as vLLM joins text parts
+    raise bad_request(f'{where} must be a string or a list of {{"type": "text", "text": ...}} parts', where)
+
+
+# ---- replies --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Meta:
+    """What every reply and chunk of one API call repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def finish_reason(reason: int) -> str | None:
+    return FINISH_REASONS.get(reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def choices_of(response: fastgen_pb2.GenerateResponse) -> Sequence:
+    """The completions of one response in index order (the top-level fields are the only one when n is 1)."""
+    return response.choices or [response]
+
+
+def response_usage(responses: Sequence[fastgen_pb2.GenerateResponse]) -> dict:
+    completion = sum(c.generated_tokens for r in responses for c in choices_of(r))
+    return usage(sum(r.prompt_tokens for r in responses), completion)
+
+
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN
+
+
+def chat_logprobs(tokens: Sequence[fastgen_pb2.TokenLogprob]) -> dict:
+    """OpenAI's choices[].logprobs of a chat completion: content[] with token, logprob, bytes, top_logprobs."""
+
+    def entry(t) -> dict:
+        return {"token": t.token, "logprob": _logprob(t.logprob), "bytes": list(t.token.encode())}
+
+    return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in tokens]}
+
+
+def completion_logprobs(tokens: Sequence[fastgen_pb2.TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI's legacy logprobs: parallel lists of tokens, their logprobs, a {token: logprob} dict of the
+    alternatives per position (the sampled token always among them) and each token's offset in the text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        alternatives = {a.token: _logprob(a.logprob) for a in t.top}
+        alternatives.setdefault(t.token, _logprob(t.logprob))
+        out["tokens"].append(t.token)
+        out["token_logprobs"].append(_logprob(t.logprob))
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
+        offset += len(t.token)
+    return out
+
+
+def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.GenerateResponse]) -> dict:
+    choices = [
+        {
+            "index": i * api.n + j,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs) if api.logprobs else None,
+            "finish_reason": finish_reason(c.finish_reason),
+        }
+        for i, r in enumerate(responses)
+        for j, c in enumerate(choices_of(r))
+    ]
+    return _reply(meta, "chat.completion", choices, response_usage(responses))
+
+
+def completion_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.GenerateResponse]) -> dict:
+    choices = []
+    for i, r in enumerate(responses):
+        prefix = r.prompt_text if api.echo else ""
+        for j, c in enumerate(choices_of(r)):
+            choices.append(
+                {
+                    "index": i * api.n + j,
+                    "text": prefix + c.text,
+                    "logprobs": completion_logprobs(c.logprobs, len(prefix)) if api.logprobs else None,
+                    "finish_reason": finish_reason(c.finish_reason),
+                }
+            )
+    return _reply(meta, "text_completion", choices, response_usage(responses))
+
+
+def _reply(meta: Meta, kind: str, choices: list[dict], used: dict | None) -> dict:
+    return {
+        "id": meta.id,
+        "object": kind,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+        "usage": used,
+    }
+
+
+def model_list(names: Sequence[str], created: int) -> dict:
+    cards = [{"id": n, "object": "model", "created": created, "owned_by": "fastgen", "root": n} for n in names]
+    return {"object": "list", "data": cards}
+
+
+# ---- streams --------------------------------------------------------------------------------------------------------
+@dataclass
+class StreamUsage:
+    """Token counts of a stream, from the last chunk of every choice."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # by prompt
+    completion_tokens: int = 0
+
+    def add(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> None:
+        if chunk.finish_reason:
+            self.prompt_tokens[prompt] = chunk.prompt_tokens
+            self.completion_tokens += chunk.generated_tokens
+
+    def total(self) -> dict:
+        return usage(sum(self.prompt_tokens.values()), self.completion_tokens)
+
+
+@dataclass
+class Stream:
+    """Turns the upstream chunks of one API call, tagged with their prompt's position, into the API's stream
+    events; `usage_event` is the include_usage chunk (no choices) that ends a stream."""
+
+    meta: Meta
+    api: ApiRequest
+    kind: str = ""  # the chunks' "object"
+    counted: StreamUsage = field(default_factory=StreamUsage)
+
+    def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
+        raise NotImplementedError
+
+    def chunk_event(self, choices: list[dict]) -> dict:
+        event = {"id": self.meta.id, "object": self.kind, "created": self.meta.created, "model": self.meta.model}
+        event["choices"] = choices
+        if self.api.include_usage:
+            event["usage"] = None  # OpenAI: null on every chunk but the last
+        return event
+
+    def usage_event(self) -> dict:
+        return {**self.chunk_event([]), "usage": self.counted.total()}
+
+    def _index(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> int:
+        return prompt * self.api.n + chunk.index
+
+
+@dataclass
+class ChatStream(Stream):
+    kind: str = "chat.completion.chunk"
+    started: bool = False
+
+    def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
+        self.counted.add(prompt, chunk)
+        out = []
+        if not self.started:  # as OpenAI and vLLM open a stream: the role of every choice, empty content
+            self.started = True
+            for i in range(len(self.api.prompts) * self.api.n):
+                opening = {"role": "assistant", "content": ""}
+                out.append(self.chunk_event([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
+        logprobs = chat_logprobs(chunk.logprobs) if self.api.logprobs and chunk.logprobs else None
+        if chunk.text or logprobs or chunk.finish_reason:
+            delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
+            choice = {"index": self._index(prompt, chunk), "delta": delta, "logprobs": logprobs}
+            out.append(self.chunk_event([{**choice, "finish_reason": finish_reason(chunk.finish_reason)}]))
+        return out
+
+
+@dataclass
+class CompletionStream(Stream):
+    kind: str = "text_completion"
+    prompt_texts: dict[int, str] = field(default_factory=dict)  # by prompt; only the first chunk carries it
+    offsets: dict[int, int] = field(default_factory=dict)  # text sent so far, by choice
+
+    def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
+        self.counted.add(prompt, chunk)
+        if chunk.prompt_text:
+            self.prompt_texts[prompt] = chunk.prompt_text
+        index = self._index(prompt, chunk)
+        first = index not in self.offsets
+        text = (self.prompt_texts.get(prompt, "") if self.api.echo and first else "") + chunk.text
+        offset = self.offsets.get(index, 0)
+        logprobs = None
+        if self.api.logprobs and chunk.logprobs:
+            logprobs = completion_logprobs(chunk.logprobs, offset + len(text) - len(chunk.text))
+        self.offsets[index] = offset + len(text)
+        if not (text or logprobs or chunk.finish_reason):
+            return []
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(chunk.finish_reason),
+        }
+        return [self.chunk_event([choice])]
+
+
+STREAMS: dict[str, Callable[[Meta, ApiRequest], Stream]] = {CHAT: ChatStream, COMPLETION: CompletionStream}
+
+
+def dumps(data: object) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(data: object) -> bytes:
+    """One Server-Sent Event carrying `data` as JSON."""
+    return b"data: " + dumps(data).encode() + b"\n\n"
