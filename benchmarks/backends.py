@@ -2,8 +2,9 @@
 arrival time of every token:
 
 - FastGenBackend: fastgen.v1 GenerateStream (a balancer or a replica) through AsyncClient.stream_chunks.
-- OpenAIBackend: an OpenAI-compatible /v1/completions server streaming server-sent events (vLLM's api_server),
-  over the standard library's http.client, one thread per request in flight.
+- OpenAIBackend: an OpenAI-compatible /v1/completions server streaming server-sent events (vLLM's api_server,
+  FastGen's balancer with --http-port), over the standard library's http.client, one thread per request in flight;
+  a new connection per request, or with keepalive one kept per thread (as the openai SDK's pool does).
 - HFBackend: transformers `generate` in this process with static batches: the worker takes whatever requests
   are waiting (up to max_batch), runs them together to the longest one's length, and only then takes the next
   batch. A request's tokens are timed per generation step by a streamer, and it completes at its own last token
@@ -20,7 +21,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.client import HTTPConnection
+from http.client import HTTPConnection, RemoteDisconnected
 from urllib.parse import urlsplit
 
 from .stats import RequestRecord
@@ -63,16 +64,33 @@ class FastGenBackend:
 
 class OpenAIBackend:
     """Streams /v1/completions with the prompt as token ids. An event is counted as one token unless it carries
-    token information (logprobs); the final usage block, when sent, fixes the count of the last event."""
+    token information (logprobs); the final usage block, when sent, fixes the count of the last event.
+
+    `url` is the server's base URL, with or without the /v1 the openai SDK takes. `api_key` goes out as a bearer
+    token. `keepalive` keeps one HTTP/1.1 connection per worker thread across requests (the stream is read to its
+    end so the connection can be reused; a kept connection the server has closed meanwhile is replaced once)."""
 
     kind = "openai"
 
-    def __init__(self, url: str, model: str, max_in_flight: int = 64, timeout: float = 900.0):
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        self.host, self.port = parts.hostname, parts.port or 80
-        self.path = (parts.path.rstrip("/") or "") + "/v1/completions"
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        max_in_flight: int = 64,
+        timeout: float = 900.0,
+        api_key: str | None = None,
+        keepalive: bool = False,
+    ):
+        self.host, self.port, v1 = api_base(url)
+        self.path = v1 + "/completions"
         self.model = model
         self.timeout = timeout
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.keepalive = keepalive
+        self._local = threading.local()
+        self._connections: list[HTTPConnection] = []
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="openai")
 
     async def open(self) -> None:
@@ -80,6 +98,8 @@ class OpenAIBackend:
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for conn in self._connections:
+            conn.close()
 
     async def run(self, req: BenchRequest, client: int = 0) -> RequestRecord:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.run_blocking, req, client)
@@ -100,19 +120,54 @@ class OpenAIBackend:
 
     def run_blocking(self, req: BenchRequest, client: int = 0) -> RequestRecord:
         rec = RequestRecord(start=now(), token_times=[], prompt_tokens=len(req.prompt), client=client)
-        conn = HTTPConnection(self.host, self.port, timeout=self.timeout)
+        conn = self._connection()
+        keep = False
         try:
-            conn.request("POST", self.path, body=self.body(req), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
+            resp = self._send(conn, self.body(req))
+            if resp is None:  # a kept connection the server had closed: once more on a new one
+                conn = self._connection(fresh=True)
+                resp = self._send(conn, self.body(req), retry=False)
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read(500).decode(errors='replace')}")
             self._read_events(resp, rec)
             rec.end = now()
+            if self.keepalive and not resp.will_close:
+                resp.read()  # what follows [DONE] (the chunked body's end), so the next request can use conn
+                keep = True
         except Exception as e:
             rec.error = f"{type(e).__name__}: {e}"
         finally:
-            conn.close()
+            if not keep:
+                self._drop(conn)
         return rec
+
+    def _send(self, conn: HTTPConnection, body: bytes, retry: bool = True):
+        """The response, or None when a reused connection turned out closed before any answer came."""
+        reused = conn.sock is not None
+        try:
+            conn.request("POST", self.path, body=body, headers=self.headers)
+            return conn.getresponse()
+        except (RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if retry and reused:
+                return None
+            raise
+
+    def _connection(self, fresh: bool = False) -> HTTPConnection:
+        conn = getattr(self._local, "conn", None) if self.keepalive else None
+        if conn is None or fresh:
+            if conn is not None:
+                self._drop(conn)
+            conn = HTTPConnection(self.host, self.port, timeout=self.timeout)
+            if self.keepalive:
+                self._local.conn = conn
+                self._connections.append(conn)
+        return conn
+
+    def _drop(self, conn: HTTPConnection) -> None:
+        conn.close()
+        if self.keepalive and getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+            self._connections.remove(conn)
 
     @staticmethod
     def _read_events(resp, rec: RequestRecord) -> None:
@@ -132,6 +187,28 @@ class OpenAIBackend:
                     rec.token_times.extend([rec.token_times[-1]] * missing)
                 continue
             rec.token_times.extend([t] * tokens_in(event))
+
+
+def api_base(url: str) -> tuple[str, int, str]:
+    """(host, port, path of /v1) of a server's base URL given with or without its /v1 (scheme optional)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    base = parts.path.rstrip("/")
+    return parts.hostname, parts.port or 80, base if base.endswith("/v1") else base + "/v1"
+
+
+def served_models(url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
+    """The model names an OpenAI-compatible server lists at GET /v1/models (the name its requests must carry)."""
+    host, port, v1 = api_base(url)
+    conn = HTTPConnection(host, port, timeout=timeout)
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        conn.request("GET", v1 + "/models", headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {resp.read(500).decode(errors='replace')}")
+        return [m["id"] for m in json.loads(resp.read())["data"]]
+    finally:
+        conn.close()
 
 
 def tokens_in(event: dict) -> int:

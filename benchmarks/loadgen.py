@@ -6,8 +6,9 @@
 
 Closed loop: N clients each send one warm-up request, wait at a barrier, then send their next request as soon as
 the previous one finished, until 4 x N + 16 requests (the CPU profile) have completed. Open loop: requests arrive
-as a Poisson process of the given rate, whatever is still in flight. Prompts are token ids, so the tokenizer of the
-served model must be given (`--tokenizer`, default: the embedded SmolLM2's folder).
+as a Poisson process of the given rate, whatever is still in flight. `--fixed-lengths` makes every prompt and
+generation exactly the workload's means (no 30% spread), e.g. to compare two paths to one server. Prompts are
+token ids, so the tokenizer of the served model must be given (`--tokenizer`, default: the embedded SmolLM2's folder).
 
 `--json` writes the run's summary (percentiles, SLA figures, the command, commit and machine); the raw per-request
 records (every token's arrival time) go to `--raw`, by default benchmarks/out/loadgen/<tag>.json, which git ignores.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from .provenance import RAW_DIR, git_commit, machine, machine_name  # noqa: F401 (re-exported)
 from .stats import SLA, RequestRecord, summarize
-from .workload import Workload, make_requests, parse_workload
+from .workload import BenchRequest, Workload, corpus_ids, load_tokenizer, make_requests, parse_workload
 
 
 @dataclass
@@ -41,6 +42,7 @@ class RunSpec:
     seed: int = 0
     tag: str = "run"  # names the prompts' headers: a new tag gives fresh prompts
     max_prompt: int | None = None
+    fixed_lengths: bool = False  # every prompt and generation exactly the workload's means (fixed_requests)
 
     def num_requests(self) -> int:
         base = self.requests if self.requests is not None else 4 * self.clients + 16
@@ -67,6 +69,30 @@ class RunResult:
     @classmethod
     def load(cls, path: Path) -> RunResult:
         return cls(**json.loads(path.read_text()))
+
+
+def fixed_requests(
+    workload: Workload, n: int, tokenizer_dir: str, seed: int = 0, tag: str = "run", first_index: int = 0
+) -> list[BenchRequest]:
+    """Like make_requests (real text from the corpus at seeded offsets, each prompt opened by a header naming the
+    tag and the request, so a new tag never shares a prefix with an old one), but every prompt is exactly
+    workload.prompt_mean tokens and every generation exactly workload.gen_mean."""
+    ids = corpus_ids(str(tokenizer_dir))
+    tok = load_tokenizer(str(tokenizer_dir))
+    rng = random.Random(f"{seed}-{workload.name}-fixed-{first_index}")
+    out = []
+    for i in range(first_index, first_index + n):
+        header = tok.encode(f"[{tag} #{i}] ", add_special_tokens=False)
+        start = rng.randrange(len(ids))
+        body = [ids[(start + j) % len(ids)] for j in range(max(0, workload.prompt_mean - len(header)))]
+        out.append(BenchRequest(i, (header + body)[: workload.prompt_mean], workload.gen_mean))
+    return out
+
+
+def spec_requests(spec: RunSpec, n: int, tokenizer_dir: str, first_index: int = 0) -> list[BenchRequest]:
+    if spec.fixed_lengths:
+        return fixed_requests(spec.workload, n, tokenizer_dir, spec.seed, spec.tag, first_index)
+    return make_requests(spec.workload, n, tokenizer_dir, spec.seed, spec.tag, first_index, spec.max_prompt)
 
 
 def write_json(path: Path, data, indent: int | None = None) -> None:
@@ -125,8 +151,8 @@ async def measure(
     backend, spec: RunSpec, tokenizer_dir: str, sla: SLA = SLA(), progress: bool = True, desc: str = ""
 ) -> RunResult:
     n = spec.num_requests()
-    requests = make_requests(spec.workload, n, tokenizer_dir, spec.seed, spec.tag, 0, spec.max_prompt)
-    warmups = make_requests(spec.workload, spec.clients, tokenizer_dir, spec.seed, spec.tag, 10**6, spec.max_prompt)
+    requests = spec_requests(spec, n, tokenizer_dir)
+    warmups = spec_requests(spec, spec.clients, tokenizer_dir, 10**6)
     bar = progress_bar(n, desc, progress)
     load_before = os.getloadavg()
     try:
@@ -154,6 +180,7 @@ def run_meta(spec: RunSpec, n: int, load_before) -> dict:
         "requests": n,
         "seed": spec.seed,
         "tag": spec.tag,
+        "fixed_lengths": spec.fixed_lengths,
         "load_before": list(load_before),
         "load_after": list(os.getloadavg()),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -193,6 +220,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     target.add_argument("--target", help="host:port of a FastGen balancer or replica")
     target.add_argument("--openai", help="base URL of an OpenAI-compatible server (vLLM)")
     p.add_argument("--openai-model", default=None, help="model name the OpenAI server serves")
+    p.add_argument("--api-key", default=None, help="bearer token for --openai (default: $FASTGEN_API_KEY, else none)")
+    p.add_argument(
+        "--keepalive", action="store_true", help="--openai: keep one connection per client (default: one per request)"
+    )
     p.add_argument("--tokenizer", default=None, help="Hugging Face folder of the served model's tokenizer")
     p.add_argument("--workload", default="C1", help="C1, C2, ... or PROMPTxGEN (default: C1)")
     p.add_argument("--clients", type=int, default=1)
@@ -200,6 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="default: 4 x clients + 16")
     p.add_argument("--requests-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fixed-lengths", action="store_true", help="every prompt and generation exactly the workload's means"
+    )
     p.add_argument("--tag", default=None, help="prompt header tag (default: unique per run)")
     p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P, prompt tokens/s (default 100)")
     p.add_argument("--token-rates", default="1,2,4", help="SLA R values, tokens/s (default 1,2,4)")
@@ -216,7 +250,9 @@ def make_backend(args: argparse.Namespace):
 
     if args.target:
         return FastGenBackend(args.target)
-    return OpenAIBackend(args.openai, args.openai_model or args.tokenizer or default_tokenizer())
+    api_key = args.api_key or os.environ.get("FASTGEN_API_KEY")
+    model = args.openai_model or args.tokenizer or default_tokenizer()
+    return OpenAIBackend(args.openai, model, api_key=api_key, keepalive=args.keepalive)
 
 
 async def main_async(args: argparse.Namespace) -> RunResult:
@@ -224,6 +260,7 @@ async def main_async(args: argparse.Namespace) -> RunResult:
     spec = RunSpec(
         parse_workload(args.workload), args.clients, args.rate, args.requests, args.requests_scale, args.seed, args.tag
     )
+    spec.fixed_lengths = args.fixed_lengths
     sla = SLA(args.prompt_rate, tuple(float(r) for r in args.token_rates.split(",")))
     await backend.open()
     try:

@@ -166,6 +166,7 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
         threads=args.threads or default_threads(cpu_count(), n),
         port=base,
         metrics_port=base + n + 1,
+        http_port=0,  # requests go over gRPC; a vLLM baseline may hold the usual HTTP port
         timeout=args.start_timeout,
     )
     home = fastgen_home()
