@@ -1,23 +1,41 @@
-"""Pure-Python block allocator for the paged KV cache: one pool of fixed-size blocks, a free list, and
-per-sequence block tables (lists of block ids owned by the sequence)."""
+"""Pure-Python block allocator for the paged KV cache: one pool of fixed-size blocks, a reference count per block,
+and per-sequence block tables (lists of block ids the sequence holds).
+
+With prefix caching a block no sequence holds keeps its KV and its hash (prefix_cache.PrefixCache) until the pool
+needs it: blocks never cached are handed out first, then cached ones, least recently freed first."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from .prefix_cache import PrefixCache
+
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # Popped from the end: freshly freed blocks are reused first, which keeps the working set warm.
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self.cache = PrefixCache() if prefix_caching else None
+        self.num_evictions = 0  # cached blocks handed out again, since start
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: never cached, or cached and held by no sequence."""
+        return len(self._free) + (self.cache.num_evictable if self.cache else 0)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return self.cache.num_cached if self.cache else 0
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -30,17 +48,55 @@ class BlockAllocator:
         """Appends blocks so the table holds num_tokens and returns them (empty when it already does); None, with
         the table unchanged, when the pool is short."""
         need = self.extra_blocks(block_table, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free:
             return None
-        blocks = [self._free.pop() for _ in range(need)]
+        blocks = [self._take() for _ in range(need)]
         block_table.extend(blocks)
         return blocks
 
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block = self.cache.evict()
+            self.num_evictions += 1
+        self._refs[block] = 1
+        return block
+
     def tokens_fitting(self, block_table: list[int], start: int) -> int:
         """How many tokens past position `start` the table can hold after taking every free block."""
-        blocks = len(block_table) + len(self._free)
+        blocks = len(block_table) + self.num_free
         return max(0, blocks * self.block_size - start)
 
     def free(self, block_table: list[int]) -> None:
-        self._free.extend(reversed(block_table))
+        """Drops the table's hold on its blocks. Tail first: of one sequence's cached blocks the head, which more
+        requests share, is evicted last."""
+        for block in reversed(block_table):
+            self._refs[block] -= 1
+            if self._refs[block] < 0:
+                raise RuntimeError(f"KV block {block} freed more often than it was taken")
+            if self._refs[block] == 0 and not (self.cache and self.cache.park(block)):
+                self._free.append(block)
         block_table.clear()
+
+    # ---- sharing ---------------------------------------------------------------------------------------
+    def share(self, block_table: list[int], blocks: Sequence[int]) -> None:
+        """Appends blocks that other tables hold or the cache keeps, taking a reference on each."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                self.cache.unpark(block)
+            self._refs[block] += 1
+        block_table.extend(blocks)
+
+    def reclaimed(self, blocks: Sequence[int]) -> int:
+        """How many of blocks sharing them would take out of the free pool (cached, held by no one)."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest chain of hashes (none without prefix caching)."""
+        return self.cache.lookup(hashes) if self.cache else []
+
+    def publish(self, block: int, block_hash: bytes) -> None:
+        """Registers a block whose KV is complete, for later requests to share."""
+        if self.cache:
+            self.cache.register(block, block_hash)

@@ -44,7 +44,8 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
 
     runner, num_blocks = build_runner(config, tp, broadcast)
-    scheduler = Scheduler(sched_config, BlockAllocator(num_blocks, config.cache.block_size))
+    allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
+    scheduler = Scheduler(sched_config, allocator)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
     return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
 

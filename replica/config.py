@@ -78,6 +78,9 @@ class CacheConfig:
     # pool may take together (vLLM's --gpu-memory-utilization); the pool gets what is left after a profiling pass.
     # None: memory_bytes. Ignored on CPU.
     gpu_memory_utilization: float | None = None
+    # Automatic prefix caching: full KV blocks are kept by content after their sequence ends, and a request whose
+    # prompt starts with cached blocks prefills only the rest (vLLM's --enable-prefix-caching, on by default there).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

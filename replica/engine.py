@@ -5,7 +5,8 @@ schedule -> run -> sample -> emit and returns what changed plus one stats record
 
 A request for n > 1 completions is one sequence until its prompt is prefilled; the step that computes the prompt's
 last chunk draws the n first tokens from that one logits row, each completion with its own seed, and forks n - 1
-sequences onto copies of the prompt's KV blocks. From there each completion runs, stops and finishes on its own."""
+sequences that share the prompt's full KV blocks (and copy its partly filled last one). From there each completion
+runs, stops and finishes on its own."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ class Engine:
             raise ValueError(
                 f"min_new_tokens ({params.min_new_tokens}) exceeds the {max_new} tokens this request may generate"
             )
-        seq = Sequence(self._next_seq_id, list(prompt_ids), len(prompt_ids), max_new)
+        seq = Sequence(self._next_seq_id, list(prompt_ids), len(prompt_ids), max_new, cache_salt=params.cache_salt)
         self.scheduler.add(seq)  # refuses what can never fit
         self._next_seq_id += 1
         # From the OS, not the random module: replicas started alike must not draw alike for unseeded requests.
@@ -194,12 +195,18 @@ class Engine:
 
     def _fork(self, parent: _Completion) -> list[_Completion]:
         """The n - 1 other completions of parent's request, on sequences holding its prompt; the scheduler starts
-        them on copies of parent's KV blocks (or queues them to be recomputed when blocks are short)."""
+        them on parent's KV blocks (or queues them to be recomputed when blocks are short)."""
         req, seq = parent.req, parent.seq
         req.forked = True
         children = []
         for _ in range(1, req.params.n):
-            child = Sequence(self._next_seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.max_new_tokens)
+            child = Sequence(
+                self._next_seq_id,
+                list(seq.token_ids),
+                seq.num_prompt_tokens,
+                seq.max_new_tokens,
+                cache_salt=seq.cache_salt,
+            )
             self._next_seq_id += 1
             children.append(self._start(req, child, dataclasses.replace(parent.timings)))
         self.scheduler.fork(seq, [c.seq for c in children])
@@ -325,6 +332,7 @@ class Engine:
 
     def _stats(self, batch: Batch, forward_s: float, start: float) -> StepStats:
         alloc = self.scheduler.allocator
+        prefix = self.scheduler.prefix_stats()
         return StepStats(
             num_seqs=len(batch.seqs),
             num_decode_tokens=batch.num_decodes,
@@ -337,6 +345,10 @@ class Engine:
             num_running=len(self.scheduler.running),
             kv_blocks_used=alloc.num_used,
             kv_blocks_total=alloc.num_blocks,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            prefix_cache_evictions=prefix.evictions,
+            prefix_cache_blocks=alloc.num_cached,
         )
 
 

@@ -84,6 +84,7 @@ def pipeline(
     kernels: str = EngineConfig.kernels,
     progress: bool = True,
     load_format: str = EngineConfig.load_format,
+    prefix_caching: bool = CacheConfig.prefix_caching,
 ) -> Pipeline:
     """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
     device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
@@ -96,7 +97,9 @@ def pipeline(
         kernels=kernels,
         load_format=load_format,
         scheduler=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory, prefix_caching=prefix_caching
+        ),
         max_model_len=max_model_len,
         progress=progress,
     )

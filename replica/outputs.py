@@ -67,8 +67,12 @@ class StepStats:
     step_s: float  # the whole step, scheduling and detokenization included
     num_waiting: int  # after the step
     num_running: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by sequences (cached blocks no sequence holds count as free)
     kv_blocks_total: int
+    prefix_cache_queries: int = 0  # tokens of the sequences admitted this step, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not prefilled)
+    prefix_cache_evictions: int = 0  # cached blocks reused for other KV since the previous step
+    prefix_cache_blocks: int = 0  # blocks holding cached prefixes after the step, held or not
 
     @property
     def num_tokens(self) -> int:

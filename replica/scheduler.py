@@ -3,19 +3,36 @@
 Each `schedule()` call builds one forward pass. Sequences keep FCFS priority: older sequences are served first
 and, when the KV pool runs short, the newest sequence is preempted (its blocks freed; it is recomputed later).
 The scheduler advances `num_computed` as it schedules: the batch it returns is what the model will cache.
-A sequence forked from another (`fork`: the n completions of one prompt) starts on a copy of its parent's KV blocks,
-which the next batch carries for the model runner to copy before its forward pass.
+A sequence forked from another (`fork`: the n completions of one prompt) shares its parent's full KV blocks and starts
+on a copy of the partly filled last one, which the next batch carries for the model runner to copy before its forward
+pass.
+
+With prefix caching a sequence admitted from the queue first takes the longest chain of cached blocks of its tokens
+and computes only the rest, at least its last token (so there are logits to sample from); that cached prefix costs no
+token budget. A block is published as soon as the batch that fills it is built, so a request admitted later in the
+same batch can share it: every layer writes the batch's KV before its attention reads the cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from dataclasses import dataclass
 
 from .batch import Batch, ScheduledSeq
 from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
+from .prefix_cache import extend_hashes
 from .request import SeqStatus, Sequence
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache activity since the last `Scheduler.prefix_stats()`."""
+
+    queries: int = 0  # tokens of sequences admitted from the queue, looked up in the cache
+    hits: int = 0  # of those, tokens found cached
+    evictions: int = 0  # cached blocks handed out again
 
 
 class Scheduler:
@@ -27,6 +44,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._overtakes = 0
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next batch
+        self._prefix = PrefixStats()
+        self._evictions_seen = allocator.num_evictions
         self._watermark_blocks = max(1, int(allocator.num_blocks * config.watermark)) if config.watermark else 0
         self._schedule = {
             "splitfuse": self._schedule_splitfuse,
@@ -66,19 +85,23 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> int:
-        """Starts children, each holding the tokens parent has computed, on copies of parent's KV blocks (copied
-        before the next forward pass). A child that finds too few free blocks or max_seqs running waits instead, with
-        nothing computed, and is recomputed from its tokens as a preempted sequence is. Returns how many share
-        parent's KV."""
+        """Starts children, each holding the tokens parent has computed: they share parent's full KV blocks and get
+        a copy of its partly filled last one (copied before the next forward pass). A child that finds no free block
+        for that copy or max_seqs running waits instead, with nothing computed, and is recomputed from its tokens as
+        a preempted sequence is. Returns how many share parent's KV."""
         num_tokens = parent.num_computed
-        src = parent.block_table[: self.allocator.blocks_for(num_tokens)]
+        full = num_tokens // self.allocator.block_size
+        shared_blocks = parent.block_table[:full]
+        partial = parent.block_table[full : self.allocator.blocks_for(num_tokens)]
         watermark = self._watermark_blocks
         shared = 0
         for child in children:
-            room = len(src) + watermark <= self.allocator.num_free and len(self.running) < self.config.max_seqs
+            child.block_hashes = list(parent.block_hashes)  # the same tokens so far
+            room = len(partial) + watermark <= self.allocator.num_free and len(self.running) < self.config.max_seqs
             if not room:
                 break
-            self._copies += zip(src, self.allocator.allocate(child.block_table, num_tokens))
+            self.allocator.share(child.block_table, shared_blocks)
+            self._copies += zip(partial, self.allocator.allocate(child.block_table, num_tokens))
             child.num_computed = num_tokens
             child.status = SeqStatus.RUNNING
             self.running.append(child)
@@ -88,6 +111,13 @@ class Scheduler:
             child.status = SeqStatus.WAITING
         self.waiting.extendleft(reversed(children[shared:]))  # ahead of newer requests, in index order
         return shared
+
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix-cache activity since the previous call."""
+        stats, self._prefix = self._prefix, PrefixStats()
+        stats.evictions = self.allocator.num_evictions - self._evictions_seen
+        self._evictions_seen = self.allocator.num_evictions
+        return stats
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,14 +151,13 @@ class Scheduler:
                 chunks.append(self._take(seq, n, scheduled))
                 budget -= n
         if not preempted:  # a pool short enough to preempt admits nothing new this step
-            for seq, n in self._admit(budget, whole_prompts=False):
-                chunks.append(self._take(seq, n, scheduled))
+            chunks += self._admit(budget, scheduled, whole_prompts=False)
         return Batch(decodes + chunks, len(decodes), preempted)
 
     def _schedule_prefill_first(self) -> Batch:
         """vLLM's scheduler of 2023: whole new prompts whenever any can be admitted, decodes wait meanwhile."""
         scheduled: set[int] = set()
-        prefills = [self._take(seq, n, scheduled) for seq, n in self._admit(self.config.max_batch_tokens, True)]
+        prefills = self._admit(self.config.max_batch_tokens, scheduled, whole_prompts=True)
         if prefills:
             return Batch(prefills, 0, [])
         return self._decode_all(scheduled)
@@ -138,10 +167,7 @@ class Scheduler:
         scheduled: set[int] = set()
         if self.running:
             return self._decode_all(scheduled)
-        prefills = [
-            self._take(seq, n, scheduled)
-            for seq, n in self._admit(self.config.max_batch_tokens, whole_prompts=True, reserve_lifetime=True)
-        ]
+        prefills = self._admit(self.config.max_batch_tokens, scheduled, whole_prompts=True, reserve_lifetime=True)
         return Batch(prefills, 0, [])
 
     # ---- pieces ----------------------------------------------------------------------------------------
@@ -153,27 +179,32 @@ class Scheduler:
                     decodes.append(self._take(seq, 1, scheduled))
         return Batch(decodes, len(decodes), preempted)
 
-    def _admit(self, budget: int, whole_prompts: bool, reserve_lifetime: bool = False) -> list[tuple[Sequence, int]]:
-        """Moves waiting sequences to running while the budget, max_seqs and the KV pool allow.
+    def _admit(
+        self, budget: int, scheduled: set[int], whole_prompts: bool, reserve_lifetime: bool = False
+    ) -> list[ScheduledSeq]:
+        """Moves waiting sequences to running while the budget, max_seqs and the KV pool allow, and schedules them.
 
         A request that does not fit now may be overtaken by later ones, at most `max_overtakes` times."""
-        admitted: list[tuple[Sequence, int]] = []
-        claimed = 0  # blocks promised to sequences admitted by this call (for their whole life when static)
+        admitted: list[ScheduledSeq] = []
+        claimed = 0  # blocks promised to static sequences admitted by this call, beyond those they hold already
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_seqs:
             seq = self.waiting[i]
-            n = seq.num_uncomputed if whole_prompts else min(seq.num_uncomputed, budget)
+            hits = self._cached_prefix(seq)
+            cached = len(hits) * self.allocator.block_size
+            n = seq.num_tokens - cached if whole_prompts else min(seq.num_tokens - cached, budget)
             if whole_prompts and n > budget and admitted:
                 break  # whole prompts only; the first one may exceed the budget so it can run at all
             watermark = self._watermark_blocks if self.running else 0
-            need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else n)
-            if claimed + need + watermark <= self.allocator.num_free:
+            need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else cached + n) - len(hits)
+            if claimed + need + self.allocator.reclaimed(hits) + watermark <= self.allocator.num_free:
                 del self.waiting[i]
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-                admitted.append((seq, n))
+                self._reuse(seq, hits)
+                admitted.append(self._take(seq, n, scheduled))
                 budget -= n
-                claimed += need
+                claimed += need - (len(seq.block_table) - len(hits))
                 self._overtakes = 0 if i == 0 else self._overtakes + 1
             elif i == 0 and self._overtakes >= self.config.max_overtakes:
                 break
@@ -182,6 +213,24 @@ class Scheduler:
             else:
                 i += 1
         return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks seq can start from. At least its last token stays to compute, for logits to sample from;
+        when that token ends a block, the block is recomputed into a fresh one rather than written while shared."""
+        if self.allocator.cache is None:
+            return []
+        usable = (seq.num_tokens - 1) // self.allocator.block_size
+        extend_hashes(seq.block_hashes, seq.token_ids, self.allocator.block_size, seq.cache_salt, usable)
+        return self.allocator.lookup(seq.block_hashes[:usable])
+
+    def _reuse(self, seq: Sequence, hits: list[int]) -> None:
+        """Starts an admitted seq on its cached prefix."""
+        if self.allocator.cache is None:
+            return
+        self.allocator.share(seq.block_table, hits)
+        seq.num_computed = len(hits) * self.allocator.block_size
+        self._prefix.queries += seq.num_tokens
+        self._prefix.hits += seq.num_computed
 
     def _make_room(
         self, seq: Sequence, num_tokens: int, scheduled: set[int], preempted: list[int], preempt_self: bool
@@ -220,6 +269,18 @@ class Scheduler:
             raise RuntimeError(f"KV pool exhausted while scheduling {n} tokens of sequence {seq.seq_id}")
         seq.num_computed += n
         scheduled.add(seq.seq_id)
+        self._publish(seq, start)
         return ScheduledSeq(
             seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table), start + n == seq.num_tokens
         )
+
+    def _publish(self, seq: Sequence, start: int) -> None:
+        """Registers the blocks that the tokens from `start` on fill, for later sequences to share."""
+        if self.allocator.cache is None:
+            return
+        bs = self.allocator.block_size
+        first, end = start // bs, seq.num_computed // bs
+        if first < end:
+            extend_hashes(seq.block_hashes, seq.token_ids, bs, seq.cache_salt, end)
+            for i in range(first, end):
+                self.allocator.publish(seq.block_table[i], seq.block_hashes[i])

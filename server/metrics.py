@@ -125,6 +125,19 @@ KV_BLOCKS_USED = _replica("fastgen_kv_cache_blocks_used", Gauge, "KV cache block
 KV_BLOCKS_TOTAL = _replica("fastgen_kv_cache_blocks_total", Gauge, "KV cache blocks in the pool.")
 KV_USAGE = _replica("fastgen_kv_cache_usage_ratio", Gauge, "Fraction of KV cache blocks in use (0..1).")
 PREEMPTIONS = _replica("fastgen_preemptions_total", Counter, "Sequences preempted for lack of KV blocks.")
+# vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: hits / queries is the share of prefill work saved.
+PREFIX_CACHE_QUERIES = _replica(
+    "fastgen_prefix_cache_queries_total", Counter, "Tokens of sequences admitted to run, looked up in the prefix cache."
+)
+PREFIX_CACHE_HITS = _replica(
+    "fastgen_prefix_cache_hits_total", Counter, "Tokens found in the prefix cache, so not prefilled."
+)
+PREFIX_CACHE_BLOCKS = _replica(
+    "fastgen_prefix_cache_blocks", Gauge, "KV blocks holding a cached prefix, in use or kept until evicted."
+)
+PREFIX_CACHE_EVICTIONS = _replica(
+    "fastgen_prefix_cache_evictions_total", Counter, "Cached KV blocks given over to other KV when the pool ran short."
+)
 TOKENS_PER_FORWARD = _replica(
     "fastgen_tokens_per_forward",
     Histogram,
@@ -221,6 +234,10 @@ REPLICA_METRICS = (
     KV_BLOCKS_TOTAL,
     KV_USAGE,
     PREEMPTIONS,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_BLOCKS,
+    PREFIX_CACHE_EVICTIONS,
     TOKENS_PER_FORWARD,
     BUDGET_FILL,
     FORWARD_TIME,
@@ -289,6 +306,10 @@ class StepStatsLike(Protocol):
     num_running: int
     kv_blocks_used: int
     kv_blocks_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    prefix_cache_blocks: int
 
     @property
     def num_tokens(self) -> int: ...
@@ -358,12 +379,24 @@ class ReplicaMetrics:
         m[KV_USAGE].set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         if stats.num_preempted:
             m[PREEMPTIONS].inc(stats.num_preempted)
+        self._record_prefix_cache(stats)
         if stats.num_tokens:
             m[TOKENS_PER_FORWARD].observe(stats.num_tokens)
             if stats.token_budget:
                 m[BUDGET_FILL].observe(stats.num_tokens / stats.token_budget)
             m[FORWARD_TIME].observe(stats.forward_s)
             m[STEP_TIME].observe(stats.step_s)
+
+    def _record_prefix_cache(self, stats: StepStatsLike) -> None:
+        m = self._bound
+        m[PREFIX_CACHE_BLOCKS].set(stats.prefix_cache_blocks)
+        for metric, n in (
+            (PREFIX_CACHE_QUERIES, stats.prefix_cache_queries),
+            (PREFIX_CACHE_HITS, stats.prefix_cache_hits),
+            (PREFIX_CACHE_EVICTIONS, stats.prefix_cache_evictions),
+        ):
+            if n:
+                m[metric].inc(n)
 
     def on_output(self, out: OutputLike) -> None:
         if out.new_token_ids:

@@ -60,6 +60,8 @@ def test_the_dashboard_shows_what_operators_act_on():
         "Running sequences",
         "KV cache usage",
         "Preemptions",
+        "Prefix cache hit rate",
+        "Prefix cache blocks and evictions",
         "Token-budget fill",
         "Traffic per replica",
         "Replica health",

@@ -43,6 +43,10 @@ def stats(**overrides):
         num_running=3,
         kv_blocks_used=6,
         kv_blocks_total=24,
+        prefix_cache_queries=40,
+        prefix_cache_hits=32,
+        prefix_cache_evictions=2,
+        prefix_cache_blocks=9,
     )
     fields.update(overrides)
     s = SimpleNamespace(**fields)
@@ -96,6 +100,16 @@ def test_step_stats_become_gauges_counters_and_histograms(registry):
     assert value(registry, "fastgen_tokens_per_forward_sum", **LABELS) == 16
     assert value(registry, "fastgen_token_budget_fill_ratio_sum", **LABELS) == 0.5
     assert value(registry, "fastgen_forward_seconds_count", **LABELS) == 1
+    assert value(registry, "fastgen_prefix_cache_queries_total", **LABELS) == 40
+    assert value(registry, "fastgen_prefix_cache_hits_total", **LABELS) == 32
+    assert value(registry, "fastgen_prefix_cache_evictions_total", **LABELS) == 2
+    assert value(registry, "fastgen_prefix_cache_blocks", **LABELS) == 9
+
+
+def test_prefix_cache_metrics_are_exported_at_zero_before_any_step(registry):
+    ReplicaMetrics(registry, "r0", "tiny")
+    for name in ("queries", "hits", "evictions"):
+        assert registry.get_sample_value(f"fastgen_prefix_cache_{name}_total", LABELS) == 0.0
 
 
 def test_request_lifecycle_observes_latencies_once_per_token(registry):

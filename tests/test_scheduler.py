@@ -47,8 +47,8 @@ def simulate(policy, budget, max_seqs, num_blocks, block_size, requests, max_ste
             for s in decoding_before:
                 assert s.seq_id in scheduled or s.seq_id in batch.preempted
             assert all(len(s.token_ids) == 1 for s in batch.seqs[: batch.num_decodes])
-        used = sum(len(s.block_table) for s in sched.running)
-        assert used == sched.allocator.num_used <= num_blocks
+        used = set().union(*(s.block_table for s in sched.running))
+        assert len(used) == sched.allocator.num_used <= num_blocks
         for s in batch.seqs:
             seq = by_id[s.seq_id]
             assert seq.token_ids[s.start : s.start + len(s.token_ids)] == s.token_ids
@@ -205,13 +205,15 @@ def sample_all(seqs) -> None:
         seq.token_ids.append(fake_token(seq))
 
 
-def test_fork_starts_children_on_copies_carried_by_the_next_batch():
+def test_fork_shares_full_blocks_and_copies_the_partial_one_in_the_next_batch():
     sched, parent, children = fork_setup(num_blocks=20)
     assert sched.fork(parent, children) == 3
     assert all(c.status is SeqStatus.RUNNING and c.num_computed == 10 and len(c.block_table) == 3 for c in children)
+    assert all(c.block_table[:2] == parent.block_table[:2] for c in children)  # 10 tokens: 2 full blocks of 4
+    assert [sched.allocator.refs(b) for b in parent.block_table] == [4, 4, 1]
     sample_all([parent, *children])
     batch = sched.schedule()
-    assert batch.copies == [(s, d) for c in children for s, d in zip(parent.block_table, c.block_table)]
+    assert batch.copies == [(parent.block_table[2], c.block_table[2]) for c in children]
     assert [s.seq_id for s in batch.seqs] == [0, 1, 2, 3] and batch.num_decodes == 4
     assert all(s.start == 10 for s in batch.seqs)
     sample_all([parent, *children])
@@ -219,8 +221,8 @@ def test_fork_starts_children_on_copies_carried_by_the_next_batch():
 
 
 def test_fork_short_of_blocks_or_seats_leaves_children_to_be_recomputed():
-    # 11 blocks: the parent holds 3, two children take 3 each, the watermark keeps one: the third must wait.
-    sched, parent, children = fork_setup(num_blocks=11)
+    # 6 blocks: the parent holds 3, two children take one each for the partial block, the watermark keeps one.
+    sched, parent, children = fork_setup(num_blocks=6)
     assert sched.fork(parent, children) == 2
     waiting = children[2]
     assert waiting.status is SeqStatus.WAITING and waiting.num_computed == 0 and waiting.block_table == []
@@ -236,7 +238,8 @@ def test_copies_into_freed_blocks_are_dropped():
     sched.finish(children[0])  # e.g. its first token was EOS: its blocks may serve anyone now
     sample_all([parent, *children[1:]])
     batch = sched.schedule()
-    assert {d for _, d in batch.copies} == set(children[1].block_table + children[2].block_table)
+    assert {d for _, d in batch.copies} == {children[1].block_table[2], children[2].block_table[2]}
+    assert [sched.allocator.refs(b) for b in parent.block_table] == [3, 3, 1]  # the shared blocks lost one holder
 
 
 @settings(max_examples=40, deadline=None)

@@ -196,6 +196,27 @@ ENGINE = (
         (Query(rate("fastgen_preemptions_total", by="replica"), "{{replica}}"),),
     ),
     Panel(
+        "Prefix cache hit rate",
+        "Share of the prompt tokens of admitted sequences found in the prefix cache, so not prefilled.",
+        "percentunit",
+        (
+            Query(
+                f"{rate('fastgen_prefix_cache_hits_total', by='replica')} / "
+                f"{rate('fastgen_prefix_cache_queries_total', by='replica')}",
+                "{{replica}}",
+            ),
+        ),
+    ),
+    Panel(
+        "Prefix cache blocks and evictions",
+        "KV blocks holding cached prefixes, and cached blocks evicted per second when the pool ran short.",
+        "short",
+        (
+            Query(f"sum by (replica) (fastgen_prefix_cache_blocks{{{REPLICA}}})", "{{replica}} cached"),
+            Query(rate("fastgen_prefix_cache_evictions_total", by="replica"), "{{replica}} evicted/s"),
+        ),
+    ),
+    Panel(
         "Token-budget fill",
         "Tokens in a forward pass over the token budget: how tightly Dynamic SplitFuse packs the batch (1 = full).",
         "percentunit",
