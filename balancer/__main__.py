@@ -4,9 +4,11 @@
         --replica r0=127.0.0.1:50051 --replica r1=127.0.0.1:50052 --policy least_loaded [--http-port 8000]
 
 Health is SERVING while at least one replica is healthy. With --http-port it also serves the OpenAI-compatible
-HTTP API (openai_api.py) from the same event loop; FASTGEN_API_KEY (or --api-key, which `ps` shows) makes it require
-`Authorization: Bearer <key>`. SIGTERM (or SIGINT) stops taking new calls, lets calls in flight finish (up to
---grace seconds) and exits 0.
+HTTP API (openai_api.py) from the same event loop. FASTGEN_API_KEY (or --api-key, which `ps` shows) makes gRPC and
+HTTP require `authorization: Bearer <key>` (health checks excepted); --auth-token-file names the deployment's internal
+token, which the balancer sends to the replicas (and also accepts). --tls-cert/--tls-key serve gRPC and HTTP over
+TLS; --tls-ca makes the calls to the replicas mutual TLS. SIGTERM (or SIGINT) stops taking new calls, lets calls in
+flight finish (up to --grace seconds) and exits 0.
 """
 
 from __future__ import annotations
@@ -17,17 +19,59 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from ..server.grpc_server import PortInUseError, create_server, set_serving
+from ..server.auth import bearer_metadata
+from ..server.client import ChannelSecurity
+from ..server.grpc_server import (
+    PortInUseError,
+    ServerSecurity,
+    add_security_args,
+    create_server,
+    set_serving,
+    tls_from_args,
+    token_from_args,
+)
 from ..server.metrics import BalancerMetrics, BuildInfo, HttpMetrics, record_build_info, start_metrics_server
+from ..server.tls import TlsFiles, server_ssl_context
 from .openai_api import API_KEY_ENV, ApiSettings, OpenAIApi, start_http
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
 from .service import RETRY_CODES, BalancerService
 
 log = logging.getLogger("fastgen.balancer")
+
+API_KEY_HINT = f"missing or wrong API key: send the metadata authorization: Bearer <the deployment's {API_KEY_ENV}>"
+TOKEN_HELP = (
+    "file holding the deployment's internal token: sent to the replicas on every call, and accepted from callers as "
+    "well as the API key (fastgen-deploy start generates it)"
+)
+CA_HELP = (
+    "CA of the deployment: the replicas' certificates are verified against it and --tls-cert is presented to them "
+    "as a client certificate (mutual TLS inside the deployment)"
+)
+CERT_HELP = "certificate chain to serve gRPC and the HTTP API over TLS with"
+
+
+@dataclass(frozen=True)
+class Security:
+    """The balancer's side of the deployment's security, read from its flags and files."""
+
+    server: ServerSecurity  # what callers of the balancer must present
+    upstream: ChannelSecurity  # what the balancer presents to the replicas
+    http_tls: TlsFiles | None  # the HTTP API's certificate (clients need none)
+
+
+def security_from_args(args: argparse.Namespace) -> Security:
+    """ValueError for a missing or unusable file."""
+    tls, token = tls_from_args(args), token_from_args(args)
+    # The internal token opens the balancer too: whoever can read it can already call the replicas directly.
+    tokens = tuple(t for t in (args.api_key, token) if t) if args.api_key else ()
+    public = TlsFiles(tls.cert, tls.key) if tls else None  # public callers present no certificate
+    upstream = ChannelSecurity(bearer_metadata(token), tls if tls and tls.ca else None)
+    return Security(ServerSecurity(tokens, API_KEY_HINT, public), upstream, public)
 
 
 def _replica_arg(text: str) -> ReplicaSpec:
@@ -84,9 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"key the HTTP API requires as Authorization: Bearer <key> (default: ${API_KEY_ENV}; prefer the "
-        "environment variable, since ps shows a command line)",
+        help=f"key gRPC and the HTTP API require as authorization: Bearer <key> (default: ${API_KEY_ENV}; prefer "
+        "the environment variable, since ps shows a command line)",
     )
+    add_security_args(p, TOKEN_HELP, CA_HELP, CERT_HELP)
     p.add_argument(
         "--served-model-name",
         action="append",
@@ -113,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    try:
+        security = security_from_args(args)
+    except ValueError as e:
+        print(f"fastgen balancer: error: {e}", file=sys.stderr)
+        return 2
     registry = CollectorRegistry()
     ids = tuple(r.id for r in args.replica)
     metrics = BalancerMetrics(registry, ids, args.policy, RETRY_CODES)
@@ -122,14 +172,16 @@ async def serve(args: argparse.Namespace) -> int:
         # `health` is bound below, before pool.start() lets any health change happen.
         await set_serving(health, pool.any_healthy())
 
-    pool = ReplicaPool(args.replica, args.health_interval, args.health_timeout, metrics, on_health_change)
+    pool = ReplicaPool(
+        args.replica, args.health_interval, args.health_timeout, metrics, on_health_change, security.upstream
+    )
     service = BalancerService(pool, Router(args.policy, len(args.replica)), metrics, args.max_retries)
     http = None
     try:
-        server, health = create_server(service, args.host, args.port)
+        server, health = create_server(service, args.host, args.port, security.server)
         metrics_port = start_metrics_server(registry, args.host, args.metrics_port)
         if args.http_port:
-            http = await serve_http(args, service, registry)
+            http = await serve_http(args, service, registry, security.http_tls)
     except PortInUseError as e:
         await pool.close()
         print(f"fastgen balancer: error: {e}", file=sys.stderr)
@@ -138,12 +190,13 @@ async def serve(args: argparse.Namespace) -> int:
     await server.start()
     pool.start()
     log.info(
-        "balancing %d replicas (%s) with %s on %s:%d, metrics on port %d%s",
+        "balancing %d replicas (%s) with %s on %s:%d%s, metrics on port %d%s",
         len(pool.replicas),
         ", ".join(f"{r.id}={r.address}" for r in pool.replicas),
         args.policy,
         args.host,
         args.port,
+        _security_note(security),
         metrics_port,
         _http_note(args) if http else "",
     )
@@ -156,16 +209,27 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def serve_http(args: argparse.Namespace, service: BalancerService, registry: CollectorRegistry):
+async def serve_http(
+    args: argparse.Namespace, service: BalancerService, registry: CollectorRegistry, tls: TlsFiles | None = None
+):
     settings = ApiSettings(api_key=args.api_key, served_model_names=tuple(args.served_model_name))
     api = OpenAIApi(service.balancer, settings, HttpMetrics(registry))
-    runner, _port = await start_http(api, args.host, args.http_port, shutdown_timeout=args.grace)
+    ssl_context = server_ssl_context(tls) if tls else None
+    runner, _port = await start_http(api, args.host, args.http_port, args.grace, ssl_context)
     return runner
+
+
+def _security_note(security: Security) -> str:
+    notes = ["TLS"] if security.server.tls else []
+    notes += ["API key required"] if security.server.tokens else []
+    notes += ["mutual TLS to the replicas"] if security.upstream.tls else []
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def _http_note(args: argparse.Namespace) -> str:
     auth = " (API key required)" if args.api_key else ""
-    return f", OpenAI-compatible HTTP API on port {args.http_port}{auth}"
+    scheme = "HTTPS" if args.tls_cert else "HTTP"
+    return f", OpenAI-compatible {scheme} API on port {args.http_port}{auth}"
 
 
 async def _wait_for_stop_signal() -> None:

@@ -8,16 +8,17 @@ first upstream chunk, so a request the replica refuses is a plain 4xx/5xx; a fai
 event followed by [DONE]. A client that disconnects has its handler cancelled (aiohttp's handler_cancellation),
 which cancels the upstream call: the replica aborts the request and frees its KV blocks.
 
-With an API key, every route but /health needs `Authorization: Bearer <key>`, as in vLLM.
+With an API key, every route but /health needs `Authorization: Bearer <key>`, as in vLLM (the same check as the
+gRPC side's, server/auth.py); with an ssl.SSLContext it serves HTTPS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from .. import __version__
 from ..proto import fastgen_pb2
+from ..server.auth import token_accepted
 from ..server.grpc_server import PortInUseError
 from ..server.metrics import HTTP_ROUTES, HttpMetrics
 from .openai_protocol import (
@@ -185,9 +187,7 @@ class OpenAIApi:
 
 
 def bearer_matches(header: str, key: str) -> bool:
-    scheme, _, token = header.partition(" ")
-    # compare_digest takes as long whatever prefix matches, so the key cannot be guessed byte by byte.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return token_accepted(header, (key,))
 
 
 def route_of(request: web.Request) -> str:
@@ -279,13 +279,16 @@ async def _pump(position: int, stream: AsyncIterator, queue: asyncio.Queue) -> N
         await queue.put((position, None, f))
 
 
-async def start_http(api: OpenAIApi, host: str, port: int, shutdown_timeout: float = 30.0) -> tuple[web.AppRunner, int]:
-    """Serves `api` on host:port (0 picks a free port) in the running event loop; returns the runner (cleanup()
-    stops taking requests and lets those in flight finish within shutdown_timeout) and the bound port."""
+async def start_http(
+    api: OpenAIApi, host: str, port: int, shutdown_timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serves `api` on host:port (0 picks a free port) in the running event loop, over TLS with `ssl_context`;
+    returns the runner (cleanup() stops taking requests and lets those in flight finish within shutdown_timeout)
+    and the bound port."""
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
     except OSError as e:
         await runner.cleanup()

@@ -9,6 +9,7 @@ range is a 400 that names it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,8 +20,14 @@ from ..proto import fastgen_pb2
 CHAT, COMPLETION = "chat", "completion"
 MAX_N = 128  # completions per prompt
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+# The replica's per-request limits (replica/request.py, which the balancer does not import; a test keeps them equal).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
+MAX_UINT32 = 2**32 - 1  # the other integers travel as uint32: any field without its own bound has this one
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the engine reads 0 as greedy
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"
@@ -38,6 +45,7 @@ HTTP_STATUS_OF = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a replica's queue drains in about that
+MAX_ERROR_CHARS = 500  # an error quotes the bad value: cut, so a huge body is not sent back
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
@@ -70,6 +78,8 @@ class ApiError(Exception):
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + " ..."
     return ApiError(400, message, param=param)
 
 
@@ -95,6 +105,14 @@ def _is_int(value: object) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
+def _finite(value: int | float) -> bool:
+    # Python's json reads NaN and Infinity, and integers too large for a float.
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _range_text(lo, hi) -> str:
@@ -128,7 +146,8 @@ class Fields:
         if not _is_int(value):
             raise bad_request(f"{name} must be an integer, got {value!r}", name)
         value = int(value)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        hi = MAX_UINT32 if hi is None else hi
+        if (lo is not None and value < lo) or value > hi:
             raise bad_request(f"{name} must be {_range_text(lo, hi)}, got {value}", name)
         return value
 
@@ -136,8 +155,8 @@ class Fields:
         value = self.body.get(name)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise bad_request(f"{name} must be a number, got {value!r}", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            raise bad_request(f"{name} must be a finite number, got {value!r}", name)
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             raise bad_request(f"{name} must be {_range_text(lo, hi)}, got {value}", name)
         return float(value)
@@ -278,9 +297,12 @@ def sampling_params(f: Fields, n: int, max_tokens: int | None) -> fastgen_pb2.Sa
         n=n,
         include_stop_str_in_output=f.flag("include_stop_str_in_output"),
         keep_special_tokens=not f.flag("skip_special_tokens", True),
+        cache_salt=f.text("cache_salt", "") or "",  # vLLM's field: prefix-cache isolation per tenant
     )
     if p.top_p == 0:
         raise bad_request("top_p must be in (0, 1], got 0", "top_p")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids may have at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     if p.repetition_penalty == 0:
         raise bad_request("repetition_penalty must be > 0 (1 turns it off), got 0", "repetition_penalty")
     seed = f.integer("seed", None, 0, MAX_SEED)
@@ -301,6 +323,10 @@ def parse_stop(value: object) -> list[str]:
         raise bad_request(f"stop must be a string or a list of strings, got {value!r}", "stop")
     if any(not s for s in value):
         raise bad_request("stop strings must not be empty", "stop")
+    if len(value) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(value)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise bad_request(f"stop strings may have at most {MAX_STOP_CHARS} characters", "stop")
     return value
 
 
@@ -310,6 +336,8 @@ def parse_logit_bias(value: object) -> dict[int, float]:
         return {}
     if not isinstance(value, dict):
         raise bad_request(f"logit_bias must be an object of token id to bias, got {value!r}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(value)}", "logit_bias")
     biases = {}
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and key.strip().isdigit() else None

@@ -1,5 +1,6 @@
 """The replicas behind the balancer: one grpc.aio channel each, a health watch each (grpc.health.v1 Check plus
-GetStatus polling for load), and the balancer's own in-flight accounting."""
+GetStatus polling for load), and the balancer's own in-flight accounting. Every call but the health check carries the
+deployment's internal token, over mutual TLS when the deployment has a CA."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from ..server.auth import AuthorizedStub
+from ..server.client import ChannelSecurity
 from ..server.grpc_server import CHANNEL_OPTIONS
 from ..server.metrics import BalancerMetrics
+from ..server.tls import open_channel
 from .policy import ReplicaLoad
 
 log = logging.getLogger("fastgen.balancer")
@@ -52,7 +56,7 @@ class Replica:
     spec: ReplicaSpec
     position: int  # index in the pool: the rotation order of the routing policies
     channel: grpc.aio.Channel
-    stub: fastgen_pb2_grpc.GenerationStub
+    stub: fastgen_pb2_grpc.GenerationStub  # sends the internal token (an AuthorizedStub) where there is one
     health_stub: health_pb2_grpc.HealthStub
     checked: bool = False  # False until the first health check answered or failed
     healthy: bool = False
@@ -101,7 +105,9 @@ class ReplicaPool:
         health_timeout: float,
         metrics: BalancerMetrics | None = None,
         on_health_change: Callable[[], Awaitable[None]] | None = None,
+        security: ChannelSecurity | None = None,
     ):
+        self.security = security or ChannelSecurity()
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self._metrics = metrics
@@ -218,12 +224,13 @@ class ReplicaPool:
 
     # ---- helpers ----
     def _connect(self, spec: ReplicaSpec, position: int) -> Replica:
-        channel = grpc.aio.insecure_channel(spec.address, options=UPSTREAM_CHANNEL_OPTIONS)
+        security = self.security
+        channel = open_channel(spec.address, UPSTREAM_CHANNEL_OPTIONS, security.tls, security.server_name, aio=True)
         replica = Replica(
             spec=spec,
             position=position,
             channel=channel,
-            stub=fastgen_pb2_grpc.GenerationStub(channel),
+            stub=AuthorizedStub(fastgen_pb2_grpc.GenerationStub(channel), security.metadata),
             health_stub=health_pb2_grpc.HealthStub(channel),
         )
         if self._metrics:

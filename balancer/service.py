@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from ..server.errors import trailing_metadata
 from ..server.metrics import BalancerMetrics
 from .policy import Router, estimate_prompt_tokens
 from .pool import Replica, ReplicaPool
@@ -225,7 +226,7 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
             raise
         except RequestFailed as f:
             self._metrics.on_rpc("Generate", f.code)
-            await context.abort(f.code, f.details)
+            await context.abort(f.code, f.details, trailing_metadata(f.code))
         self._metrics.on_rpc("Generate", grpc.StatusCode.OK)
         return response
 
@@ -239,7 +240,7 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
             raise
         except RequestFailed as f:
             self._metrics.on_rpc("GenerateStream", f.code)
-            await context.abort(f.code, f.details)
+            await context.abort(f.code, f.details, trailing_metadata(f.code))
         self._metrics.on_rpc("GenerateStream", grpc.StatusCode.OK)
 
     async def GetStatus(self, request, context):

@@ -30,18 +30,31 @@ from .workload import BenchRequest
 now = time.perf_counter
 
 
+def deployment_credentials(name: str, role: str = "balancer") -> dict:
+    """FastGenBackend's credentials for the local fastgen-deploy deployment `name`: its internal token (which its
+    balancer and its replicas both take) and TLS where it has it; role "replica" to call a replica directly."""
+    from ..launch import deployment
+    from ..launch.state import fastgen_home
+
+    return {"security": deployment.access_of(fastgen_home(), name)[role]}
+
+
 class FastGenBackend:
+    """`credentials`: AsyncClient's keyword arguments (api_key, default $FASTGEN_API_KEY; tls_ca, tls_cert,
+    tls_key)."""
+
     kind = "fastgen"
 
-    def __init__(self, address: str, timeout: float = 900.0):
+    def __init__(self, address: str, timeout: float = 900.0, **credentials):
         self.address = address
         self.timeout = timeout
+        self.credentials = credentials
         self._client = None
 
     async def open(self) -> None:
         from ..server.client import AsyncClient  # the channel must be made inside the running loop
 
-        self._client = AsyncClient(self.address, timeout=self.timeout)
+        self._client = AsyncClient(self.address, timeout=self.timeout, **self.credentials)
 
     async def close(self) -> None:
         if self._client is not None:

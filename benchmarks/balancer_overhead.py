@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .backends import FastGenBackend
+from .backends import FastGenBackend, deployment_credentials
 from .loadgen import closed_loop
 from .provenance import default_raw, run_info
 from .serving import System, cpu_count, fastgen_deployment, tokenizer_dir, wait_quiet
@@ -54,7 +54,7 @@ async def one_round(backend, requests, concurrency: int, path: str, index: int) 
 
 
 async def measure(addresses: dict[str, str], args: argparse.Namespace) -> list[Round]:
-    backends = {p: FastGenBackend(a) for p, a in addresses.items()}
+    backends = {p: FastGenBackend(a, **args.credentials) for p, a in addresses.items()}
     for b in backends.values():
         await b.open()
     tok = tokenizer_dir(args)
@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     with fastgen_deployment(System("overhead", "fastgen", "splitfuse", 1), args) as (balancer, config, _pids):
         replica = f"127.0.0.1:{config.port + 1}"
+        args.credentials = deployment_credentials(config.name)  # the internal token: the replica takes no other
         busy = wait_quiet(args.quiet_cores, 1200.0)
         started = time.monotonic()
         rounds = asyncio.run(measure({"direct": replica, "balancer": balancer}, args))

@@ -192,7 +192,7 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
 def system_under_test(system: System, args: argparse.Namespace):
     """Yields (make_backend, settings to record). Deployments live outside the event loop, so an interrupt (Ctrl-C,
     SIGTERM) anywhere still stops them."""
-    from .backends import FastGenBackend, HFBackend, OpenAIBackend
+    from .backends import FastGenBackend, HFBackend, OpenAIBackend, deployment_credentials
 
     if system.kind == "fastgen":
         with fastgen_deployment(system, args) as (address, config, pids):
@@ -206,7 +206,8 @@ def system_under_test(system: System, args: argparse.Namespace):
                 "model": args.model,
                 "through": "replica" if args.direct else "balancer",
             }
-            yield (lambda: FastGenBackend(address)), settings | {"pids": pids}
+            credentials = deployment_credentials(config.name, "replica" if args.direct else "balancer")
+            yield (lambda: FastGenBackend(address, **credentials)), settings | {"pids": pids}
     elif system.kind == "hf":
         threads = args.threads or cpu_count()
         settings = {"threads": threads, "dtype": args.dtype, "model": args.model, "batching": "static"}

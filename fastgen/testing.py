@@ -222,3 +222,99 @@ def cpu_attention_case(seed: int, dtype: Any, block_size: int, kv_heads: int, he
         poison=True,
         num_decodes=len(decodes),
     )
+
+
+# ---- replica and balancer processes of a benchmark's own (the tests use tests/helpers.py) ----------------------
+# One BLAS thread per process: the processes share the machine with each other and with the load generator.
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class LocalServer:
+    """A FastGen server process on a loopback port, its output in a log file."""
+
+    name: str
+    popen: Any  # subprocess.Popen
+    address: str
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def rss_bytes(self) -> int:
+        """Resident memory now (0 once the process is gone)."""
+        import psutil
+
+        try:
+            return psutil.Process(self.popen.pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            return 0
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds."""
+        import subprocess
+
+        if self.alive():
+            self.popen.terminate()
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+
+
+def start_server(module: str, name: str, args: list[str], log_dir: Path) -> LocalServer:
+    """`python -m fastgen.<module> --host 127.0.0.1 --port <free> --metrics-port <free> *args`."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    argv = [sys.executable, "-m", f"fastgen.{module}", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--metrics-port", str(free_port()), *args]
+    log_path = Path(log_dir) / f"{name}.log"
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **SINGLE_THREAD_ENV},
+        )
+    return LocalServer(name, popen, f"127.0.0.1:{port}", log_path)
+
+
+def wait_grpc_serving(server: LocalServer, timeout: float = 300.0) -> None:
+    """Waits until the server's grpc.health.v1 answers SERVING; RuntimeError (with its log) if it exits first."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(f"{server.name} exited with {server.popen.returncode}:\n{server.log_tail()}")
+        with grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{server.name} at {server.address} not SERVING after {timeout} s:\n{server.log_tail()}")
+
+
+def cached_tiny_model() -> Path:
+    """The tests' tiny random model (make_tiny_model's defaults), written once under $FASTGEN_CACHE."""
+    from fastgen.replica.weights import cache_root
+
+    path = cache_root() / "bench-models" / "tiny-llama"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path)
+    return path

@@ -11,11 +11,11 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ..replica.config import DEVICES, DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, SCHEDULERS, CacheConfig, parse_size
-from . import deployment, prometheus
+from . import certs, deployment, prometheus
 from .config import API_KEY_ENV, POLICIES, DeployConfig, address, default_threads, format_size, http_url
 from .deployment import DeployError
 from .state import fastgen_home, paths_for
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_logs(sub)
     add_generate(sub)
     add_prometheus_config(sub)
+    add_certs(sub)
     return parser
 
 
@@ -101,9 +102,11 @@ def add_start(sub) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"key the HTTP API requires as Authorization: Bearer <key> (default: ${API_KEY_ENV}). Prefer the "
-        "environment variable: a command line shows in ps. The balancer gets it through its environment only",
+        help=f"key the balancer requires on gRPC and HTTP as authorization: Bearer <key> (default: ${API_KEY_ENV}). "
+        "Prefer the environment variable: a command line shows in ps. The balancer gets it through its environment "
+        "only",
     )
+    add_security_flags(p)
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
     p.add_argument(
         "--device",
@@ -144,6 +147,12 @@ def add_start(sub) -> None:
     p.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="default: %(default)s")
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
     p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="recompute every prompt from its first token instead of reusing cached KV blocks of equal prefixes",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -172,6 +181,40 @@ def add_start(sub) -> None:
         help="SLA: inter-token moving average at most 1 / R s; each R is exported as a "
         "token_rate label (default: 1 2 4)",
     )
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        metavar="FILE",
+        help="the internal token the balancer sends to the replicas, which accept nothing else (default: a new one "
+        "in the state directory at every start, mode 0600)",
+    )
+    p.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="certificate the balancer serves gRPC and HTTP with (TLS)"
+    )
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that signed --tls-cert: the balancer and the replicas then speak mutual TLS with that certificate",
+    )
+    p.add_argument(
+        "--tls",
+        choices=("off", "auto"),
+        default="off",
+        help="auto: TLS and mutual TLS with a private CA and certificate made for the deployment (fastgen-deploy "
+        "certs), kept in its state directory (default: %(default)s)",
+    )
+
+
+def add_certs(sub) -> None:
+    p = sub.add_parser("certs", help="make a private CA and a certificate for a deployment (TLS and mutual TLS)")
+    add_name(p)
+    p.add_argument("--host", default=None, help="a name or address the certificate must carry besides loopback")
+    p.add_argument("--force", action="store_true", help="replace the certificates already there")
 
 
 def add_status(sub) -> None:
@@ -246,6 +289,14 @@ def add_generate(sub) -> None:
         help="send the prompt as a user message, rendered with the model's chat template (instructions)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the answer (default: 120)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"bearer token to send (default: with --name the deployment's internal token, else ${API_KEY_ENV})",
+    )
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="with --address: connect over TLS, trusting this CA")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="with --address: client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="with --address: private key of --tls-cert")
 
 
 def logit_bias_arg(text: str) -> tuple[int, float]:
@@ -284,7 +335,7 @@ def announce(config: DeployConfig) -> None:
 
 
 def cmd_start(args: argparse.Namespace, home: Path) -> int:
-    config = config_from(args)
+    config = auto_tls(config_from(args), args.tls, home)
     state = deployment.start(config, home, on_launch=announce, api_key=args.api_key)
     print(
         f"deployment {config.name!r} is up: model {state['model']}, policy {state['policy']}, "
@@ -304,7 +355,11 @@ def cmd_start(args: argparse.Namespace, home: Path) -> int:
     )
     if config.http_port:
         auth = " (API key required)" if args.api_key else ""
-        print(f"OpenAI-compatible API: {http_url(state['host'], config.http_port)}{auth}")
+        url = http_url(state["host"], config.http_port)
+        print(f"OpenAI-compatible API: {url.replace('http://', 'https://') if config.tls_cert else url}{auth}")
+    if config.tls_cert:
+        mutual = "; mutual TLS between the balancer and the replicas" if config.tls_ca else ""
+        print(f"TLS: certificate {config.tls_cert}{mutual}; clients trust {config.tls_ca or config.tls_cert}")
     print(
         f"Prometheus targets: {paths_for(home, config.name).prometheus_targets} "
         "(fastgen-deploy prometheus-config prints a prometheus.yml that reads them)"
@@ -314,7 +369,7 @@ def cmd_start(args: argparse.Namespace, home: Path) -> int:
 
 def cmd_status(args: argparse.Namespace, home: Path) -> int:
     state = deployment.live_state(home, args.name)
-    rows = deployment.status(state)
+    rows = deployment.status(state, access=deployment.access_of(home, args.name))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -466,7 +521,7 @@ def cmd_generate(args: argparse.Namespace, home: Path) -> int:
     kwargs = generate_kwargs(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
-        with Client(target, timeout=args.timeout) as client:
+        with Client(target, timeout=args.timeout, security=generate_security(args, home)) as client:
             if args.stream:
                 stream_generate(client, prompt, kwargs)
             else:
@@ -486,6 +541,49 @@ def cmd_generate(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
+def generate_security(args: argparse.Namespace, home: Path):
+    """With --name, the deployment's own credentials (its internal token, which the balancer accepts, and TLS);
+    with --address, the flags'. --api-key replaces the token either way."""
+    from ..server.auth import bearer_metadata
+    from ..server.client import channel_security
+
+    if args.address:
+        try:
+            return channel_security(args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        except ValueError as e:
+            raise DeployError(str(e)) from None
+    security = deployment.access_of(home, args.name)["balancer"]
+    return replace(security, metadata=bearer_metadata(args.api_key)) if args.api_key else security
+
+
+def auto_tls(config: DeployConfig, mode: str, home: Path) -> DeployConfig:
+    """With --tls auto, the deployment's own CA and certificate (made on first use)."""
+    if mode != "auto":
+        return config
+    if config.tls_cert or config.tls_key or config.tls_ca:
+        raise DeployError("--tls auto makes its own certificates: drop --tls-cert, --tls-key and --tls-ca, or --tls")
+    files = certs.cert_files(paths_for(home, config.name).root)
+    if not files.exist():
+        certs.generate(files.ca.parent.parent, [config.host])
+    return replace(config, tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(files.ca))
+
+
+def cmd_certs(args: argparse.Namespace, home: Path) -> int:
+    root = paths_for(home, args.name).root
+    files = certs.cert_files(root)
+    if files.exist() and not args.force:
+        print(f"certificates of deployment {args.name!r} already in {files.ca.parent} (--force replaces them)")
+    else:
+        certs.generate(root, [args.host] if args.host else [])
+        print(f"made a CA and a certificate for deployment {args.name!r} in {files.ca.parent}")
+    print(
+        f"  start with: fastgen-deploy start --name {args.name} --tls-cert {files.cert} --tls-key {files.key} "
+        f"--tls-ca {files.ca}   (or --tls auto)"
+    )
+    print(f"  clients trust {files.ca}; with mutual TLS they present {files.cert} and {files.key}")
+    return 0
+
+
 def cmd_prometheus_config(args: argparse.Namespace, home: Path) -> int:
     print(prometheus.scrape_config(home.resolve(), args.name, args.scrape_interval), end="")
     return 0
@@ -499,6 +597,7 @@ COMMANDS = {
     "logs": cmd_logs,
     "generate": cmd_generate,
     "prometheus-config": cmd_prometheus_config,
+    "certs": cmd_certs,
 }
 
 

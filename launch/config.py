@@ -32,6 +32,7 @@ from ..replica.config import (
     preset_path,
 )
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
+from ..server.tls import TlsFiles
 
 POLICIES = ("round_robin", "least_loaded")
 DEFAULT_MODEL = EngineConfig.model
@@ -67,10 +68,17 @@ class DeployConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: share of the device the replica may fill
     scheduler: str = SchedulerConfig.policy
     max_model_len: int | None = None
+    prefix_caching: bool = CacheConfig.prefix_caching
     threads: int = 1  # torch threads per process: per replica, or per rank with --tp
     timeout: float = 600.0  # seconds for every process to become SERVING
     sla_prompt_rate: float = DEFAULT_PROMPT_RATE  # P, prompt tokens/s
     sla_token_rates: tuple[float, ...] = DEFAULT_TOKEN_RATES  # every R, tokens/s
+    # Security (launch/certs.py): the internal token's file (start generates one into the state directory) and the
+    # TLS files; with tls_ca the balancer and the replicas speak mutual TLS. Paths only: no secret in config.json.
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self):
         # config.json stores it as a JSON list
@@ -127,6 +135,7 @@ def validate(config: DeployConfig) -> list[str]:
     """Every problem with the settings, each saying what to change; empty when they are fine."""
     problems = _name_problems(config.name) + _count_problems(config) + _choice_problems(config)
     problems += _engine_problems(config) + _port_problems(config) + _sla_problems(config)
+    problems += TlsFiles(config.tls_cert, config.tls_key, config.tls_ca).problems("server")
     if preset_path(config.model) is not None and config.load_format != "dummy":
         problems.append(
             f"--model {config.model} is a preset: its architecture ships without weights; pass --load-format dummy "
@@ -348,10 +357,13 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}", "--scheduler", c.scheduler]
     if c.max_model_len is not None:
         argv += ["--max-model-len", str(c.max_model_len)]
+    if not c.prefix_caching:
+        argv += ["--no-prefix-caching"]
     argv += ["--threads", str(c.threads)]
     argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
     if c.tp > 1:
         argv += ["--tp", str(c.tp)]
+    argv += security_args(c, "replica")
     return ProcessSpec(id=rid, role="replica", port=port, metrics_port=metrics_port, argv=argv, replica=rid)
 
 
@@ -363,6 +375,7 @@ def balancer_spec(c: DeployConfig, python: str, replicas: list[ProcessSpec]) -> 
     argv += ["--policy", c.policy]
     if c.http_port:  # the API key, if any, comes through the environment (API_KEY_ENV)
         argv += ["--http-port", str(c.http_port), "--served-model-name", c.model]
+    argv += security_args(c, "balancer")
     return ProcessSpec(
         id="balancer",
         role="balancer",
@@ -371,3 +384,14 @@ def balancer_spec(c: DeployConfig, python: str, replicas: list[ProcessSpec]) -> 
         argv=argv,
         http_port=c.http_port or None,
     )
+
+
+def security_args(c: DeployConfig, role: str) -> list[str]:
+    """The token's file (never the token: a command line shows in ps) and the TLS files. The balancer serves TLS
+    whenever there is a certificate; the replicas only with a CA, which makes their calls mutual TLS."""
+    argv = ["--auth-token-file", c.auth_token_file] if c.auth_token_file else []
+    if c.tls_cert and (role == "balancer" or c.tls_ca):
+        argv += ["--tls-cert", c.tls_cert, "--tls-key", c.tls_key]
+    if c.tls_ca:
+        argv += ["--tls-ca", c.tls_ca]
+    return argv

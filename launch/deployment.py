@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 
 from ..proto import fastgen_pb2
+from ..server.client import ChannelSecurity
 from . import gpus, probe, prometheus
+from .certs import ensure_token_file, local_access
 from .config import (
     API_KEY_ENV,
     DEFAULT_MODEL,
@@ -71,7 +73,13 @@ def prepare(config: DeployConfig, find_gpus: Callable[[], list[str]] = gpus.visi
     model = Path(config.model).expanduser()
     if model.exists() and (looks_like_path(config.model) or config.model != DEFAULT_MODEL):
         config = replace(config, model=str(model.resolve()))
-    return config
+    return absolute_security_paths(config)
+
+
+def absolute_security_paths(config: DeployConfig) -> DeployConfig:
+    """The supervisor and its children run in the state directory: relative paths would name other files there."""
+    names = ("auth_token_file", "tls_cert", "tls_key", "tls_ca")
+    return replace(config, **{n: str(Path(v).expanduser().resolve()) for n in names if (v := getattr(config, n))})
 
 
 def start(
@@ -100,6 +108,10 @@ def start(
         if problems:
             raise DeployError("ports not available:\n  " + "\n  ".join(problems))
         remove_live_state(paths)
+        try:
+            config = replace(config, auth_token_file=str(ensure_token_file(paths.root, config.auth_token_file)))
+        except ValueError as e:
+            raise DeployError(str(e)) from None
         save_config(paths, config)
         write_json_atomic(paths.prometheus_targets, prometheus.targets(config))
         supervisor = spawn_supervisor(paths, lock_fd, python, api_key)
@@ -295,11 +307,12 @@ def live_state(home: Path, name: str) -> dict:
     return wait_for_state(paths)
 
 
-def status(state: dict, timeout: float = 1.0) -> list[dict]:
-    """One row per process of a live deployment's state, with live health (grpc.health.v1) and load (GetStatus)."""
+def status(state: dict, timeout: float = 1.0, access: dict[str, ChannelSecurity] | None = None) -> list[dict]:
+    """One row per process of a live deployment's state, with live health (grpc.health.v1) and load (GetStatus);
+    `access` (access_of) holds the credentials of each role."""
     host = state["host"]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        rows = list(pool.map(lambda rec: process_status(rec, host, timeout), state["processes"]))
+        rows = list(pool.map(lambda rec: process_status(rec, host, timeout, access), state["processes"]))
     # A TP rank serves only through its rank 0, so it is as healthy as its group (DOWN when not running itself).
     group_health = {r["replica"]: r["health"] for r in rows if r["role"] == "replica"}
     for r in rows:
@@ -308,7 +321,7 @@ def status(state: dict, timeout: float = 1.0) -> list[dict]:
     return rows
 
 
-def process_status(rec: dict, host: str, timeout: float) -> dict:
+def process_status(rec: dict, host: str, timeout: float, access: dict[str, ChannelSecurity] | None = None) -> dict:
     row = {key: rec.get(key) for key in ("id", "role", "pid", "port", "metrics_port")}
     if rec.get("replica") is not None:
         row["replica"] = rec["replica"]
@@ -323,9 +336,9 @@ def process_status(rec: dict, host: str, timeout: float) -> dict:
     if rec["port"] is None:  # a TP rank > 0: status() gives it its group's health
         row["health"] = probe.DOWN
         return row
-    target = address(host, rec["port"])
-    row["health"] = probe.check_health(target, timeout) if rec.get("pid") else probe.DOWN
-    reply = probe.get_status(target, timeout) if row["health"] != probe.DOWN else None
+    target, security = address(host, rec["port"]), (access or {}).get(rec["role"])
+    row["health"] = probe.check_health(target, timeout, security) if rec.get("pid") else probe.DOWN
+    reply = probe.get_status(target, timeout, security) if row["health"] != probe.DOWN else None
     if reply is not None:
         row.update(load_of(reply))
     return row
@@ -389,3 +402,15 @@ def balancer_address(home: Path, name: str) -> str:
         raise DeployError(f"no deployment named {name!r}: start one, or pass --address host:port")
     live_state(home, name)
     return address(config.host, config.port)
+
+
+def access_of(home: Path, name: str) -> dict[str, ChannelSecurity]:
+    """How a local tool reaches each role of the deployment: its internal token (which the balancer accepts as well
+    as the API key) and TLS where configured (certs.local_access)."""
+    config = load_config(paths_for(home, name))
+    if config is None:
+        raise DeployError(f"no deployment named {name!r} (see fastgen-deploy list)")
+    try:
+        return local_access(config)
+    except (ValueError, OSError) as e:
+        raise DeployError(f"cannot read deployment {name!r}'s credentials: {e}") from None

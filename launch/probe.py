@@ -12,6 +12,8 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from ..server.client import ChannelSecurity
+from ..server.tls import open_channel
 
 SERVING, NOT_SERVING, DOWN = "SERVING", "NOT_SERVING", "DOWN"
 # A private subchannel pool: otherwise every channel to an address shares one connection whose reconnect backoff
@@ -58,9 +60,15 @@ def host_resolves(host: str) -> bool:
     return True
 
 
-def check_health(target: str, timeout: float = 1.0) -> str:
-    """SERVING, NOT_SERVING (up but loading, draining or failing) or DOWN (no answer)."""
-    with grpc.insecure_channel(target, options=_CHANNEL_OPTIONS) as channel:
+def _channel(target: str, security: ChannelSecurity | None) -> grpc.Channel:
+    security = security or ChannelSecurity()
+    return open_channel(target, _CHANNEL_OPTIONS, security.tls, security.server_name)
+
+
+def check_health(target: str, timeout: float = 1.0, security: ChannelSecurity | None = None) -> str:
+    """SERVING, NOT_SERVING (up but loading, draining or failing) or DOWN (no answer). `security`: TLS where the
+    deployment has it (health needs no token)."""
+    with _channel(target, security) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -68,10 +76,14 @@ def check_health(target: str, timeout: float = 1.0) -> str:
     return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
 
 
-def get_status(target: str, timeout: float = 1.0) -> fastgen_pb2.StatusResponse | None:
-    with grpc.insecure_channel(target, options=_CHANNEL_OPTIONS) as channel:
+def get_status(
+    target: str, timeout: float = 1.0, security: ChannelSecurity | None = None
+) -> fastgen_pb2.StatusResponse | None:
+    metadata = security.metadata if security else ()
+    with _channel(target, security) as channel:
         try:
-            return fastgen_pb2_grpc.GenerationStub(channel).GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout)
+            stub = fastgen_pb2_grpc.GenerationStub(channel)
+            return stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout, metadata=metadata)
         except grpc.RpcError:
             return None
 

@@ -21,7 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..server.client import ChannelSecurity
 from . import probe
+from .certs import local_access
 from .config import (
     API_KEY_ENV,
     DeployConfig,
@@ -146,7 +148,9 @@ def write_state(paths: Paths, config: DeployConfig, children: list[Child], statu
             "policy": config.policy,
             "tp": config.tp,
             "device": config.device,
-            "api_key_required": bool(config.http_port and os.environ.get(API_KEY_ENV)),
+            "api_key_required": bool(os.environ.get(API_KEY_ENV)),  # on gRPC, and on HTTP where it is served
+            "tls": bool(config.tls_cert),
+            "mutual_tls": bool(config.tls_ca),
             "updated": time.time(),
             "processes": [process_record(c) for c in children],
         },
@@ -160,8 +164,12 @@ def exit_message(child: Child, phase: str) -> str:
     )
 
 
-def wait_until_serving(children: list[Child], host: str, timeout: float, stop: StopFlag) -> str | None:
-    """None once every child answers SERVING; otherwise why start-up failed."""
+def wait_until_serving(
+    children: list[Child], host: str, timeout: float, stop: StopFlag, access: dict[str, ChannelSecurity] | None = None
+) -> str | None:
+    """None once every child answers SERVING; otherwise why start-up failed. `access`: how to reach each role
+    (local_access: TLS where the deployment has it)."""
+    access = access or {}
     deadline = time.monotonic() + timeout
     servers = [c for c in children if c.spec.port is not None]  # TP ranks > 0 serve through their rank 0
     health = {c.spec.id: probe.DOWN for c in servers}
@@ -172,7 +180,8 @@ def wait_until_serving(children: list[Child], host: str, timeout: float, stop: S
                 return exit_message(c, "during start-up")
         for c in servers:
             if health[c.spec.id] != probe.SERVING:
-                health[c.spec.id] = probe.check_health(address(host, c.spec.port), timeout=1.0)
+                target, security = address(host, c.spec.port), access.get(c.spec.role)
+                health[c.spec.id] = probe.check_health(target, timeout=1.0, security=security)
         if all(h == probe.SERVING for h in health.values()):
             return None
         if stop.requested:
@@ -304,7 +313,7 @@ def start_and_supervise(
     for g in groups_of(children):
         launch_group(g, env, config, first=True)
     write_state(paths, config, children, "starting")
-    error = wait_until_serving(children, config.host, config.timeout, stop)
+    error = wait_until_serving(children, config.host, config.timeout, stop, local_access(config))
     if error is not None:
         log.error("start-up failed: %s", error)
         return error

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from ..server.grpc_server import PortInUseError, create_server, set_serving
+from ..server.grpc_server import PortInUseError, add_replica_security_args, create_server, replica_security, set_serving
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
 from .config import (
     DEVICES,
@@ -101,12 +101,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--scheduler", default=_SCHEDULER.policy, choices=SCHEDULERS)
     p.add_argument("--max-model-len", type=positive, default=None)
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="recompute every prompt from its first token instead of reusing cached KV blocks of equal prefixes",
+    )
     p.add_argument("--default-max-new-tokens", type=positive, default=_ENGINE.default_max_new_tokens)
     p.add_argument("--threads", type=positive, default=1, help="torch threads for this process")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel ranks of this replica")
     p.add_argument("--max-queue-requests", type=positive, default=256)
     p.add_argument("--max-queue-tokens", type=positive, default=262144)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds SIGTERM waits for in-flight requests")
+    add_replica_security_args(p)  # --auth-token-file, --tls-cert, --tls-key, --tls-ca
     p.add_argument(
         "--sla-prompt-rate",
         type=positive_float,
@@ -142,6 +149,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             memory_bytes=args.kv_cache_memory or _CACHE.memory_bytes,
             # An explicit --kv-cache-memory is the budget on every device; num_blocks overrides both in the builder.
             gpu_memory_utilization=None if args.kv_cache_memory else args.gpu_memory_utilization,
+            prefix_caching=args.prefix_caching,
         ),
         max_model_len=args.max_model_len,
         default_max_new_tokens=args.default_max_new_tokens,
@@ -188,7 +196,7 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
     )
     record_build_info(registry, build_info(args))
     service = ReplicaService(args.replica_id, args.model, metrics)
-    server, health = create_server(service, args.host, args.port)
+    server, health = create_server(service, args.host, args.port, replica_security(args))
     await server.start()
     await set_serving(health, False)
     metrics_port = start_metrics_server(registry, args.host, args.metrics_port)

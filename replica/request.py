@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 
 MAX_N = 128  # completions per request
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+# Per-request limits (README, "Limits"). Each bounds work the engine repeats for the request on every step, or what
+# it keeps per request, so that one request cannot slow every other one down. OpenAI allows 4 stop strings and 300
+# logit_bias entries; vLLM sets no limit. Stop strings are matched on each step's new text and the longest one sets
+# how much text a stream holds back; logit_bias and stop_token_ids are applied per sampled row and token.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_CACHE_SALT_CHARS = 256  # hashed into every cached prompt block's key
+MAX_REQUEST_ID_CHARS = 256  # echoed in every chunk and kept while the request runs
 
 
 class FinishReason(enum.Enum):
@@ -37,9 +47,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     keep_special_tokens: bool = False
     echo: bool = False  # return the prompt's text
+    # Requests share cached prompt blocks only with requests of the same salt: a tenant's own salt keeps others from
+    # reusing or probing (by timing) its prefixes. "": the shared default.
+    cache_salt: str = ""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the field and what to change."""
+        self._check_sizes()
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0 (0 means the server default), got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -80,6 +94,25 @@ class SamplingParams:
             limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
             raise ValueError(f"token ids in logit_bias and stop_token_ids must be {limit}, got {bad[:5]}")
 
+    def _check_sizes(self) -> None:
+        """The per-request limits, checked first so that a huge list is refused before it is walked."""
+        check_count("stop", len(self.stop), MAX_STOP_STRINGS)
+        long = [s for s in self.stop if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters, one has {len(long[0])}")
+        check_count("stop_token_ids", len(self.stop_token_ids), MAX_STOP_TOKEN_IDS)
+        check_count("logit_bias", len(self.logit_bias), MAX_LOGIT_BIAS, "entries")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(
+                f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}"
+            )
+
+
+def check_count(name: str, count: int, limit: int, what: str = "items") -> None:
+    """ValueError when a list field holds more than `limit` items."""
+    if count > limit:
+        raise ValueError(f"{name} may have at most {limit} {what}, got {count}")
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -99,6 +132,10 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    cache_salt: str = ""
+    # Content hashes of token_ids' full blocks computed so far (prefix_cache); kept through preemption so that a
+    # recomputed sequence finds its own blocks if they are still cached.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ marked with its index, and ends when the last of them finishes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -17,11 +18,19 @@ import grpc
 
 from ..proto import fastgen_pb2 as pb
 from ..proto import fastgen_pb2_grpc
-from ..server.errors import QueueFullError, status_for
+from ..server.errors import QueueFullError, status_for, trailing_metadata
 from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import Prompt
-from .request import FinishReason, SamplingParams
+from .request import (
+    MAX_LOGIT_BIAS,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    FinishReason,
+    SamplingParams,
+    check_count,
+)
 
 log = logging.getLogger("fastgen.replica")
 
@@ -116,6 +125,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self.engine = self._build()
+            self.engine.prompts.max_token_bytes  # noqa: B018 - computed here, before handlers read it
         except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller
             self.loop.call_soon_threadsafe(self._ready.set_exception, exc)
             return
@@ -168,6 +178,12 @@ class EngineLoop:
         except (ValueError, QueueFullError) as exc:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - a bug must fail this request, not end the engine thread
+            log.exception("admitting request %s failed", command.request_id)
+            with contextlib.suppress(Exception):  # drop whatever part of it was admitted
+                self.engine.abort(command.request_id)
+            self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
+            return
         self._streams[command.request_id] = _Stream(command.outputs, command.params.n)
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -213,6 +229,10 @@ def completion_key(out: RequestOutput) -> str:
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     """The engine's parameters; proto3 zeros mean "off" or "default". ValueError names what to change."""
+    # Before the lists are copied (and logit_bias sorted) on the event loop: a message may hold millions of entries.
+    check_count("stop", len(p.stop), MAX_STOP_STRINGS)
+    check_count("stop_token_ids", len(p.stop_token_ids), MAX_STOP_TOKEN_IDS)
+    check_count("logit_bias", len(p.logit_bias), MAX_LOGIT_BIAS, "entries")
     if p.top_logprobs and not p.logprobs:
         raise ValueError(f"top_logprobs ({p.top_logprobs}) needs logprobs: set logprobs as well")
     return SamplingParams(
@@ -235,6 +255,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=p.include_stop_str_in_output,
         keep_special_tokens=p.keep_special_tokens,
         echo=p.echo,
+        cache_salt=p.cache_salt,
     )
 
 
@@ -314,8 +335,12 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         if self.draining:
             await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica is draining: retry elsewhere")
         try:
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters")
             prompt = prompt_from_proto(request)
             params = params_from_proto(request.params)
+            engine = self.engine_loop.engine
+            engine.prompts.check_size(prompt, engine.max_model_len)
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
@@ -337,7 +362,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
 
     async def _fail(self, context, method: str, code: grpc.StatusCode, message: str):
         self.metrics.on_rpc(method, code)
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata(code))
 
     async def Generate(self, request, context):
         final: dict[int, RequestOutput] = {}

@@ -8,6 +8,10 @@ single replica alike.
         result = client.generate("Once upon a time", n=3, temperature=0.8, logprobs=True, top_logprobs=2)
         for choice in result.completions():
             print(choice.index, choice.text, [lp.logprob for lp in choice.logprobs])
+
+A deployment with an API key needs it (`api_key=`, default $FASTGEN_API_KEY), sent as `authorization: Bearer <key>`
+metadata; one serving TLS needs `tls_ca=` (the CA that signed its certificate; `tls=True` trusts the system's roots),
+and `tls_cert=`/`tls_key=` where the server asks for a client certificate (mutual TLS).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import numbers
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +27,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from .auth import bearer_metadata
 from .grpc_server import CHANNEL_OPTIONS
+from .tls import TlsFiles, open_channel
 
 SAMPLING_FIELDS = (
     "max_new_tokens",
@@ -49,6 +56,7 @@ SAMPLING_FIELDS = (
 CALL_FIELDS = ("request_id", "timeout")
 # Requests of one batch in flight at once: enough to fill a deployment, few enough not to overflow its queues.
 DEFAULT_MAX_IN_FLIGHT = 128
+API_KEY_ENV = "FASTGEN_API_KEY"  # the balancer's key, also what a client sends by default
 
 FINISH_REASONS = {
     fastgen_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -288,17 +296,64 @@ def to_status(resp: fastgen_pb2.StatusResponse) -> Status:
     return Status(model=resp.model, role=resp.role, replicas=replicas)
 
 
+# ---- Credentials. ----
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a client reaches a server: the bearer token it sends, and TLS (None: plaintext)."""
+
+    metadata: tuple[tuple[str, str], ...] = ()
+    tls: TlsFiles | None = None
+    server_name: str | None = None  # the name the server's certificate must carry, when the address is not it
+
+
+def channel_security(
+    api_key: str | None,
+    tls: bool = False,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_server_name: str | None = None,
+) -> ChannelSecurity:
+    """The clients' credential arguments checked and gathered; api_key None means $FASTGEN_API_KEY ("" sends none)."""
+    key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+    files = TlsFiles(tls_cert, tls_key, tls_ca)
+    problems = files.problems(role="client")
+    if problems:
+        flags = {"--tls-cert": "tls_cert", "--tls-key": "tls_key", "--tls-ca": "tls_ca"}
+        for flag, name in flags.items():
+            problems = [p.replace(flag, name) for p in problems]
+        raise ValueError("; ".join(problems))
+    secure = tls or bool(tls_ca or tls_cert)
+    return ChannelSecurity(bearer_metadata(key), files if secure else None, tls_server_name)
+
+
 # ---- Blocking client. ----
 class Client:
     """Blocking client over one channel. A list of prompts runs concurrently (up to `max_in_flight` at once) and
     returns results in order. Sampling keyword arguments are SamplingParams' fields; also `request_id` and
-    `timeout` (seconds, overriding the client's)."""
+    `timeout` (seconds, overriding the client's). Credentials: see the module's doc (`security`, when given, replaces
+    the other credential arguments)."""
 
-    def __init__(self, address: str, timeout: float | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
+    ):
         self.address = address
         self.timeout = timeout
         self.max_in_flight = max_in_flight
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        security = security or channel_security(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._metadata = security.metadata
+        self._channel = open_channel(address, CHANNEL_OPTIONS, security.tls, security.server_name)
         self._stub = fastgen_pb2_grpc.GenerationStub(self._channel)
 
     def generate(self, prompt, **kwargs) -> GenerationResult | list[GenerationResult]:
@@ -307,7 +362,7 @@ class Client:
         if is_single_prompt(prompt):
             req = build_request(prompt, kwargs.get("request_id"), kwargs)
             try:
-                return to_result(self._stub.Generate(req, timeout=timeout))
+                return to_result(self._stub.Generate(req, timeout=timeout, metadata=self._metadata))
             except grpc.RpcError as e:
                 raise GenerationError.from_rpc_error(e) from None
         return self._generate_batch(batch_requests(prompt, kwargs), timeout)
@@ -332,7 +387,7 @@ class Client:
                     yield chunk.text
 
     def _stream(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> Iterator[GenerationChunk]:
-        call = self._stub.GenerateStream(req, timeout=timeout)
+        call = self._stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
         try:
             for chunk in call:
                 yield to_chunk(chunk)
@@ -343,7 +398,8 @@ class Client:
 
     def status(self, timeout: float | None = None) -> Status:
         try:
-            return to_status(self._stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout or self.timeout))
+            request, timeout = fastgen_pb2.StatusRequest(), timeout or self.timeout
+            return to_status(self._stub.GetStatus(request, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as e:
             raise GenerationError.from_rpc_error(e) from None
 
@@ -372,7 +428,7 @@ class Client:
                 slots.acquire()
                 if failed.is_set():
                     break  # stop sending; collecting the results below raises the failure
-                future = self._stub.Generate.future(req, timeout=timeout)
+                future = self._stub.Generate.future(req, timeout=timeout, metadata=self._metadata)
                 future.add_done_callback(on_done)
                 futures.append(future)
             return [to_result(f.result()) for f in futures]
@@ -388,11 +444,26 @@ class AsyncClient:
     """The asyncio twin of `Client`: `await generate(...)`, `async for text in stream(...)`. Create and use it
     inside one event loop."""
 
-    def __init__(self, address: str, timeout: float | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        security: ChannelSecurity | None = None,
+    ):
         self.address = address
         self.timeout = timeout
         self.max_in_flight = max_in_flight
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        security = security or channel_security(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._metadata = security.metadata
+        self._channel = open_channel(address, CHANNEL_OPTIONS, security.tls, security.server_name, aio=True)
         self._stub = fastgen_pb2_grpc.GenerationStub(self._channel)
 
     async def generate(self, prompt, **kwargs) -> GenerationResult | list[GenerationResult]:
@@ -433,7 +504,7 @@ class AsyncClient:
                     yield chunk.text
 
     async def _stream(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> AsyncIterator:
-        call = self._stub.GenerateStream(req, timeout=timeout)
+        call = self._stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
         try:
             async for chunk in call:
                 yield to_chunk(chunk)
@@ -444,7 +515,8 @@ class AsyncClient:
 
     async def status(self, timeout: float | None = None) -> Status:
         try:
-            resp = await self._stub.GetStatus(fastgen_pb2.StatusRequest(), timeout=timeout or self.timeout)
+            request, timeout = fastgen_pb2.StatusRequest(), timeout or self.timeout
+            resp = await self._stub.GetStatus(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise GenerationError.from_rpc_error(e) from None
         return to_status(resp)
@@ -460,6 +532,6 @@ class AsyncClient:
 
     async def _generate_one(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> GenerationResult:
         try:
-            return to_result(await self._stub.Generate(req, timeout=timeout))
+            return to_result(await self._stub.Generate(req, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as e:
             raise GenerationError.from_rpc_error(e) from None

@@ -11,6 +11,7 @@ import os
 import signal
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -47,7 +48,8 @@ class Served:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=KEY, max_retries=0)
 
     def replica_idle(self) -> bool:
-        with Client(self.replica, timeout=5) as client:
+        token = (Path(self.deploy.env["FASTGEN_HOME"]) / NAME / "auth-token").read_text().strip()
+        with Client(self.replica, timeout=5, api_key=token) as client:  # a replica takes only the internal token
             r = client.status().replicas[0]
         return r.running_requests == 0 and r.queued_requests == 0
 
@@ -130,7 +132,7 @@ def test_sync_chat_and_completion(served):
 
 def test_greedy_text_over_http_equals_grpc(served):
     prompt = "The capital of France is"
-    with Client(served.balancer, timeout=60) as grpc_client:
+    with Client(served.balancer, timeout=60, api_key=KEY) as grpc_client:
         want = grpc_client.generate(prompt, max_new_tokens=12, temperature=0, ignore_eos=True)
         want_chat = grpc_client.generate([{"role": "user", "content": prompt}], max_new_tokens=8, temperature=0)
     client = served.sync()
