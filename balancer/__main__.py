@@ -36,6 +36,7 @@ from ..server.grpc_server import (
 )
 from ..server.metrics import BalancerMetrics, BuildInfo, HttpMetrics, record_build_info, start_metrics_server
 from ..server.tls import TlsFiles, server_ssl_context
+from .journal import DEFAULT_MIGRATION_LIMIT, DEFAULT_MIGRATION_MAX_LEN, MigrationSettings
 from .openai_api import API_KEY_ENV, ApiSettings, OpenAIApi, start_http
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
@@ -121,7 +122,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="ID=HOST:PORT",
         help="a replica to balance over; repeat for each",
     )
-    p.add_argument("--policy", choices=sorted(POLICIES), default="least_loaded", help="routing policy")
+    p.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default="least_loaded",
+        help="routing policy; prefix_aware routes a prompt where its prefix is cached unless the wait there costs more "
+        "than the prefill it saves",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FOLDER",
+        help="prefix_aware: Hugging Face folder (tokenizer.json) to hash text and chat prompts with (default: the one "
+        "the replicas report, when this host can read it)",
+    )
     p.add_argument(
         "--http-port", type=_port, default=0, help="port of the OpenAI-compatible HTTP API (default 0: no HTTP API)"
     )
@@ -146,6 +160,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_non_negative_int,
         default=2,
         help="tries on other replicas when a replica fails before any output was sent",
+    )
+    p.add_argument(
+        "--migration-limit",
+        type=_non_negative_int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        help="times a request may move to another replica after its replica failed mid-request (streams resume "
+        "where they were; 0: off; default %(default)s)",
+    )
+    p.add_argument(
+        "--migration-max-len",
+        type=_non_negative_int,
+        default=DEFAULT_MIGRATION_MAX_LEN,
+        help="tokens of a stream's output the balancer keeps to resume it elsewhere; a longer stream fails with its "
+        "replica (default %(default)s)",
     )
     p.add_argument("--grace", type=_positive_float, default=30.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -173,9 +201,17 @@ async def serve(args: argparse.Namespace) -> int:
         await set_serving(health, pool.any_healthy())
 
     pool = ReplicaPool(
-        args.replica, args.health_interval, args.health_timeout, metrics, on_health_change, security.upstream
+        args.replica,
+        args.health_interval,
+        args.health_timeout,
+        metrics,
+        on_health_change,
+        security.upstream,
+        prefix_routing=args.policy == "prefix_aware",
+        tokenizer=args.tokenizer,
     )
-    service = BalancerService(pool, Router(args.policy, len(args.replica)), metrics, args.max_retries)
+    migration = MigrationSettings(args.migration_limit, args.migration_max_len)
+    service = BalancerService(pool, Router(args.policy, len(args.replica)), metrics, args.max_retries, migration)
     http = None
     try:
         server, health = create_server(service, args.host, args.port, security.server)

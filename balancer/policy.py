@@ -2,6 +2,11 @@
 
 A policy sees only the replicas it may pick (healthy, not yet tried for this request), keyed by their position in
 the pool. Positions, not ids, carry the rotation order so round robin stays fair while replicas come and go.
+
+`prefix_aware` also sees, per replica, how much of this request's prompt it is believed to hold in its prefix cache,
+and picks the smallest predicted time to first token: the work queued ahead of the request plus the part of its
+prompt still to prefill, at that replica's measured speed. A replica holding the prefix wins until its queue costs
+more than the prefill it would save; no threshold decides when load beats affinity.
 """
 
 from __future__ import annotations
@@ -9,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-# Rough characters per token for text we have not tokenized; the balancer never loads a tokenizer.
+# Rough characters per token for text we have not tokenized (only prefix_aware loads the replicas' tokenizer).
 CHARS_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4  # role markers added by chat templates
+# Tokens per second assumed for a replica that has not reported its prefill speed, when no other replica has either;
+# with equal speeds only the ratio of token counts matters, so its value rarely decides a pick.
+DEFAULT_PREFILL_TOKENS_PER_SECOND = 1000.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,10 @@ class ReplicaLoad:
     running_requests: int = 0
     queued_requests: int = 0
     in_flight_at_report: int = 0  # how many of the reported requests may be the balancer's own
+    prefill_tokens_per_second: float = 0.0  # the replica's measured speed (0: not measured yet)
+    # The request being routed, as this replica would see it (prefix_aware only; 0 when unknown).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, how many the replica is believed to hold in its prefix cache
 
 
 def outstanding_work(load: ReplicaLoad) -> int:
@@ -53,8 +65,29 @@ def least_loaded(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: in
     return min(loads, key=lambda p: (outstanding_work(loads[p]), _rotation_distance(p, cursor, num_replicas)))
 
 
+def predicted_ttft(load: ReplicaLoad, tokens_per_second: float) -> float:
+    """Seconds until the request's first token on this replica: its outstanding work, then the uncached part of the
+    prompt."""
+    uncached = max(0, load.prompt_tokens - load.cached_tokens)
+    return (outstanding_work(load) + uncached) / tokens_per_second
+
+
+def prefix_aware(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: int) -> int:
+    """The candidate with the smallest predicted time to first token; among equals, the one holding more of the
+    prompt, then round robin. A replica that has not measured its speed is assumed as fast as the others' mean."""
+    measured = [load.prefill_tokens_per_second for load in loads.values() if load.prefill_tokens_per_second > 0]
+    assumed = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_SECOND
+
+    def rank(p: int):
+        load = loads[p]
+        ttft = predicted_ttft(load, load.prefill_tokens_per_second or assumed)
+        return ttft, -load.cached_tokens, _rotation_distance(p, cursor, num_replicas)
+
+    return min(loads, key=rank)
+
+
 PickFn = Callable[[Mapping[int, ReplicaLoad], int, int], int]
-POLICIES: dict[str, PickFn] = {"round_robin": round_robin, "least_loaded": least_loaded}
+POLICIES: dict[str, PickFn] = {"round_robin": round_robin, "least_loaded": least_loaded, "prefix_aware": prefix_aware}
 
 
 @dataclass

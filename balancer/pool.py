@@ -1,6 +1,10 @@
 """The replicas behind the balancer: one grpc.aio channel each, a health watch each (grpc.health.v1 Check plus
 GetStatus polling for load), and the balancer's own in-flight accounting. Every call but the health check carries the
-deployment's internal token, over mutual TLS when the deployment has a CA."""
+deployment's internal token, over mutual TLS when the deployment has a CA.
+
+For prefix-aware routing the pool also keeps one WatchCache stream per replica that reports prefix caching, feeding
+that replica's CacheView (prefix_index.py), and hashes prompts with the replicas' tokenizer: the one given on the
+command line, else the one the first replica reports (its folder must be readable here)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from ..server.grpc_server import CHANNEL_OPTIONS
 from ..server.metrics import BalancerMetrics
 from ..server.tls import open_channel
 from .policy import ReplicaLoad
+from .prefix_index import CacheView, PromptHasher, PromptKey
+from .tokenizer import load_prompt_tokenizer
 
 log = logging.getLogger("fastgen.balancer")
 
@@ -34,6 +40,7 @@ UPSTREAM_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
 # A replica that answers checks too slowly (busy, not dead) leaves rotation only after this many in a row;
 # refused connections and NOT_SERVING take it out at once.
 SLOW_CHECKS_BEFORE_UNHEALTHY = 3
+DEFAULT_BLOCK_SIZE = 16  # the replicas' default --block-size
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class Replica:
     in_flight_at_report: int = 0
     reports: int = 0  # GetStatus answers received: tells a lease whether its tokens are in a report yet
     dispatched: int = 0  # requests ever sent
+    cache: CacheView = field(default_factory=CacheView)  # its prefix cache as far as the balancer knows
 
     @property
     def id(self) -> str:
@@ -78,7 +86,11 @@ class Replica:
     def address(self) -> str:
         return self.spec.address
 
-    def load(self) -> ReplicaLoad:
+    def load(self, key: PromptKey | None = None) -> ReplicaLoad:
+        """Its load; with a prompt's key, also how much of that prompt it is believed to hold."""
+        # A replica that said it does not cache holds nothing, whatever was routed to it.
+        caching_off = self.status.kv_block_size > 0 and not self.status.prefix_caching
+        cached = self.cache.cached_tokens(key) if key is not None and not caching_off else 0
         return ReplicaLoad(
             in_flight=self.in_flight,
             unreported_prompt_tokens=self.unreported_prompt_tokens,
@@ -86,6 +98,9 @@ class Replica:
             running_requests=self.status.running_requests,
             queued_requests=self.status.queued_requests,
             in_flight_at_report=self.in_flight_at_report,
+            prefill_tokens_per_second=self.status.prefill_tokens_per_second,
+            prompt_tokens=key.tokens if key is not None else 0,
+            cached_tokens=cached,
         )
 
     def health_enum(self) -> int:
@@ -106,6 +121,8 @@ class ReplicaPool:
         metrics: BalancerMetrics | None = None,
         on_health_change: Callable[[], Awaitable[None]] | None = None,
         security: ChannelSecurity | None = None,
+        prefix_routing: bool = False,
+        tokenizer: str | None = None,
     ):
         self.security = security or ChannelSecurity()
         self.health_interval = health_interval
@@ -114,10 +131,17 @@ class ReplicaPool:
         self._on_health_change = on_health_change
         self.replicas = [self._connect(spec, i) for i, spec in enumerate(specs)]
         self._watches: list[asyncio.Task] = []
+        self.prefix_routing = prefix_routing
+        # An explicit tokenizer is loaded now (a bad path is the operator's to fix); else the replicas' is, later.
+        self.hasher = PromptHasher(load_prompt_tokenizer(tokenizer) if tokenizer else None)
+        self._tokenizer_wanted = prefix_routing and not tokenizer
+        self._tokenizer_loading = False
 
     # ---- lifecycle ----
     def start(self) -> None:
         self._watches = [asyncio.create_task(self._watch(r), name=f"health-{r.id}") for r in self.replicas]
+        if self.prefix_routing:
+            self._watches += [asyncio.create_task(self._watch_cache(r), name=f"cache-{r.id}") for r in self.replicas]
 
     async def close(self) -> None:
         for task in self._watches:
@@ -126,9 +150,20 @@ class ReplicaPool:
         await asyncio.gather(*(r.channel.close() for r in self.replicas))
 
     # ---- routing support ----
-    def candidates(self, exclude: set[int]) -> dict[int, ReplicaLoad]:
-        """Loads of the healthy replicas not in `exclude`, keyed by position."""
-        return {r.position: r.load() for r in self.replicas if r.healthy and r.position not in exclude}
+    def candidates(self, exclude: set[int], key: PromptKey | None = None) -> dict[int, ReplicaLoad]:
+        """Loads of the healthy replicas not in `exclude`, keyed by position; with a prompt's key, each also says
+        how much of the prompt that replica holds."""
+        return {r.position: r.load(key) for r in self.replicas if r.healthy and r.position not in exclude}
+
+    def prefix_key(self, request) -> PromptKey | None:
+        """The request's prompt hashed in the replicas' blocks (before any replica reported its block size, or with
+        replicas too old to report it, in the default's: keys then match only what was routed recently)."""
+        block_size = next((r.status.kv_block_size for r in self.replicas if r.status.kv_block_size), 0)
+        return self.hasher.key(request, block_size or DEFAULT_BLOCK_SIZE)
+
+    def note_routed(self, replica: Replica, key: PromptKey) -> None:
+        """The request with this key went to `replica`: until its events say so, guess that it holds the prompt."""
+        replica.cache.note_routed(key)
 
     def any_healthy(self) -> bool:
         return any(r.healthy for r in self.replicas)
@@ -204,6 +239,53 @@ class ReplicaPool:
         replica.model = resp.model
         if resp.replicas:
             replica.status = resp.replicas[0]
+            if replica.status.kv_blocks_total:  # it cannot hold more than its pool: neither can the guesses
+                replica.cache.recent_capacity = replica.status.kv_blocks_total
+            if self._tokenizer_wanted and replica.status.tokenizer_path and not self._tokenizer_loading:
+                self._tokenizer_loading = True
+                load = self._load_tokenizer(replica.status.tokenizer_path)
+                self._watches.append(asyncio.create_task(load, name="load-tokenizer"))
+
+    async def _load_tokenizer(self, path: str) -> None:
+        """Loads the tokenizer a replica reported, off the event loop; once."""
+        tokenizer = await asyncio.to_thread(load_prompt_tokenizer, path)
+        self.hasher = PromptHasher(tokenizer)
+        self._tokenizer_wanted = False
+        if tokenizer is not None:
+            log.info("prefix-aware routing hashes text and chat prompts with the tokenizer in %s", path)
+
+    # ---- prefix cache watch ----
+    async def _watch_cache(self, replica: Replica) -> None:
+        """One WatchCache stream to the replica while it is healthy and caches prefixes; watched anew after a gap
+        or a broken stream (a fresh snapshot), the view falling back to routed guesses in between."""
+        while True:
+            if not (replica.healthy and replica.status.prefix_caching):
+                await asyncio.sleep(self.health_interval)
+                continue
+            call = replica.stub.WatchCache(fastgen_pb2.CacheWatchRequest())
+            pause = self.health_interval
+            try:
+                async for events in call:
+                    in_sync = replica.cache.apply(
+                        events.seq, events.stored, events.removed, events.reset, events.snapshot
+                    )
+                    self._publish_cache_view(replica)
+                    if not in_sync:
+                        log.info("cache events of replica %s skipped a batch: watching anew", replica.id)
+                        break
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+                    pause = 20 * self.health_interval  # it cannot stream now; ask again now and then
+                log.debug("cache watch of %s ended: %s: %s", replica.id, e.code().name, e.details())
+            finally:
+                call.cancel()
+                replica.cache.drop()
+                self._publish_cache_view(replica)
+            await asyncio.sleep(pause)
+
+    def _publish_cache_view(self, replica: Replica) -> None:
+        if self._metrics:
+            self._metrics.set_cache_view(replica.id, replica.cache.live, len(replica.cache.blocks))
 
     async def _set_health(self, replica: Replica, healthy: bool, reason: str) -> None:
         was_checked, was_healthy = replica.checked, replica.healthy

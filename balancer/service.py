@@ -3,10 +3,18 @@
 Retries: a request moves to another replica when its replica fails (UNAVAILABLE: refused connection, the replica
 dying or draining) before any output reached the client, at most `max_retries` times. RESOURCE_EXHAUSTED (that
 replica's queue is full) also moves once to another replica, since the other may have room; a second full queue
-goes back to the client, who should back off, as does a full queue with no other replica to try. Nothing is
-retried once output was forwarded (the client would see text twice) nor for errors about the request itself
-(INVALID_ARGUMENT and the like), which pass through with the replica's message. The client's deadline and
-cancellation carry over to the upstream call.
+goes back to the client, who should back off, as does a full queue with no other replica to try. Errors about the
+request itself (INVALID_ARGUMENT and the like) are never retried and pass through with the replica's message. The
+client's deadline and cancellation carry over to the upstream call.
+
+Migration: a stream whose replica fails after output was sent resumes on another replica (journal.py): the prompt
+goes there with the tokens already delivered, and the stream continues from the next position. Every sampled
+request carries a seed (assigned here when the client gave none), and a seeded draw depends only on (seed,
+position), so the continuation is what the first replica would have sent. A call also moves when its replica
+leaves health while the call waits (hung, or draining for a restart) and another replica is healthy. At most
+`MigrationSettings.limit` moves per request; a stream that cannot move (limit reached, too much output tracked,
+n > 1 completions, no healthy replica) fails as before. A unary call holds no output until its end, so it moves by
+running again elsewhere: with the same seed, the answer is the same.
 
 `Balancer` holds these rules without any transport; `BalancerService` (gRPC) and `openai_api` (HTTP) call it.
 """
@@ -17,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,14 +33,23 @@ import grpc
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
 from ..server.errors import trailing_metadata
 from ..server.metrics import BalancerMetrics
+from .journal import DEFAULT_MIGRATION, Journal, MigrationSettings, journal_for, unresumable_reason, with_seed
 from .policy import Router, estimate_prompt_tokens
 from .pool import Replica, ReplicaPool
+from .prefix_index import PromptKey
 
 log = logging.getLogger("fastgen.balancer")
 
 RETRY_ON_OTHER_REPLICA = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRY_ONCE_ON_OTHER_REPLICA = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 RETRY_CODES = tuple(sorted(RETRY_ON_OTHER_REPLICA | RETRY_ONCE_ON_OTHER_REPLICA, key=lambda c: c.name))
+# Failures after output that move a stream: the replica broke (or, resuming, the next one was full).
+MIGRATE_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class ReplicaLost(Exception):
+    """The call's replica left health while the call waited, and the request can go on elsewhere: the call was
+    cancelled (so anything the replica still sends is dropped)."""
 
 
 class RequestFailed(Exception):
@@ -52,6 +69,9 @@ class Attempts:
     tried: set[int] = field(default_factory=set)  # pool positions
     retries: int = 0
     resource_exhausted_retried: bool = False
+    request: fastgen_pb2.GenerateRequest | None = None  # what prefix_aware routing hashes
+    key: PromptKey | None = None  # the request's prompt hashed for prefix_aware, once per request
+    keyed: bool = False
 
     def may_retry(self, code: grpc.StatusCode) -> bool:
         if self.retries >= self.max_retries:
@@ -73,41 +93,81 @@ class Balancer:
     RequestFailed. Cancelling a call (or closing a stream) cancels its upstream call, which stops the replica's work.
     """
 
-    def __init__(self, pool: ReplicaPool, router: Router, metrics: BalancerMetrics, max_retries: int):
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        router: Router,
+        metrics: BalancerMetrics,
+        max_retries: int,
+        migration: MigrationSettings = DEFAULT_MIGRATION,
+    ):
         self.pool = pool
         self._router = router
         self._metrics = metrics
         self._max_retries = max_retries
+        self.migration = migration
+        # prefix_aware's prediction of the prompt tokens the chosen replica has yet to prefill, by id() of the request
+        # object, from the pick to the lease: a cached prefix must not weigh on its holder as queued work.
+        self._uncached: dict[int, int] = {}
 
     async def generate(
         self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None
     ) -> fastgen_pb2.GenerateResponse:
-        attempts = Attempts(self._max_retries)
+        request = with_seed(request)  # wherever a retry lands, it draws the same tokens
+        attempts = Attempts(self._max_retries, request=request)
+        moves = 0
+        replica = self._pick(attempts)
+
+        def may_move() -> bool:
+            return moves < self.migration.limit
+
         while True:
-            replica = self._pick(attempts)
             try:
-                return await self._generate_on(replica, request, deadline)
+                return await self._generate_on(replica, request, deadline, may_move)
             except grpc.aio.AioRpcError as e:
                 await self._after_failure(replica, e, attempts)
+                replica = self._pick(attempts)
+            except ReplicaLost:
+                moves += 1
+                self._metrics.on_replica_call(replica.id, grpc.StatusCode.CANCELLED)
+                self._metrics.on_migration(replica.id, "unhealthy", 0)
+                log.info("replica %s left health during a call; running it again elsewhere", replica.id)
+                replica = self._pick_other_than(replica, attempts, "no healthy replica to move the call to")
 
     async def stream(
         self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None
     ) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
-        attempts = Attempts(self._max_retries)
+        request = with_seed(request)  # so that another replica can continue the stream
+        journal = journal_for(request, self.migration)
+        attempts = Attempts(self._max_retries, request=request)
+        replica, upstream = self._pick(attempts), request
+        failed_at = None  # when a replica of this stream failed, until the next one sends a token
+
+        def may_move() -> bool:
+            return unresumable_reason(journal, self.migration) is None
+
         while True:
-            replica = self._pick(attempts)
-            forwarded = False
             try:
-                async with contextlib.aclosing(self._stream_from(replica, request, deadline)) as chunks:
+                async with contextlib.aclosing(self._stream_from(replica, upstream, deadline, may_move)) as chunks:
                     async for chunk in chunks:
-                        forwarded = True
-                        yield chunk
+                        if failed_at is not None:
+                            self._metrics.on_resumed(time.monotonic() - failed_at)
+                            failed_at = None
+                        yield journal.record(chunk)
+                return
             except grpc.aio.AioRpcError as e:
-                if forwarded:
-                    raise self._failed_after_output(replica, e) from None
-                await self._after_failure(replica, e, attempts)
-                continue
-            return
+                if not journal.delivered:
+                    await self._after_failure(replica, e, attempts)
+                    replica = self._pick(attempts)
+                    continue
+                if e.code() not in MIGRATE_ON:
+                    self._metrics.on_replica_call(replica.id, e.code())
+                    raise self._failed_after_output(replica, e, "not retried so no text is repeated") from None
+                failure, cause = e, e.code().name.lower()
+            except ReplicaLost:
+                failure, cause = None, "unhealthy"
+            failed_at = failed_at or time.monotonic()
+            replica, upstream = await self._move(replica, failure, cause, journal, attempts)
 
     def status(self) -> fastgen_pb2.StatusResponse:
         replicas = [self._replica_status(r) for r in self.pool.replicas]
@@ -118,9 +178,11 @@ class Balancer:
         return next((r.model for r in self.pool.replicas if r.model), "")
 
     # ---- one upstream call ----
-    async def _generate_on(self, replica: Replica, request, deadline: float | None) -> fastgen_pb2.GenerateResponse:
+    async def _generate_on(
+        self, replica: Replica, request, deadline: float | None, may_move: Callable[[], bool]
+    ) -> fastgen_pb2.GenerateResponse:
         call = replica.stub.Generate(request, timeout=time_left(deadline))
-        async with self.pool.lease(replica, estimate_prompt_tokens(request)):
+        async with self.pool.lease(replica, self._prompt_tokens(request)), self._unless_lost(replica, call, may_move):
             try:
                 response = await call
             except asyncio.CancelledError:
@@ -130,26 +192,116 @@ class Balancer:
         return response
 
     async def _stream_from(
-        self, replica: Replica, request, deadline: float | None
+        self, replica: Replica, request, deadline: float | None, may_move: Callable[[], bool]
     ) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
         call = replica.stub.GenerateStream(request, timeout=time_left(deadline))
-        async with self.pool.lease(replica, estimate_prompt_tokens(request)):
+        async with self.pool.lease(replica, self._prompt_tokens(request)):
             try:
-                async for chunk in call:
-                    yield chunk
+                async with self._unless_lost(replica, call, may_move):
+                    async for chunk in call:
+                        yield chunk
             finally:
                 call.cancel()  # no-op once finished; stops the replica when the client left mid-stream
         self._metrics.on_replica_call(replica.id, grpc.StatusCode.OK)
 
+    @contextlib.asynccontextmanager
+    async def _unless_lost(self, replica: Replica, call, may_move: Callable[[], bool]) -> AsyncIterator[None]:
+        """Cancels `call` when its replica leaves health while the call runs, another replica is healthy and the
+        request may move (`may_move`); the block then raises ReplicaLost. A hung replica sends no error to move on,
+        and a draining one would hold its streams until they end. Cancelling is the fence: whatever the old replica
+        still sends goes nowhere."""
+        lost = False
+
+        async def watch() -> None:
+            nonlocal lost
+            while True:
+                await asyncio.sleep(self.pool.health_interval)
+                if not replica.healthy and self.pool.candidates(exclude={replica.position}) and may_move():
+                    lost = True
+                    call.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            # The call's own cancellation surfaces as CancelledError (or CANCELLED); a real one of ours does not
+            # count as lost.
+            if lost and not asyncio.current_task().cancelling():
+                raise ReplicaLost() from None
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _move(
+        self, replica: Replica, failure: grpc.aio.AioRpcError | None, cause: str, journal: Journal, attempts: Attempts
+    ) -> tuple[Replica, fastgen_pb2.GenerateRequest]:
+        """The replica and request that continue a stream whose replica failed (failure: the call's error; None when
+        the replica left health); RequestFailed when the stream cannot move."""
+        details = failure.details() if failure is not None else "it left health while the stream waited"
+        self._metrics.on_replica_call(replica.id, failure.code() if failure is not None else grpc.StatusCode.CANCELLED)
+        if failure is not None and failure.code() == grpc.StatusCode.UNAVAILABLE:
+            await self.pool.mark_failed(replica, f"UNAVAILABLE: {details}")
+        reason = unresumable_reason(journal, self.migration)
+        if reason is not None:
+            self._metrics.on_migration_refused(reason)
+            raise self._failed_after_output(replica, failure, self._refusal(reason))
+        try:
+            successor = self._pick_other_than(replica, attempts, "")
+        except RequestFailed as f:
+            self._metrics.on_migration_refused("no_replica")
+            raise self._failed_after_output(replica, failure, f"not resumed: {f.details}") from None
+        journal.migrations += 1
+        self._metrics.on_migration(replica.id, cause, len(journal.token_ids))
+        log.info(
+            "replica %s failed a stream after %d tokens (%s); resuming it on %s",
+            replica.id,
+            len(journal.token_ids),
+            details,
+            successor.id,
+        )
+        return successor, journal.resumed_request() if journal.delivered else journal.request
+
     # ---- routing and retries ----
+    def _pick_other_than(self, replica: Replica, attempts: Attempts, unavailable: str) -> Replica:
+        """A healthy replica for a request that leaves `replica` mid-call. Only that one is excluded: after a rolling
+        restart the replica a long stream started on may be the one to take it back."""
+        attempts.tried = {replica.position}
+        try:
+            return self._pick(attempts)
+        except RequestFailed as f:
+            if not unavailable:
+                raise
+            raise RequestFailed(f.code, f"{unavailable}: {f.details}") from None
+
     def _pick(self, attempts: Attempts) -> Replica:
-        position = self._router.pick(self.pool.candidates(exclude=attempts.tried))
+        key = self._prefix_key(attempts)
+        loads = self.pool.candidates(exclude=attempts.tried, key=key)
+        position = self._router.pick(loads)
         if position is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self._no_replica_message(attempts))
         attempts.tried.add(position)
         replica = self.pool.replicas[position]
         self._metrics.on_route(self._router.policy, replica.id)
+        if key is not None:
+            cached = loads[position].cached_tokens
+            self.pool.note_routed(replica, key)
+            self._metrics.on_prefix_route(replica.id, key.tokens, cached)
+            if len(self._uncached) > 4096:  # picks whose call never started (deadline passed) leave entries
+                self._uncached.clear()
+            self._uncached[id(attempts.request)] = max(0, key.tokens - cached)
         return replica
+
+    def _prompt_tokens(self, request) -> int:
+        """Prompt tokens a request adds to its replica's queue: prefix_aware's prediction, else the estimate."""
+        uncached = self._uncached.pop(id(request), None)
+        return estimate_prompt_tokens(request) if uncached is None else uncached
+
+    def _prefix_key(self, attempts: Attempts) -> PromptKey | None:
+        """The request's prompt hashed as the replicas' cache blocks (prefix_aware only; computed once)."""
+        if not attempts.keyed and self._router.policy == "prefix_aware" and attempts.request is not None:
+            attempts.key, attempts.keyed = self.pool.prefix_key(attempts.request), True
+        return attempts.key
 
     async def _after_failure(self, replica: Replica, e: grpc.aio.AioRpcError, attempts: Attempts) -> None:
         """Records a failed upstream call; returns when the request should go to another replica, raises
@@ -166,12 +318,26 @@ class Balancer:
         self._metrics.on_retry(replica.id, code)
         log.info("replica %s failed a request (%s: %s); retrying elsewhere", replica.id, code.name, e.details())
 
-    def _failed_after_output(self, replica: Replica, e: grpc.aio.AioRpcError) -> RequestFailed:
-        self._metrics.on_replica_call(replica.id, e.code())
+    def _refusal(self, reason: str) -> str:
+        if reason == "n":
+            return "not resumed, as requests for several completions cannot be"
+        if reason == "limit":
+            if self.migration.limit <= 0:
+                return "not resumed, as migration is off (--migration-limit 0)"
+            return f"not resumed: it moved {self.migration.limit} times already (--migration-limit)"
+        return f"not resumed: over {self.migration.max_len} tokens were delivered (--migration-max-len)"
+
+    @staticmethod
+    def _failed_after_output(replica: Replica, e: grpc.aio.AioRpcError | None, why: str) -> RequestFailed:
+        if e is None:
+            return RequestFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"replica {replica.id} left health after part of the output was sent; {why}: send the request again",
+            )
         return RequestFailed(
             e.code(),
-            f"replica {replica.id} failed after part of the output was sent ({e.details()}); not retried so no text "
-            "is repeated: send the request again",
+            f"replica {replica.id} failed after part of the output was sent ({e.details()}); {why}: send the request "
+            "again",
         )
 
     def _pass_through_message(self, replica: Replica, e: grpc.aio.AioRpcError, attempts: Attempts) -> str:
@@ -214,8 +380,15 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
     """fastgen.v1.Generation over the core: thin handlers that add the client's deadline, the RPC metrics and the
     gRPC status of a failure."""
 
-    def __init__(self, pool: ReplicaPool, router: Router, metrics: BalancerMetrics, max_retries: int):
-        self.balancer = Balancer(pool, router, metrics, max_retries)
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        router: Router,
+        metrics: BalancerMetrics,
+        max_retries: int,
+        migration: MigrationSettings = DEFAULT_MIGRATION,
+    ):
+        self.balancer = Balancer(pool, router, metrics, max_retries, migration)
         self._metrics = metrics
 
     async def Generate(self, request, context):

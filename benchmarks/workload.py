@@ -93,3 +93,75 @@ def make_requests(
         body = [ids[(start + j) % len(ids)] for j in range(max(0, length - len(header)))]
         out.append(BenchRequest(i, (header + body)[:length], sample_length(rng, workload.gen_mean)))
     return out
+
+
+# ---- Chat workload (BENCHMARKS.md "Chat workload (prefix reuse)") ----------------------------------------------
+@dataclass(frozen=True)
+class Conversation:
+    """One chat: a system prompt and the user's messages, one per turn. Each turn sends the system prompt, every
+    earlier turn (user message and the assistant's reply as generated) and the new user message."""
+
+    index: int
+    system: str
+    user_messages: tuple[str, ...]
+    reply_tokens: int  # every reply is exactly this long (ignore_eos), so the work is the same on every server
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    conversations: int = 16
+    system_tokens: int = 300  # the shared system prompt
+    user_mean: int = 60  # tokens per user message (30% spread)
+    turns_mean: int = 4  # turns per conversation (30% spread, at least 1)
+    reply_tokens: int = 32
+
+
+def corpus_text(tokenizer_dir: str, rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of real text from a seeded offset of the corpus."""
+    ids = corpus_ids(str(tokenizer_dir))
+    start = rng.randrange(len(ids))
+    piece = [ids[(start + j) % len(ids)] for j in range(max(1, tokens))]
+    return load_tokenizer(str(tokenizer_dir)).decode(piece, skip_special_tokens=True)
+
+
+def make_conversations(spec: ChatWorkload, tokenizer_dir: str, seed: int = 0, tag: str = "chat") -> list[Conversation]:
+    """spec.conversations conversations sharing one system prompt; the same (spec, seed) gives the same lengths, turns
+    and text whatever the tag. The tag opens the system prompt, so a new tag shares no prefix with an earlier run."""
+    rng = random.Random(f"{seed}-chat")
+    system = f"[{tag}] You are a helpful assistant. " + corpus_text(tokenizer_dir, rng, spec.system_tokens)
+    out = []
+    for i in range(spec.conversations):
+        turns = min(2 * spec.turns_mean, sample_length(rng, spec.turns_mean, lo=1))
+        users = tuple(
+            f"[{i}.{t}] " + corpus_text(tokenizer_dir, rng, sample_length(rng, spec.user_mean, lo=4))
+            for t in range(turns)
+        )
+        out.append(Conversation(i, system, users, spec.reply_tokens))
+    return out
+
+
+def make_hot_prefix_requests(
+    n: int,
+    tokenizer_dir: str,
+    hot_fraction: float = 0.9,
+    prefix_tokens: int = 600,
+    suffix_mean: int = 40,
+    reply_tokens: int = 16,
+    seed: int = 0,
+    tag: str = "hot",
+) -> list[Conversation]:
+    """Single-turn chats where hot_fraction of the requests share one long system prompt (the others each have a
+    system prompt of their own, as long): the skew under which routing every request to the prefix's holder would
+    overload it. As for make_conversations, the tag changes only the prompts' openings."""
+    rng = random.Random(f"{seed}-hot")
+    hot = f"[{tag} hot] " + corpus_text(tokenizer_dir, rng, prefix_tokens)
+    out = []
+    for i in range(n):
+        system = (
+            hot
+            if rng.random() < hot_fraction
+            else f"[{tag} cold {i}] " + corpus_text(tokenizer_dir, rng, prefix_tokens)
+        )
+        user = f"[{i}] " + corpus_text(tokenizer_dir, rng, sample_length(rng, suffix_mean, lo=4))
+        out.append(Conversation(i, system, (user,), reply_tokens))
+    return out

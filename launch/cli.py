@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_start(sub)
     add_status(sub)
     add_stop(sub)
+    add_restart(sub)
     sub.add_parser("list", help="list deployments").add_argument("--json", action="store_true")
     add_logs(sub)
     add_generate(sub)
@@ -229,6 +230,23 @@ def add_stop(sub) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to drain before SIGKILL (default: 60)")
 
 
+def add_restart(sub) -> None:
+    p = sub.add_parser(
+        "restart",
+        help="replace the replicas (after an upgrade or a config change); --rolling: one at a time, no failed request",
+    )
+    add_name(p)
+    p.add_argument(
+        "--rolling",
+        action="store_true",
+        help="one replica at a time: drained (new requests go elsewhere, its streams move to another replica), "
+        "restarted, and serving again before the next; without it all restart at once",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds each replica drains before SIGKILL (default: 60)"
+    )
+
+
 def add_logs(sub) -> None:
     p = sub.add_parser("logs", help="show a process's log")
     add_name(p)
@@ -408,6 +426,21 @@ def cmd_stop(args: argparse.Namespace, home: Path) -> int:
     report = deployment.stop(home, args.name, args.timeout)
     forced = f"; {len(report.forced)} needed SIGKILL" if report.forced else ""
     print(f"deployment {args.name!r} stopped ({len(report.stopped)} processes{forced})")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace, home: Path) -> int:
+    started = time.monotonic()
+
+    def progress(record: dict) -> None:
+        if record.get("replica"):
+            print(f"restarting {record['replica']} …", file=sys.stderr, flush=True)
+
+    record = deployment.restart(home, args.name, args.rolling, args.timeout, on_progress=progress)
+    how = "one at a time" if args.rolling else "all at once"
+    print(
+        f"deployment {args.name!r}: restarted {', '.join(record['done'])} ({how}) in {time.monotonic() - started:.1f} s"
+    )
     return 0
 
 
@@ -593,6 +626,7 @@ COMMANDS = {
     "start": cmd_start,
     "status": cmd_status,
     "stop": cmd_stop,
+    "restart": cmd_restart,
     "list": cmd_list,
     "logs": cmd_logs,
     "generate": cmd_generate,

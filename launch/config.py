@@ -34,7 +34,7 @@ from ..replica.config import (
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
 from ..server.tls import TlsFiles
 
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 DEFAULT_MODEL = EngineConfig.model
 DEFAULT_HTTP_PORT = 8000  # vLLM's and the OpenAI clients' customary port
 # The OpenAI API's key travels to the balancer in its environment, never on a command line (which `ps` shows) nor in

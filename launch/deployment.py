@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -237,6 +238,37 @@ def stop(home: Path, name: str, timeout: float = 60.0) -> StopReport:
         raise DeployError(f"could not stop pids {[p.pid for p in left]} of deployment {name!r}; kill them by hand")
     remove_live_state(paths)
     return StopReport(stopped=stopped, forced=sorted(p.pid for p in forced))
+
+
+def restart(
+    home: Path, name: str, rolling: bool, drain_timeout: float = 60.0, on_progress: Callable[[dict], None] | None = None
+) -> dict:
+    """Asks the supervisor to replace the replicas (rolling: one at a time, with no failed request) and waits until
+    it is done; returns its record ({status, done, ...}). on_progress sees the record whenever it changes."""
+    state = live_state(home, name)
+    paths, config = paths_for(home, name), load_config(paths_for(home, name))
+    request_id = uuid.uuid4().hex
+    write_json_atomic(paths.restart_request, {"id": request_id, "rolling": rolling, "drain_timeout": drain_timeout})
+    # Each replica may take the drain, a start-up and the balancer's next health check.
+    batches = config.replicas if rolling else 1
+    deadline = time.monotonic() + batches * (drain_timeout + config.timeout + STOP_GRACE_S) + START_GRACE_S
+    seen = None
+    while True:
+        state = read_json(paths.state) or state
+        record = state.get("restart") or {}
+        if record.get("id") == request_id:
+            if record != seen and on_progress is not None:
+                on_progress(record)
+            seen = record
+            if record.get("status") == "done":
+                return record
+            if record.get("status") == "failed":
+                raise DeployError(f"restart of deployment {name!r} failed: {record.get('error')}")
+        if not is_live(paths):
+            raise DeployError(f"the supervisor of deployment {name!r} exited during the restart; see its log")
+        if time.monotonic() > deadline:
+            raise DeployError(f"the restart of deployment {name!r} did not finish in time; see fastgen-deploy logs")
+        time.sleep(0.2)
 
 
 def wait_for_state(paths: Paths, timeout: float = 5.0) -> dict:

@@ -3,6 +3,7 @@
     config.json   the settings `start` was given (written by the CLI)
     state.json    the supervisor's view: status, pids, restarts (written by the supervisor only)
     stop.json     a stop request's drain timeout (written by `stop` just before it signals the supervisor)
+    restart.json  a restart request (written by `restart`; the supervisor takes it and reports in state.json)
     lock          flock-ed by the live supervisor for its whole life: the one source of truth for "is it running"
     logs/         one log per process, kept after `stop`
 
@@ -40,6 +41,10 @@ class Paths:
     @property
     def stop_request(self) -> Path:
         return self.root / "stop.json"
+
+    @property
+    def restart_request(self) -> Path:
+        return self.root / "restart.json"
 
     @property
     def lock(self) -> Path:
@@ -131,5 +136,5 @@ def deployment_names(home: Path) -> list[str]:
 
 def remove_live_state(paths: Paths) -> None:
     """Forget a stopped deployment (Prometheus stops scraping it too); its logs stay for `fastgen-deploy logs`."""
-    for path in (paths.state, paths.config, paths.stop_request, paths.prometheus_targets):
+    for path in (paths.state, paths.config, paths.stop_request, paths.restart_request, paths.prometheus_targets):
         path.unlink(missing_ok=True)

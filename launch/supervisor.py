@@ -5,7 +5,9 @@ deployment's lock. It starts the balancer and the replicas, waits until all are 
 during start-up fails the deployment), then restarts whatever dies, with exponential backoff; the ranks of a
 tensor-parallel replica live and die together (when one exits, the others are killed and the group restarts). On
 SIGTERM it drains: balancer first (it finishes the requests in flight through it), then the replicas, then SIGKILL
-after the timeout.
+after the timeout. A restart request (restart.json, from `fastgen-deploy restart`) replaces the replicas: with
+rolling, one at a time, each drained (it reports NOT_SERVING, so the balancer sends new requests elsewhere and moves
+its streams), restarted, and SERVING again as the balancer sees it before the next one goes; zero failed requests.
 Only this process writes state.json.
 """
 
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..proto import fastgen_pb2
 from ..server.client import ChannelSecurity
 from . import probe
 from .certs import local_access
@@ -135,7 +138,14 @@ def process_record(child: Child) -> dict:
     }
 
 
-def write_state(paths: Paths, config: DeployConfig, children: list[Child], status: str, error: str | None = None):
+def write_state(
+    paths: Paths,
+    config: DeployConfig,
+    children: list[Child],
+    status: str,
+    error: str | None = None,
+    restart: dict | None = None,
+):
     write_json_atomic(
         paths.state,
         {
@@ -153,6 +163,7 @@ def write_state(paths: Paths, config: DeployConfig, children: list[Child], statu
             "mutual_tls": bool(config.tls_ca),
             "updated": time.time(),
             "processes": [process_record(c) for c in children],
+            "restart": restart,  # the last restart request's progress, for `fastgen-deploy restart` to follow
         },
     )
 
@@ -259,9 +270,13 @@ def reap_group(group: list[Child], backoff: Backoff, now: float) -> bool:
 def supervise(
     paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag, backoff: Backoff
 ) -> None:
-    """Keeps every child running until a stop is requested."""
+    """Keeps every child running until a stop is requested, and carries out restart requests."""
     groups = groups_of(children)
+    restart = None
     while not stop.requested:
+        request = take_restart_request(paths)
+        if request is not None:
+            restart = restart_replicas(paths, config, children, env, stop, request)
         now = time.monotonic()
         changed = [reap_group(g, backoff, now) for g in groups]
         for g in groups:
@@ -271,7 +286,81 @@ def supervise(
                 launch_group(g, env, config, first=False)
                 changed.append(True)
         if any(changed):
-            write_state(paths, config, children, "running")
+            write_state(paths, config, children, "running", restart=restart)
+        time.sleep(POLL_S)
+
+
+def take_restart_request(paths: Paths) -> dict | None:
+    """The pending restart request, taken (so it runs once); None when there is none or it is not JSON (the CLI
+    writes atomically: such a file is not its)."""
+    try:
+        request = read_json(paths.restart_request)
+    except ValueError:
+        request = None
+        paths.restart_request.unlink(missing_ok=True)
+    if request is not None:
+        paths.restart_request.unlink(missing_ok=True)
+    return request if isinstance(request, dict) else None
+
+
+def restart_replicas(
+    paths: Paths, config: DeployConfig, children: list[Child], env: dict[str, str], stop: StopFlag, request: dict
+) -> dict:
+    """Replaces the replicas as `request` asks ({id, rolling, drain_timeout}); returns the record of how it went,
+    which state.json carries. Rolling: one replica at a time, the next only once the balancer sees the new one
+    SERVING, so that one is always there to take the requests and the streams of the one being drained. Otherwise
+    all at once (requests in flight finish first, new ones fail until the replicas are back). Processes that die
+    meanwhile are restarted after it, as ever."""
+    record = {"id": request.get("id"), "rolling": bool(request.get("rolling")), "status": "running", "done": []}
+    groups = [g for g in groups_of(children) if g[0].spec.role != "balancer"]
+    batches = [[g] for g in groups] if record["rolling"] else [groups]
+    access = local_access(config)
+    timeout = float(request.get("drain_timeout", DEFAULT_DRAIN_S))
+    for batch in batches:
+        names = [g[0].spec.replica for g in batch]
+        record["replica"] = ", ".join(names)
+        write_state(paths, config, children, "running", restart=record)
+        members = [c for g in batch for c in g]
+        log.info("restart: draining %s (SIGKILL after %g s)", record["replica"], timeout)
+        terminate(members, timeout)
+        for c in members:
+            c.restarts += 1
+            c.last_exit = c.proc.returncode if c.proc is not None else None
+        for g in batch:
+            launch_group(g, env, config, first=False)
+        write_state(paths, config, children, "running", restart=record)
+        error = wait_until_serving(members, config.host, config.timeout, stop, access) or wait_balancer_sees(
+            config, names, config.timeout, stop, access.get("balancer")
+        )
+        if error is not None:
+            log.error("restart of %s failed: %s", record["replica"], error)
+            record.update(status="failed", error=error)
+            break
+        record["done"].extend(names)
+        log.info("restart: %s SERVING again", record["replica"])
+    else:
+        record["status"] = "done"
+    record.pop("replica", None)
+    write_state(paths, config, children, "running", restart=record)
+    return record
+
+
+def wait_balancer_sees(
+    config: DeployConfig, replicas: list[str], timeout: float, stop: StopFlag, security: ChannelSecurity | None
+) -> str | None:
+    """None once the balancer reports every one of `replicas` SERVING; otherwise why not. A replica that answers
+    health checks is not yet one the balancer routes to: it finds out at its next check."""
+    deadline = time.monotonic() + timeout
+    target = address(config.host, config.port)
+    while True:
+        reply = probe.get_status(target, 1.0, security)
+        health = {r.replica: r.health for r in reply.replicas} if reply is not None else {}
+        if all(health.get(r) == fastgen_pb2.HEALTH_SERVING for r in replicas):
+            return None
+        if stop.requested:
+            return "stopped by a signal during the restart"
+        if time.monotonic() > deadline:
+            return f"the balancer at {target} does not see {', '.join(replicas)} SERVING after {timeout:g} s"
         time.sleep(POLL_S)
 
 

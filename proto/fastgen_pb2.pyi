@@ -103,18 +103,28 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ..., echo: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "params")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "params", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     messages: ChatMessages
     params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("token_ids", "text_chars")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_chars: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_chars: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -207,7 +217,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica", "address", "health", "queued_requests", "running_requests", "kv_blocks_used", "kv_blocks_total", "tokens_generated", "in_flight", "pending_prompt_tokens")
+    __slots__ = ("replica", "address", "health", "queued_requests", "running_requests", "kv_blocks_used", "kv_blocks_total", "tokens_generated", "in_flight", "pending_prompt_tokens", "kv_block_size", "prefix_caching", "prefill_tokens_per_second", "tokenizer_path")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +228,10 @@ class ReplicaStatus(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PENDING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     replica: str
     address: str
     health: Health
@@ -228,7 +242,11 @@ class ReplicaStatus(_message.Message):
     tokens_generated: int
     in_flight: int
     pending_prompt_tokens: int
-    def __init__(self, replica: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[_Union[Health, str]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., in_flight: _Optional[int] = ..., pending_prompt_tokens: _Optional[int] = ...) -> None: ...
+    kv_block_size: int
+    prefix_caching: bool
+    prefill_tokens_per_second: float
+    tokenizer_path: str
+    def __init__(self, replica: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[_Union[Health, str]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., in_flight: _Optional[int] = ..., pending_prompt_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefill_tokens_per_second: _Optional[float] = ..., tokenizer_path: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("model", "role", "replicas")
@@ -239,3 +257,21 @@ class StatusResponse(_message.Message):
     role: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class CacheWatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("seq", "reset", "snapshot", "stored", "removed")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    reset: bool
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., reset: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=fastgen_dot_proto_dot_fastgen__pb2.StatusRequest.SerializeToString,
                 response_deserializer=fastgen_dot_proto_dot_fastgen__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.WatchCache = channel.unary_stream(
+                '/fastgen.v1.Generation/WatchCache',
+                request_serializer=fastgen_dot_proto_dot_fastgen__pb2.CacheWatchRequest.SerializeToString,
+                response_deserializer=fastgen_dot_proto_dot_fastgen__pb2.CacheEvents.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,6 +82,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchCache(self, request, context):
+        """The replica's prefix cache as it changes: a snapshot of every cached block's hash, then the blocks stored and
+        evicted after each engine step. A cache-aware balancer keeps one watch per replica to route a prompt where its
+        prefix is. Replicas only; FAILED_PRECONDITION when prefix caching is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=fastgen_dot_proto_dot_fastgen__pb2.StatusRequest.FromString,
                     response_serializer=fastgen_dot_proto_dot_fastgen__pb2.StatusResponse.SerializeToString,
+            ),
+            'WatchCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCache,
+                    request_deserializer=fastgen_dot_proto_dot_fastgen__pb2.CacheWatchRequest.FromString,
+                    response_serializer=fastgen_dot_proto_dot_fastgen__pb2.CacheEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +197,33 @@ class Generation:
             '/fastgen.v1.Generation/GetStatus',
             fastgen_dot_proto_dot_fastgen__pb2.StatusRequest.SerializeToString,
             fastgen_dot_proto_dot_fastgen__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fastgen.v1.Generation/WatchCache',
+            fastgen_dot_proto_dot_fastgen__pb2.CacheWatchRequest.SerializeToString,
+            fastgen_dot_proto_dot_fastgen__pb2.CacheEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,7 +21,7 @@ from .model_runner import ModelRunner
 from .models.llama import ModelConfig
 from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob
 from .prompts import Prompt, PromptEncoder
-from .request import FinishReason, SamplingParams, Sequence
+from .request import FinishReason, Resume, SamplingParams, Sequence
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
 
@@ -94,8 +94,11 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams = SamplingParams()) -> int:
-        """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input."""
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams = SamplingParams(), resume: Resume | None = None
+    ) -> int:
+        """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input. With
+        `resume`, the request continues output another replica delivered (stream migration)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use: choose a unique id")
         params.validate(self.model_config.vocab_size)
@@ -110,7 +113,12 @@ class Engine:
             raise ValueError(
                 f"min_new_tokens ({params.min_new_tokens}) exceeds the {max_new} tokens this request may generate"
             )
-        seq = Sequence(self._next_seq_id, list(prompt_ids), len(prompt_ids), max_new, cache_salt=params.cache_salt)
+        resumed = self._check_resume(resume, params, max_new) if resume is not None else []
+        # Resumed tokens sit after the prompt as generated ones: the scheduler recomputes them as it would after a
+        # preemption, and the next draw is keyed by the same position as on the replica that failed.
+        seq = Sequence(
+            self._next_seq_id, list(prompt_ids) + resumed, len(prompt_ids), max_new, cache_salt=params.cache_salt
+        )
         self.scheduler.add(seq)  # refuses what can never fit
         self._next_seq_id += 1
         # From the OS, not the random module: replicas started alike must not draw alike for unseeded requests.
@@ -119,8 +127,33 @@ class Engine:
         text = prompt_text if params.echo else ""
         req = _Request(request_id, params, seed, text, banned, unfinished=params.n, forked=params.n == 1)
         self._requests[request_id] = req
-        self._start(req, seq, RequestTimings(arrival=time.monotonic()))
+        c = self._start(req, seq, RequestTimings(arrival=time.monotonic()))
+        if resume is not None:
+            self._replay(c, resume)
         return len(prompt_ids)
+
+    def _check_resume(self, resume: Resume, params: SamplingParams, max_new: int) -> list[int]:
+        if params.n != 1:
+            raise ValueError(f"a request for n = {params.n} completions cannot be resumed: resume n = 1 only")
+        tokens = list(resume.token_ids)
+        if len(tokens) >= max_new:
+            raise ValueError(
+                f"resume holds {len(tokens)} tokens but the request may generate {max_new}: nothing is left to resume"
+            )
+        bad = [t for t in tokens if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"resume token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        return tokens
+
+    def _replay(self, c: _Completion, resume: Resume) -> None:
+        """Puts a resumed completion where the failed replica left it. Its tokens are output (penalties and
+        min_new_tokens count them) and their text is rebuilt token by token as it was produced there, so that a
+        character or a stop string split across the seam comes out whole; the characters the client has are marked
+        sent, so the hold-back for stop strings continues from the same place."""
+        c.output_ids.extend(resume.token_ids)
+        for token in resume.token_ids:
+            c.text += c.detok.add(token)
+        c.emitted = min(resume.text_chars, len(c.text))
 
     def _start(self, req: _Request, seq: Sequence, timings: RequestTimings) -> _Completion:
         """Completion number len(req.completions) of req, on seq."""

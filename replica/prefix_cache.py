@@ -3,41 +3,24 @@ whose KV is complete (no torch).
 
 A full block's hash chains its parent's hash with its token ids, so equal hashes mean equal prefixes up to and
 including that block. A request's `cache_salt` seeds the chain, so requests with different salts never share a block
-nor can tell, by timing, whether another tenant's prefix is cached. The hash is blake2b over a fixed little-endian
-encoding: the same on every replica, run and platform, so that a balancer can compute it too.
+nor can tell, by timing, whether another tenant's prefix is cached. The hash (fastgen/prefix_hash.py) is the same on
+every replica, run and platform, so that a balancer computes it too.
 
 Blocks no sequence holds stay in the index, on an LRU list, until the pool needs them back.
+
+The index also records what it stores and evicts, for the replica to stream to a cache-aware balancer (WatchCache):
+the engine thread drains the record after each step. Nobody may drain it (the offline pipeline), so it is bounded;
+past the bound it is dropped and the drain says so, and the reader starts again from a snapshot (`hashes()`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-HASH_BYTES = 16
-_VERSION = b"fastgen-prefix-v1"  # changing the encoding must change every hash
+from ..prefix_hash import HASH_BYTES, block_hash, extend_hashes, prefix_hashes, root_hash  # noqa: F401 (re-exported)
 
-
-def root_hash(salt: str = "") -> bytes:
-    """The parent hash of a sequence's first block."""
-    data = salt.encode("utf-8")
-    return hashlib.blake2b(_VERSION + struct.pack("<Q", len(data)) + data, digest_size=HASH_BYTES).digest()
-
-
-def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}Q", *token_ids), digest_size=HASH_BYTES).digest()
-
-
-def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, salt: str, num_blocks: int) -> None:
-    """Appends to `hashes` those of token_ids' full blocks up to block num_blocks - 1 it lacks. Token ids only grow
-    at the end, so hashes computed once stay valid for the sequence's life (preemptions included)."""
-    num_blocks = min(num_blocks, len(token_ids) // block_size)
-    parent = hashes[-1] if hashes else root_hash(salt)
-    for i in range(len(hashes), num_blocks):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
+MAX_EVENTS = 1 << 16  # undrained changes kept before the record is dropped for a snapshot
 
 
 class PrefixCache:
@@ -48,6 +31,27 @@ class PrefixCache:
         self._block: dict[bytes, int] = {}
         self._hash: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently freed first
+        self._events: list[tuple[bool, bytes]] = []  # (stored?, hash) since the last drain
+        self._events_dropped = False
+
+    def drain_events(self) -> tuple[list[tuple[bool, bytes]], bool]:
+        """The (stored, hash) changes since the last drain, oldest first (stored False: evicted), and whether some
+        were dropped (then the caller resends `hashes()` whole instead)."""
+        events, dropped = self._events, self._events_dropped
+        self._events, self._events_dropped = [], False
+        return events, dropped
+
+    def hashes(self) -> list[bytes]:
+        """Every cached block's hash: a snapshot for a reader of the events."""
+        return list(self._block)
+
+    def _record(self, stored: bool, h: bytes) -> None:
+        if self._events_dropped:
+            return
+        if len(self._events) >= MAX_EVENTS:
+            self._events, self._events_dropped = [], True
+            return
+        self._events.append((stored, h))
 
     @property
     def num_cached(self) -> int:
@@ -74,6 +78,7 @@ class PrefixCache:
         if h not in self._block and block not in self._hash:
             self._block[h] = block
             self._hash[block] = h
+            self._record(True, h)
 
     def park(self, block: int) -> bool:
         """A block no sequence holds any more: evictable if cached (True), else the caller frees it (False)."""
@@ -92,7 +97,9 @@ class PrefixCache:
     def evict(self) -> int:
         """Forgets the least recently used evictable block and returns it for reuse."""
         block, _ = self._lru.popitem(last=False)
-        del self._block[self._hash.pop(block)]
+        h = self._hash.pop(block)
+        del self._block[h]
+        self._record(False, h)
         return block
 
     def hash_of(self, block: int) -> bytes | None:

@@ -114,6 +114,16 @@ def check_count(name: str, count: int, limit: int, what: str = "items") -> None:
         raise ValueError(f"{name} may have at most {limit} {what}, got {count}")
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Output a client already has from a replica that failed: the request continues after it, as if it had run
+    here from the start (the tokens count as generated, and the text's first text_chars characters are not sent
+    again)."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int = 0
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

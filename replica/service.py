@@ -13,12 +13,14 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from ..proto import fastgen_pb2 as pb
 from ..proto import fastgen_pb2_grpc
 from ..server.errors import QueueFullError, status_for, trailing_metadata
+from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import Prompt
@@ -28,6 +30,7 @@ from .request import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     FinishReason,
+    Resume,
     SamplingParams,
     check_count,
 )
@@ -49,6 +52,7 @@ class _Add:
     prompt: Prompt
     params: SamplingParams
     outputs: asyncio.Queue  # receives RequestOutput objects, or an Exception that ends the request
+    resume: Resume | None = None  # output delivered by a replica that failed, which this request continues
 
 
 @dataclass
@@ -86,6 +90,8 @@ class EngineLoop:
         self.loop = loop
         self.load = EngineLoad()  # replaced whole by the engine thread after every step; read by GetStatus
         self.tokens_generated = 0  # written by the engine thread only
+        self.cache_feed = CacheFeed()  # the prefix cache's changes, for WatchCache (event loop only)
+        self.prefill_rate = PrefillRate()  # written by the engine thread only
         self._build = build
         self._ready: asyncio.Future = loop.create_future()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,10 +114,12 @@ class EngineLoop:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> asyncio.Queue:
+    def submit(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, resume: Resume | None = None
+    ) -> asyncio.Queue:
         outputs: asyncio.Queue = asyncio.Queue()
         self._in_flight += 1
-        self._inbox.put(_Add(request_id, prompt, params, outputs))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, resume))
         return outputs
 
     def done(self) -> None:
@@ -146,7 +154,10 @@ class EngineLoop:
                 self._deliver(out)
             if result.stats is not None:
                 self.metrics.on_step(result.stats)
+                stats = result.stats
+                self.prefill_rate.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_s)
             self._publish_load()
+            self._publish_cache_events()
 
     def _apply(self, block: bool) -> None:
         try:
@@ -174,7 +185,8 @@ class EngineLoop:
                 raise QueueFullError(
                     f"queue full (over {self.limits.max_prompt_tokens} prompt tokens waiting): back off and retry"
                 )
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            resume = {} if command.resume is None else {"resume": command.resume}
+            self.engine.add_request(command.request_id, command.prompt, command.params, **resume)
         except (ValueError, QueueFullError) as exc:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
             return
@@ -204,6 +216,16 @@ class EngineLoop:
             stream = self._streams.pop(request_id)
             self.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {exc}"))
 
+    def _publish_cache_events(self) -> None:
+        cache = self.engine.scheduler.allocator.cache
+        if cache is None:
+            return
+        events, dropped = cache.drain_events()
+        if dropped:
+            self.loop.call_soon_threadsafe(self.cache_feed.publish, [], cache.hashes())
+        elif events:
+            self.loop.call_soon_threadsafe(self.cache_feed.publish, events)
+
     def _publish_load(self) -> None:
         self.load = self.engine.load()
 
@@ -225,6 +247,17 @@ def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
 def completion_key(out: RequestOutput) -> str:
     """The request id for index 0, 'id#index' for the other completions of an n > 1 request."""
     return out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"
+
+
+def resume_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Resume | None:
+    """The output a migrated request continues, or None for a new request; ValueError when it cannot fit."""
+    if not request.HasField("resume"):
+        return None
+    r = request.resume
+    # Checked before the ids are copied: the list could be anything a message can hold.
+    if len(r.token_ids) >= max_tokens:
+        raise ValueError(f"resume holds {len(r.token_ids)} tokens but the context holds {max_tokens}")
+    return Resume(tuple(r.token_ids), r.text_chars)
 
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -326,6 +359,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         self.model_name = model_name
         self.metrics = metrics
         self.draining = False
+        self._tokenizer_path: str | None = None
 
     async def _outputs(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str):
         """Admits the request and yields (request_id, output, last) for each output of its completions, last on the
@@ -341,10 +375,11 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             params = params_from_proto(request.params)
             engine = self.engine_loop.engine
             engine.prompts.check_size(prompt, engine.max_model_len)
+            resume = resume_from_proto(request, engine.max_model_len)
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
-        outputs = self.engine_loop.submit(request_id, prompt, params)
+        outputs = self.engine_loop.submit(request_id, prompt, params, resume)
         unfinished = params.n
         try:
             while unfinished:
@@ -395,4 +430,45 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             pending_prompt_tokens=load.pending_prompt_tokens,
             in_flight=0 if loading else self.engine_loop.in_flight,
         )
+        if not loading:
+            allocator = self.engine_loop.engine.scheduler.allocator
+            status.kv_block_size = allocator.block_size
+            status.prefix_caching = allocator.cache is not None
+            status.prefill_tokens_per_second = self.engine_loop.prefill_rate.tokens_per_second
+            if self._tokenizer_path is None:  # looked up once: it is on every status poll
+                self._tokenizer_path = tokenizer_path(self.engine_loop.engine.tokenizer)
+            status.tokenizer_path = self._tokenizer_path
         return pb.StatusResponse(model=self.model_name, role="replica", replicas=[status])
+
+    async def WatchCache(self, request, context):
+        if self.engine_loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is still loading: retry shortly")
+        if self.engine_loop.engine.scheduler.allocator.cache is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "prefix caching is off on this replica (--no-prefix-caching): it has no cached blocks to watch",
+            )
+        try:
+            async for batch in self.engine_loop.cache_feed.watch():
+                yield pb.CacheEvents(
+                    seq=batch.seq,
+                    reset=batch.reset,
+                    snapshot=batch.snapshot,
+                    stored=batch.stored,
+                    removed=batch.removed,
+                )
+        except FellBehind:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "this watcher fell behind the cache's changes: watch again"
+            )
+
+
+def tokenizer_path(tokenizer) -> str:
+    """The folder of the replica's own Hugging Face tokenizer (tokenizer.json), for a balancer to hash prompts with;
+    '' for a borrowed tokenizer (its ids wrap around the model's vocabulary) or none."""
+    from .weights import BorrowedTokenizer, TokenIdsOnly
+
+    if isinstance(tokenizer, (BorrowedTokenizer, TokenIdsOnly)):
+        return ""
+    folder = getattr(tokenizer, "name_or_path", "") or ""
+    return str(Path(folder).resolve()) if folder and (Path(folder) / "tokenizer.json").is_file() else ""

@@ -15,6 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ..proto import fastgen_pb2 as pb
+from ..proto import fastgen_pb2_grpc
 
 # Trailing metadata of a RESOURCE_EXHAUSTED answer: how long to wait before retrying, in milliseconds. A replica's
 # queue drains in about a second under full load; the HTTP API sends the same hint as Retry-After.
@@ -112,6 +113,13 @@ def add_generation_servicer(servicer, server: grpc.aio.Server) -> None:
             response_serializer=pb.StatusResponse.SerializeToString,
         ),
     }
+    # Replicas only: a servicer without its own WatchCache (the balancer's) leaves it UNIMPLEMENTED.
+    if getattr(type(servicer), "WatchCache", None) not in (None, fastgen_pb2_grpc.GenerationServicer.WatchCache):
+        handlers["WatchCache"] = grpc.unary_stream_rpc_method_handler(
+            _server_stream(servicer.WatchCache),
+            request_deserializer=lenient(pb.CacheWatchRequest),
+            response_serializer=pb.CacheEvents.SerializeToString,
+        )
     name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)

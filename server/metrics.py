@@ -195,6 +195,62 @@ BALANCER_RETRIES = MetricDef(
 BALANCER_ROUTING = MetricDef(
     "fastgen_balancer_routing_decisions_total", Counter, "Replica picks by routing policy.", ("policy", "replica")
 )
+# prefix_aware routing: hit / query tokens is the share of prompt tokens the balancer sent where it believed them
+# cached (the replicas' fastgen_prefix_cache_hits_total says how many were).
+BALANCER_PREFIX_QUERY_TOKENS = MetricDef(
+    "fastgen_balancer_prefix_query_tokens_total",
+    Counter,
+    "Prompt tokens of requests routed by prefix_aware, by the replica chosen.",
+    ("replica",),
+)
+BALANCER_PREFIX_HIT_TOKENS = MetricDef(
+    "fastgen_balancer_prefix_hit_tokens_total",
+    Counter,
+    "Of those, tokens the balancer believed cached on the replica it chose.",
+    ("replica",),
+)
+BALANCER_CACHE_WATCH_LIVE = MetricDef(
+    "fastgen_balancer_cache_watch_live",
+    Gauge,
+    "1 while the replica's prefix-cache event stream is in sync (prefix_aware routing), else 0.",
+    ("replica",),
+)
+BALANCER_CACHED_BLOCKS = MetricDef(
+    "fastgen_balancer_replica_cached_blocks",
+    Gauge,
+    "Cached KV blocks the balancer knows the replica holds, from its event stream.",
+    ("replica",),
+)
+# Stream migration: a request whose replica failed after output was sent, resumed on another replica.
+MIGRATION_CAUSES = ("unavailable", "unhealthy")  # the call failed UNAVAILABLE; the replica left health mid-call
+MIGRATION_REFUSALS = ("limit", "length", "n", "no_replica")
+BALANCER_MIGRATIONS = MetricDef(
+    "fastgen_balancer_migrations_total",
+    Counter,
+    "Requests moved to another replica after their replica failed mid-request, by the failed replica and the cause "
+    "(unavailable: the call broke; unhealthy: the replica left health while the call waited).",
+    ("replica", "cause"),
+)
+BALANCER_MIGRATIONS_REFUSED = MetricDef(
+    "fastgen_balancer_migrations_refused_total",
+    Counter,
+    "Requests failed after output instead of resuming, by reason (limit: --migration-limit reached; length: more "
+    "output than --migration-max-len; n: several completions; no_replica: no healthy replica to resume on).",
+    ("reason",),
+)
+BALANCER_RESUMED_TOKENS = MetricDef(
+    "fastgen_balancer_resumed_tokens_total",
+    Counter,
+    "Delivered tokens sent again as context to the replica that resumes a request (recomputed there).",
+)
+BALANCER_MIGRATION_TIME = MetricDef(
+    "fastgen_balancer_migration_seconds",
+    Histogram,
+    "Failure of a request's replica to the first new token from the replica that resumed it (re-prefill of the "
+    "prompt and the delivered tokens included).",
+    (),
+    LATENCY_BUCKETS,
+)
 
 # The balancer's OpenAI-compatible HTTP API (when --http-port is set). Unknown paths are one route, "other".
 HTTP_REQUESTS = MetricDef(
@@ -251,6 +307,14 @@ BALANCER_METRICS = (
     BALANCER_REPLICA_HEALTHY,
     BALANCER_RETRIES,
     BALANCER_ROUTING,
+    BALANCER_PREFIX_QUERY_TOKENS,
+    BALANCER_PREFIX_HIT_TOKENS,
+    BALANCER_CACHE_WATCH_LIVE,
+    BALANCER_CACHED_BLOCKS,
+    BALANCER_MIGRATIONS,
+    BALANCER_MIGRATIONS_REFUSED,
+    BALANCER_RESUMED_TOKENS,
+    BALANCER_MIGRATION_TIME,
 )
 HTTP_METRICS = (HTTP_REQUESTS, HTTP_LATENCY)
 ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + HTTP_METRICS + (BUILD_INFO,)
@@ -470,6 +534,8 @@ class BalancerMetrics:
         for method in BALANCER_METHODS:
             for code in EXPECTED_CODES:
                 m[BALANCER_REQUESTS].labels(method=method, code=code)
+        for reason in MIGRATION_REFUSALS:
+            m[BALANCER_MIGRATIONS_REFUSED].labels(reason=reason)
         for replica in replicas:
             for code in EXPECTED_CODES:
                 m[BALANCER_REPLICA_REQUESTS].labels(replica=replica, code=code)
@@ -477,8 +543,14 @@ class BalancerMetrics:
                 m[BALANCER_RETRIES].labels(replica=replica, code=code_name(code))
             m[BALANCER_IN_FLIGHT].labels(replica=replica).set(0)
             m[BALANCER_REPLICA_HEALTHY].labels(replica=replica).set(0)
+            for cause in MIGRATION_CAUSES:
+                m[BALANCER_MIGRATIONS].labels(replica=replica, cause=cause)
             if policy is not None:
                 m[BALANCER_ROUTING].labels(policy=policy, replica=replica)
+            for d in (BALANCER_PREFIX_QUERY_TOKENS, BALANCER_PREFIX_HIT_TOKENS):
+                m[d].labels(replica=replica)
+            m[BALANCER_CACHE_WATCH_LIVE].labels(replica=replica).set(0)
+            m[BALANCER_CACHED_BLOCKS].labels(replica=replica).set(0)
 
     def on_rpc(self, method: str, code: grpc.StatusCode) -> None:
         """A client-facing RPC finished with `code`."""
@@ -499,6 +571,28 @@ class BalancerMetrics:
 
     def on_route(self, policy: str, replica: str) -> None:
         self._m[BALANCER_ROUTING].labels(policy=policy, replica=replica).inc()
+
+    def on_prefix_route(self, replica: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """prefix_aware sent a prompt of prompt_tokens to `replica`, believing cached_tokens of it cached there."""
+        self._m[BALANCER_PREFIX_QUERY_TOKENS].labels(replica=replica).inc(prompt_tokens)
+        if cached_tokens:
+            self._m[BALANCER_PREFIX_HIT_TOKENS].labels(replica=replica).inc(cached_tokens)
+
+    def set_cache_view(self, replica: str, live: bool, blocks: int) -> None:
+        self._m[BALANCER_CACHE_WATCH_LIVE].labels(replica=replica).set(1 if live else 0)
+        self._m[BALANCER_CACHED_BLOCKS].labels(replica=replica).set(blocks)
+
+    def on_migration(self, failed_replica: str, cause: str, resumed_tokens: int) -> None:
+        """A request left `failed_replica` for another, re-sending `resumed_tokens` delivered tokens."""
+        self._m[BALANCER_MIGRATIONS].labels(replica=failed_replica, cause=cause).inc()
+        self._m[BALANCER_RESUMED_TOKENS].inc(resumed_tokens)
+
+    def on_migration_refused(self, reason: str) -> None:
+        self._m[BALANCER_MIGRATIONS_REFUSED].labels(reason=reason).inc()
+
+    def on_resumed(self, seconds: float) -> None:
+        """The first new token of a resumed request arrived `seconds` after its replica failed."""
+        self._m[BALANCER_MIGRATION_TIME].observe(seconds)
 
 
 class HttpMetrics:

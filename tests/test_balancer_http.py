@@ -15,6 +15,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from fastgen.balancer.journal import MigrationSettings
 from fastgen.balancer.openai_api import ApiSettings, OpenAIApi, start_http
 from fastgen.server.grpc_server import set_serving
 from fastgen.server.metrics import HttpMetrics
@@ -173,7 +174,9 @@ def test_no_healthy_replica_is_503_and_health_says_so():
 
 def test_failure_after_output_is_an_error_event_then_done():
     async def main():
-        async with http_over([FakeReplica("a", [FailAfter(2)]), FakeReplica("b")]) as http:
+        # Migration off: a stream that cannot move to another replica (test_failover shows one that does).
+        fakes = [FakeReplica("a", [FailAfter(2)]), FakeReplica("b")]
+        async with http_over(fakes, migration=MigrationSettings(limit=0)) as http:
             r = await http.post("/v1/completions", {**COMPLETION, "stream": True})
             assert r.status == 200
             data = events_of(await r.text())

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from fastgen.balancer.journal import DEFAULT_MIGRATION, MigrationSettings
 from fastgen.balancer.policy import Router
 from fastgen.balancer.pool import ReplicaPool, ReplicaSpec
 from fastgen.balancer.service import Balancer, BalancerService, RequestFailed
@@ -104,7 +105,11 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def balancer_over(
-    fakes: list[FakeReplica], max_retries: int = 2, healthy: bool = True, policy: str = "round_robin"
+    fakes: list[FakeReplica],
+    max_retries: int = 2,
+    healthy: bool = True,
+    policy: str = "round_robin",
+    migration: MigrationSettings = DEFAULT_MIGRATION,
 ):
     servers, health, specs = [], {}, []
     for fake in fakes:
@@ -117,7 +122,7 @@ async def balancer_over(
     registry = CollectorRegistry()
     metrics = BalancerMetrics(registry)
     pool = ReplicaPool(specs, health_interval=0.05, health_timeout=1.0, metrics=metrics)
-    service = BalancerService(pool, Router(policy, len(fakes)), metrics, max_retries)
+    service = BalancerService(pool, Router(policy, len(fakes)), metrics, max_retries, migration)
     port = free_port()
     server, _ = create_server(service, "127.0.0.1", port)
     await server.start()
@@ -249,11 +254,11 @@ def test_stream_failing_before_output_is_retried():
     run(main())
 
 
-def test_stream_failing_after_output_is_not_retried():
+def test_stream_failing_after_output_is_not_retried_without_migration():
     a, b = FakeReplica("a", [FailAfter(2)]), FakeReplica("b")
 
     async def main():
-        async with balancer_over([a, b]) as h:
+        async with balancer_over([a, b], migration=MigrationSettings(limit=0)) as h:
             got = []
             with pytest.raises(GenerationError) as err:
                 async for text in h.client.stream("hi"):

@@ -66,6 +66,8 @@ def test_the_dashboard_shows_what_operators_act_on():
         "Traffic per replica",
         "Replica health",
         "Retries",
+        "Routed to a cached prefix",
+        "Cache event streams",
         "HTTP requests",
         "HTTP latency",
     } <= titles

@@ -225,3 +225,100 @@ def test_new_options_are_validated_against_the_vocabulary(tiny_engine):
         with pytest.raises(ValueError, match=message):
             tiny_engine.add_request("bad", PROMPT, SamplingParams(**params))
     assert not tiny_engine.has_unfinished()
+
+
+# ---- resuming a request another replica started (stream migration) ----------------------------------------------
+def run_resumed(engine, prompt, resume, **params):
+    """Runs one resumed request to its end: (final output, every output)."""
+    from fastgen.replica.request import SamplingParams
+
+    rid = f"r{random.random()}"
+    engine.add_request(rid, prompt, SamplingParams(**params), resume=resume)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
+    return outs[-1], outs
+
+
+def assert_every_seam_continues_the_same(engine, prompt, **params):
+    """Cut the uninterrupted request after each of its tokens and resume it from there: the resumed request sends
+    exactly the tokens, text and logprobs the uninterrupted one sent from that position on."""
+    from fastgen.replica.request import Resume
+
+    ref, outs = finish(engine, prompt, **params)
+    assert all(len(o.new_token_ids) == 1 for o in outs)  # one output per token: a seam after each
+    for k in range(1, len(outs)):
+        tokens = tuple(t for o in outs[:k] for t in o.new_token_ids)
+        delivered = "".join(o.new_text for o in outs[:k])
+        last, rest = run_resumed(engine, prompt, Resume(tokens, len(delivered)), **params)
+        where = f"resumed after {k} of {len(outs)} tokens"
+        assert [t for o in rest for t in o.new_token_ids] == ref.token_ids[k:], where
+        assert delivered + "".join(o.new_text for o in rest) == ref.text, where
+        assert (last.finish_reason, last.token_ids, last.generated_tokens) == (
+            ref.finish_reason,
+            ref.token_ids,
+            ref.generated_tokens,
+        ), where
+        if params.get("logprobs") is not None:
+            new = [lp for o in rest for lp in o.new_logprobs]
+            assert [lp.token_id for lp in new] == ref.token_ids[k:]
+            assert [lp.logprob for lp in new] == pytest.approx([lp.logprob for lp in ref.logprobs[k:]], abs=1e-4)
+    assert engine.scheduler.allocator.num_used == 0
+    return ref
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(max_new_tokens=14, ignore_eos=True),
+        dict(max_new_tokens=14, ignore_eos=True, temperature=1.0, seed=7, logprobs=2),
+        dict(max_new_tokens=14, ignore_eos=True, temperature=0.8, top_k=50, seed=3, presence_penalty=1.5),
+        dict(max_new_tokens=14, temperature=1.0, seed=11, frequency_penalty=1.0, repetition_penalty=1.3),
+    ],
+    ids=["greedy", "seeded-logprobs", "seeded-presence", "seeded-frequency-repetition"],
+)
+def test_a_resumed_request_continues_exactly_where_it_was_cut(tiny_engine, params):
+    assert_every_seam_continues_the_same(tiny_engine, PROMPT, **params)
+
+
+def test_stop_strings_and_held_back_text_carry_across_the_seam(tiny_engine):
+    ref, _ = finish(tiny_engine, "Once upon a time", max_new_tokens=16, ignore_eos=True)
+    # A stop string late in the text, longer than one token's text: the cuts fall before it, inside it while its
+    # start is held back, and after it.
+    stop = ref.text[len(ref.text) // 2 :][:6]
+    for include in (False, True):
+        out = assert_every_seam_continues_the_same(
+            tiny_engine,
+            "Once upon a time",
+            max_new_tokens=16,
+            ignore_eos=True,
+            stop=(stop, "never generated"),
+            include_stop_str_in_output=include,
+        )
+        assert out.finish_reason is FinishReason.STOP and out.text == ref.text[: ref.text.index(stop)] + (
+            stop if include else ""
+        )
+
+
+def test_min_new_tokens_counts_the_resumed_tokens(tiny_engine):
+    ref, _ = finish(tiny_engine, PROMPT, max_new_tokens=10)
+    k = next(i for i in range(2, 10) if ref.token_ids[i] not in ref.token_ids[:i])
+    stop = ref.token_ids[k]
+    # The stop token may not end the request before min_new_tokens: resumed after fewer tokens, it stays banned.
+    out = assert_every_seam_continues_the_same(
+        tiny_engine, PROMPT, max_new_tokens=10, min_new_tokens=k + 2, stop_token_ids=(stop,)
+    )
+    assert stop not in out.token_ids[: k + 2] and out.generated_tokens >= k + 2
+
+
+def test_a_resume_that_cannot_continue_is_refused(tiny_engine):
+    from fastgen.replica.request import Resume, SamplingParams
+
+    for resume, params, message in [
+        (Resume((5, 6, 7, 8)), dict(max_new_tokens=4), "nothing is left to resume"),
+        (Resume((5, 49152)), dict(max_new_tokens=4), "outside the vocabulary"),
+        (Resume((5,)), dict(max_new_tokens=4, n=2), "n = 2"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            tiny_engine.add_request("bad-resume", PROMPT, SamplingParams(**params), resume=resume)
+    assert not tiny_engine.has_unfinished()

@@ -8,6 +8,8 @@ from fastgen.balancer.policy import (
     estimate_prompt_tokens,
     least_loaded,
     outstanding_work,
+    predicted_ttft,
+    prefix_aware,
     round_robin,
 )
 from fastgen.proto import fastgen_pb2
@@ -106,3 +108,49 @@ def test_prompt_token_estimates():
     )
     assert estimate_prompt_tokens(chat) > 10
     assert estimate_prompt_tokens(fastgen_pb2.GenerateRequest()) == 0
+
+
+# ---- prefix_aware ----
+def _request(prompt: int, cached: int = 0, **load) -> ReplicaLoad:
+    return ReplicaLoad(prompt_tokens=prompt, cached_tokens=cached, **load)
+
+
+def test_prefix_aware_goes_where_the_prefix_is():
+    assert prefix_aware({0: _request(1000), 1: _request(1000, cached=960)}, 0, 2) == 1
+    assert prefix_aware({0: _request(1000, cached=960), 1: _request(1000)}, 1, 2) == 0
+
+
+def test_prefix_aware_without_any_cache_is_least_loaded():
+    busy = _request(500, in_flight=2, pending_prompt_tokens=800)
+    assert prefix_aware({0: busy, 1: _request(500)}, 0, 2) == 1
+    router = Router("prefix_aware", 3)
+    loads = {0: _request(100), 1: _request(100), 2: _request(100)}
+    assert [router.pick(loads) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_prefix_aware_load_beats_affinity_once_the_queue_costs_more_than_the_prefill_saved():
+    holder = lambda queued: _request(1000, cached=900, in_flight=2, pending_prompt_tokens=queued)  # noqa: E731
+    idle = _request(1000)
+    assert prefix_aware({0: holder(800), 1: idle}, 1, 2) == 0  # 800 + 100 + 2 < 1000: wait at the holder
+    assert prefix_aware({0: holder(1000), 1: idle}, 0, 2) == 1  # 1000 + 100 + 2 > 1000: prefill elsewhere
+
+
+def test_prefix_aware_weighs_work_by_each_replicas_speed():
+    slow = _request(1000, cached=500, prefill_tokens_per_second=100.0)  # 5 s to prefill the rest
+    fast = _request(1000, prefill_tokens_per_second=1000.0)  # 1 s for all of it
+    assert prefix_aware({0: slow, 1: fast}, 0, 2) == 1
+    assert predicted_ttft(slow, 100.0) == pytest.approx(5.0)
+
+
+def test_prefix_aware_assumes_an_unmeasured_replica_as_fast_as_the_others():
+    measured = _request(1000, in_flight=1, pending_prompt_tokens=400, prefill_tokens_per_second=2000.0)
+    unmeasured = _request(1000, cached=600)
+    # 1401 tokens at 2000/s against 400 tokens at the same assumed speed: the unmeasured holder wins.
+    assert prefix_aware({0: measured, 1: unmeasured}, 0, 2) == 1
+
+
+def test_prefix_aware_prefers_the_holder_among_equals():
+    # The same predicted time (50 queued + 50 to prefill against 100 to prefill): the holder keeps its prefix warm.
+    holder = _request(100, cached=50, in_flight=1, pending_prompt_tokens=49)
+    assert outstanding_work(holder) == 50
+    assert prefix_aware({0: holder, 1: _request(100)}, 1, 2) == 0

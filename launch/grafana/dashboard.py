@@ -278,6 +278,36 @@ BALANCER = (
         ),
     ),
     Panel(
+        "Stream migrations",
+        "Requests moved to another replica after theirs failed mid-request, per second, by the failed replica and the "
+        "cause (unavailable: the call broke; unhealthy: the replica left health while the call waited); and requests "
+        "that failed instead, by reason (limit, length, n, no_replica).",
+        "reqps",
+        (
+            Query(rate("fastgen_balancer_migrations_total", UPSTREAM, "replica, cause"), "{{replica}} {{cause}}"),
+            Query(rate("fastgen_balancer_migrations_refused_total", DEPLOYMENT, "reason"), "refused: {{reason}}"),
+        ),
+    ),
+    Panel(
+        "Migration delay",
+        "Failure of a request's replica to the first new token from the replica that resumed it: the re-prefill of "
+        "the prompt and the tokens already delivered, and the wait for a healthy replica.",
+        "s",
+        tuple(
+            Query(
+                f"histogram_quantile({q}, {rate('fastgen_balancer_migration_seconds_bucket', DEPLOYMENT, 'le')})",
+                f"p{round(q * 100)}",
+            )
+            for q in QUANTILES
+        ),
+    ),
+    Panel(
+        "Resumed tokens",
+        "Tokens already delivered that the balancer sent again, as context, to the replicas resuming streams.",
+        "short",
+        (Query(rate("fastgen_balancer_resumed_tokens_total", DEPLOYMENT), "tokens/s"),),
+    ),
+    Panel(
         "Routing decisions",
         "Replica picks per second, by routing policy.",
         "short",
@@ -286,6 +316,34 @@ BALANCER = (
                 rate("fastgen_balancer_routing_decisions_total", UPSTREAM, "policy, replica"),
                 "{{policy}} → {{replica}}",
             ),
+        ),
+    ),
+    Panel(
+        "Routed to a cached prefix",
+        "prefix_aware: share of the prompt tokens routed that the balancer believed cached on the replica it chose "
+        "(from the replicas' cache events), and each replica's measured hit rate for comparison.",
+        "percentunit",
+        (
+            Query(
+                f"{rate('fastgen_balancer_prefix_hit_tokens_total', UPSTREAM, 'replica')} / "
+                f"{rate('fastgen_balancer_prefix_query_tokens_total', UPSTREAM, 'replica')}",
+                "{{replica}} routed",
+            ),
+            Query(
+                f"{rate('fastgen_prefix_cache_hits_total', by='replica')} / "
+                f"{rate('fastgen_prefix_cache_queries_total', by='replica')}",
+                "{{replica}} hit",
+            ),
+        ),
+    ),
+    Panel(
+        "Cache event streams",
+        "prefix_aware: 1 while a replica's prefix-cache events reach the balancer in sync (0: routing falls back to "
+        "where prompts were sent recently), and the cached blocks the balancer knows of.",
+        "short",
+        (
+            Query(f"max by (replica) (fastgen_balancer_cache_watch_live{{{UPSTREAM}}})", "{{replica}} live"),
+            Query(f"max by (replica) (fastgen_balancer_replica_cached_blocks{{{UPSTREAM}}})", "{{replica}} blocks"),
         ),
     ),
 )

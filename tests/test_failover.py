@@ -1,0 +1,455 @@
+"""Stream migration: a request whose replica fails after output was sent resumes on another replica, every token
+delivered once. First against scripted in-process fake replicas that honour `resume` (fast, deterministic), then end
+to end with real replica processes on the tiny model (slow): kill -9 and SIGSTOP under load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fastgen.balancer.journal import Journal, MigrationSettings, journal_for, with_seed
+from fastgen.proto import fastgen_pb2 as pb
+from fastgen.proto import fastgen_pb2_grpc
+from fastgen.server import AsyncClient, Client, GenerationError
+from fastgen.server.grpc_server import set_serving
+
+from .helpers import start_balancer, start_replica, wait_balancer_sees, wait_serving
+from .test_balancer_http import events_of, http_over
+from .test_balancer_service import balancer_over, run
+
+LENGTH = 12  # tokens of a fake stream
+
+
+def token_at(i: int) -> int:
+    return 100 + i
+
+
+def full_text(n: int) -> str:
+    return "".join(f"w{i} " for i in range(n))
+
+
+@dataclass
+class Break:
+    """Send this many chunks, then fail with `code` as a dying replica would."""
+
+    chunks: int
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+
+
+@dataclass
+class Hang:
+    """Send this many chunks, then hang as a SIGSTOPped replica would (the test takes it out of health)."""
+
+    chunks: int
+
+
+@dataclass
+class ResumingReplica(fastgen_pb2_grpc.GenerationServicer):
+    """Streams token i = token_at(i) with text "w{i} ", text lagging one token behind (as a stop-string hold-back
+    does); a request with `resume` continues after its tokens and text, as a real replica does. Each call follows the
+    next entry of `script` (then runs to the end)."""
+
+    id: str
+    script: list = field(default_factory=list)
+    requests: list = field(default_factory=list)
+    hung: int = 0
+
+    async def GenerateStream(self, request, context):
+        self.requests.append(request)
+        action = self.script.pop(0) if self.script else None
+        n = request.params.max_new_tokens or LENGTH
+        start = len(request.resume.token_ids)
+        assert request.resume.token_ids == [token_at(i) for i in range(start)]
+        text, emitted = full_text(n), request.resume.text_chars
+        rid = request.request_id or uuid.uuid4().hex
+        for sent, i in enumerate(range(start, n)):
+            if isinstance(action, (Break, Hang)) and sent == action.chunks:
+                if isinstance(action, Hang):
+                    self.hung += 1
+                    await asyncio.sleep(60)
+                await context.abort(action.code, f"{self.id} died")
+            last = i == n - 1
+            visible = len(text) if last else len(full_text(i))  # the text of token i is held back until i + 1
+            chunk = pb.GenerateChunk(
+                request_id=rid, token_ids=[token_at(i)], text=text[emitted:visible], replica=self.id
+            )
+            emitted = visible
+            if last:
+                chunk.finish_reason, chunk.generated_tokens = pb.FINISH_REASON_LENGTH, n
+            yield chunk
+            await asyncio.sleep(0.005)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        action = self.script.pop(0) if self.script else None
+        if isinstance(action, Hang):
+            self.hung += 1
+            await asyncio.sleep(60)
+        n = request.params.max_new_tokens or LENGTH
+        return pb.GenerateResponse(
+            request_id=request.request_id,
+            text=full_text(n),
+            token_ids=[token_at(i) for i in range(n)],
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            generated_tokens=n,
+            replica=self.id,
+        )
+
+    async def GetStatus(self, request, context):
+        return pb.StatusResponse(model="fake", role="replica", replicas=[pb.ReplicaStatus(replica=self.id)])
+
+
+async def collect(client, **params):
+    return [c async for c in client.stream_chunks("hi", **params)]
+
+
+def assert_whole(chunks, n: int = LENGTH) -> None:
+    """Every position once, in order, and the text of exactly those tokens."""
+    assert [t for c in chunks for t in c.token_ids] == [token_at(i) for i in range(n)]
+    assert "".join(c.text for c in chunks) == full_text(n)
+    assert len({c.request_id for c in chunks}) == 1
+    assert chunks[-1].finish_reason == "length" and chunks[-1].generated_tokens == n
+
+
+def metric(h, name: str, **labels) -> float:
+    return h.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_stream_broken_mid_way_resumes_on_the_other_replica():
+    a, b = ResumingReplica("a", [Break(5)]), ResumingReplica("b")
+
+    async def main():
+        async with balancer_over([a, b]) as h:
+            chunks = await collect(h.client, temperature=0.7)
+            assert_whole(chunks)
+            assert [c.replica for c in chunks] == ["a"] * 5 + ["b"] * (LENGTH - 5)
+            assert metric(h, "fastgen_balancer_migrations_total", replica="a", cause="unavailable") == 1
+            assert metric(h, "fastgen_balancer_resumed_tokens_total") == 5
+            assert metric(h, "fastgen_balancer_migration_seconds_count") == 1
+            assert metric(h, "fastgen_balancer_retries_total", replica="a", code="UNAVAILABLE") == 0
+
+    run(main())
+    [first], [resumed] = a.requests, b.requests
+    # The same seed (assigned by the balancer), the delivered tokens and text, a fenced id, no second echo.
+    assert first.params.HasField("seed") and resumed.params.seed == first.params.seed
+    assert list(resumed.resume.token_ids) == [token_at(i) for i in range(5)]
+    assert resumed.resume.text_chars == len(full_text(4))  # the fifth token's text was still held back
+    assert "/resume-1-" in resumed.request_id and not resumed.params.echo
+
+
+def test_a_hung_replica_found_by_health_checks_hands_its_stream_over():
+    a, b = ResumingReplica("a", [Hang(4)]), ResumingReplica("b")
+
+    async def main():
+        async with balancer_over([a, b]) as h:
+            task = asyncio.ensure_future(collect(h.client))
+            while not a.hung:
+                await asyncio.sleep(0.01)
+            await set_serving(h.replica_health["a"], False)  # what health checks find on a stopped process
+            chunks = await task
+            assert_whole(chunks)
+            assert {c.replica for c in chunks[4:]} == {"b"}
+            assert metric(h, "fastgen_balancer_migrations_total", replica="a", cause="unhealthy") == 1
+
+    run(main())
+
+
+def test_a_stream_moves_again_up_to_the_migration_limit():
+    a, b = ResumingReplica("a", [Break(2), Break(2)]), ResumingReplica("b", [Break(2)])
+
+    async def main():
+        async with balancer_over([a, b], migration=MigrationSettings(limit=3)) as h:
+            # a breaks, b resumes and breaks, a resumes again and breaks, b finishes: three moves.
+            h.pool.mark_failed = _keep_healthy  # so the replica that broke can take the stream back
+            chunks = await collect(h.client)
+            assert_whole(chunks)
+            assert [c.replica for c in chunks[:6]] == ["a", "a", "b", "b", "a", "a"]
+
+    run(main())
+
+
+async def _keep_healthy(replica, reason):
+    return None
+
+
+@pytest.mark.parametrize(
+    "settings, breaks, mentions, reason",
+    [
+        (MigrationSettings(limit=1), 2, "--migration-limit", "limit"),
+        (MigrationSettings(limit=0), 1, "migration is off", "limit"),
+        (MigrationSettings(max_len=3), 1, "--migration-max-len", "length"),
+    ],
+)
+def test_a_stream_that_cannot_move_fails_as_before(settings, breaks, mentions, reason):
+    a, b = ResumingReplica("a", [Break(5)]), ResumingReplica("b", [Break(2)] if breaks > 1 else [])
+
+    async def main():
+        async with balancer_over([a, b], migration=settings) as h:
+            got = []
+            with pytest.raises(GenerationError) as err:
+                async for chunk in h.client.stream_chunks("hi"):
+                    got.append(chunk)
+            assert [t for c in got for t in c.token_ids] == [token_at(i) for i in range(len(got))]  # none twice
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "after part of the output was sent" in err.value.details and mentions in err.value.details
+            assert metric(h, "fastgen_balancer_migrations_refused_total", reason=reason) == 1
+
+    run(main())
+
+
+def test_a_stream_with_no_healthy_replica_left_fails_unavailable():
+    a = ResumingReplica("a", [Break(3)])
+
+    async def main():
+        async with balancer_over([a]) as h:
+            with pytest.raises(GenerationError) as err:
+                await collect(h.client)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "not resumed" in err.value.details and "no healthy replica" in err.value.details
+            assert metric(h, "fastgen_balancer_migrations_refused_total", reason="no_replica") == 1
+
+    run(main())
+
+
+def test_n_completions_are_not_resumed():
+    a, b = ResumingReplica("a", [Break(3)]), ResumingReplica("b")
+
+    async def main():
+        async with balancer_over([a, b]) as h:
+            with pytest.raises(GenerationError) as err:
+                async for _ in h.client.stream_chunks("hi", n=2):
+                    pass
+            assert "several completions" in err.value.details
+
+    run(main())
+    assert not b.requests
+
+
+def test_a_unary_call_on_a_hung_replica_runs_again_elsewhere_with_the_same_seed():
+    a, b = ResumingReplica("a", [Hang(0)]), ResumingReplica("b")
+
+    async def main():
+        async with balancer_over([a, b]) as h:
+            task = asyncio.ensure_future(h.client.generate("hi", temperature=1.0))
+            while not a.hung:
+                await asyncio.sleep(0.01)
+            await set_serving(h.replica_health["a"], False)
+            result = await task
+            assert result.replica == "b" and result.token_ids == [token_at(i) for i in range(LENGTH)]
+            assert metric(h, "fastgen_balancer_migrations_total", replica="a", cause="unhealthy") == 1
+
+    run(main())
+    assert a.requests[0].params.seed == b.requests[0].params.seed
+
+
+def test_a_long_call_stays_on_a_draining_replica_when_no_other_is_healthy():
+    a, b = ResumingReplica("a", [Hang(3)]), ResumingReplica("b")
+
+    async def main():
+        async with balancer_over([a, b]) as h:
+            await set_serving(h.replica_health["b"], False)
+            while h.pool.replicas[1].healthy:
+                await asyncio.sleep(0.01)
+            task = asyncio.ensure_future(collect(h.client))
+            while not a.hung:
+                await asyncio.sleep(0.01)
+            await set_serving(h.replica_health["a"], False)
+            await asyncio.sleep(0.3)  # several health intervals: nowhere to go, so the call stays
+            assert not task.done() and not b.requests
+            task.cancel()
+
+    run(main())
+
+
+def test_the_http_api_resumes_streams_too():
+    a, b = ResumingReplica("a", [Break(5)]), ResumingReplica("b")
+
+    async def main():
+        async with http_over([a, b]) as http:
+            body = {"model": "fake", "prompt": "hi", "stream": True, "max_tokens": LENGTH, "temperature": 0.5}
+            r = await http.post("/v1/completions", body)
+            assert r.status == 200
+            data = events_of(await r.text())
+            assert data[-1] == "[DONE]" and not any("error" in json.loads(d) for d in data[:-1])
+            assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == full_text(LENGTH)
+
+    run(main())
+    assert b.requests[0].params.seed == a.requests[0].params.seed
+
+
+def test_seeds_are_assigned_to_sampled_requests_only():
+    greedy = pb.GenerateRequest(text="x")
+    assert with_seed(greedy) is greedy
+    seeded = pb.GenerateRequest(text="x", params=pb.SamplingParams(temperature=1.0, seed=5))
+    assert with_seed(seeded) is seeded
+    bare = pb.GenerateRequest(text="x", params=pb.SamplingParams(temperature=1.0))
+    assigned = with_seed(bare)
+    assert assigned.params.HasField("seed") and not bare.params.HasField("seed")  # the caller's message untouched
+    assert with_seed(bare).params.seed != assigned.params.seed
+
+
+def test_the_journal_is_bounded_and_relabels_later_replicas_chunks():
+    journal = Journal(pb.GenerateRequest(text="x"), max_len=4)
+    journal.record(pb.GenerateChunk(request_id="first", token_ids=[1, 2], text="ab"))
+    relabelled = journal.record(pb.GenerateChunk(request_id="first/resume-1", token_ids=[3], text="c"))
+    assert relabelled.request_id == "first" and journal.token_ids == [1, 2, 3] and journal.text_chars == 3
+    journal.record(pb.GenerateChunk(request_id="x", token_ids=[4, 5]))
+    assert journal.untracked and journal.token_ids == [] and journal.delivered
+    assert journal_for(pb.GenerateRequest(params=pb.SamplingParams(n=3)), MigrationSettings()).untracked
+
+
+# ---- end to end: real replica processes on the tiny model ----------------------------------------------------
+STREAMS, UNARY = 16, 8
+LONG = 40  # tokens per request: long enough that the failure lands mid-stream
+
+
+def request_params(i: int) -> dict:
+    """Half greedy, half seeded sampling with a penalty; some with a stop string that never matches (a hold-back
+    runs all along)."""
+    params = dict(max_new_tokens=LONG, ignore_eos=True)
+    if i % 2:
+        params.update(temperature=0.9, seed=1000 + i, presence_penalty=0.5)
+    if i % 3 == 0:
+        params["stop"] = ["\x00never\x00"]
+    return params
+
+
+def prompt(i: int) -> list[int]:
+    return [200 + i, 17, 99, 5 + i % 7]
+
+
+@pytest.fixture(scope="module")
+def e2e(tiny_model_dir, tmp_path_factory):
+    """Two replicas behind a balancer, and each request's output without any failure (from r1 directly)."""
+    logs = tmp_path_factory.mktemp("failover-logs")
+    procs = {rid: start_replica(tiny_model_dir, rid, logs) for rid in ("r0", "r1")}
+    balancer = start_balancer({rid: p.address for rid, p in procs.items()}, logs, name="balancer-failover")
+    try:
+        for p in (*procs.values(), balancer):
+            wait_serving(p)
+        wait_balancer_sees(balancer, {"r0": "serving", "r1": "serving"})
+        with Client(procs["r1"].address, timeout=120) as direct:
+            refs = [direct.generate(prompt(i), **request_params(i)) for i in range(STREAMS + UNARY)]
+        yield procs, balancer, refs, logs
+    finally:
+        for p in (*procs.values(), balancer):
+            p.kill()
+
+
+def failover_run(balancer, procs, refs, fail) -> None:
+    """STREAMS streams and UNARY unary calls through the balancer; `fail(victim)` hits the replica of the first
+    stream once it has sent output. Every request completes with the tokens and text of its failure-free run."""
+
+    async def main():
+        hit = asyncio.Event()
+        victims = []
+
+        async def streamed(c, i):
+            chunks = []
+            async for chunk in c.stream_chunks(prompt(i), **request_params(i)):
+                chunks.append(chunk)
+                if not hit.is_set() and len(chunks) == 3:
+                    hit.set()
+                    victims.append(procs[chunk.replica])
+                    fail(procs[chunk.replica])
+            return chunks
+
+        async with AsyncClient(balancer.address, timeout=120) as c:
+            calls = [streamed(c, i) for i in range(STREAMS)]
+            calls += [c.generate(prompt(i), **request_params(i)) for i in range(STREAMS, STREAMS + UNARY)]
+            return await asyncio.gather(*calls), victims
+
+    results, victims = asyncio.run(main())
+    assert victims
+    moved = 0
+    for i, result in enumerate(results):
+        ref = refs[i]
+        if i >= STREAMS:
+            assert (result.token_ids, result.text) == (ref.token_ids, ref.text), f"unary request {i}"
+            continue
+        tokens = [t for c in result for t in c.token_ids]
+        assert tokens == ref.token_ids, f"stream {i}: positions duplicated, missing or different"
+        assert "".join(c.text for c in result) == ref.text, f"stream {i}: text"
+        assert result[-1].finish_reason == ref.finish_reason and result[-1].generated_tokens == LONG
+        moved += len({c.replica for c in result}) > 1
+    assert moved > 0  # some streams really did cross replicas
+    count = balancer_metric(balancer, "fastgen_balancer_migration_seconds_count")
+    total = balancer_metric(balancer, "fastgen_balancer_migration_seconds_sum")
+    print(
+        f"\n{moved} of {STREAMS} streams moved; failure to first resumed token {total / max(count, 1):.3f} s on average"
+    )
+
+
+def balancer_metric(proc, name: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name)
+
+
+def restart(procs, victim, tiny_model_dir, logs, balancer):
+    victim.kill()
+    procs[victim.name] = start_replica(tiny_model_dir, victim.name, logs, port=victim.port)
+    wait_serving(procs[victim.name])
+    wait_balancer_sees(balancer, {"r0": "serving", "r1": "serving"})
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_every_request_completes_identically(e2e, tiny_model_dir):
+    procs, balancer, refs, logs = e2e
+    victims = []
+
+    def kill(victim):
+        victims.append(victim)
+        victim.popen.kill()
+
+    failover_run(balancer, procs, refs, kill)
+    restart(procs, victims[0], tiny_model_dir, logs, balancer)
+
+
+@pytest.mark.slow
+def test_sigstop_mid_stream_the_hung_replica_is_left_behind(e2e, tiny_model_dir):
+    procs, balancer, refs, logs = e2e
+    victims = []
+
+    def stop(victim):
+        victims.append(victim)
+        victim.popen.send_signal(signal.SIGSTOP)
+
+    try:
+        failover_run(balancer, procs, refs, stop)
+    finally:
+        for v in victims:
+            v.popen.send_signal(signal.SIGCONT)
+    restart(procs, victims[0], tiny_model_dir, logs, balancer)
+
+
+@pytest.mark.slow
+def test_requests_that_cannot_resume_keep_todays_errors(e2e):
+    procs, balancer, _, logs = e2e
+    off = start_balancer(
+        {rid: p.address for rid, p in procs.items()},
+        logs,
+        name="balancer-no-migration",
+        extra_args=["--migration-limit", "0"],
+    )
+    try:
+        wait_serving(off)
+        wait_balancer_sees(off, {"r0": "serving", "r1": "serving"})
+        with Client(off.address, timeout=60) as c:
+            stream = c.stream_chunks(prompt(0), max_new_tokens=300, ignore_eos=True)
+            first = next(stream)
+            victim = procs[first.replica]
+            victim.popen.kill()
+            with pytest.raises(GenerationError) as err:
+                list(stream)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "after part of the output was sent" in err.value.details
+    finally:
+        off.kill()
