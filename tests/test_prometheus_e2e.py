@@ -212,12 +212,21 @@ def substitute(expr: str) -> str:
     return expr
 
 
+# Panels of a quantity that is undefined until its event has happened once (a quantile of an empty histogram, a
+# fraction of a counter still at 0): this deployment migrates no stream and routes nothing by prefix, so they must
+# return their series (the metrics exist from the first scrape), whose value may be NaN.
+UNDEFINED_UNTIL_AN_EVENT = {"Migration delay", "Routed to a cached prefix"}
+
+
 def check_every_panel_returns_data(prom: Prometheus) -> int:
     board = json.loads(DASHBOARD_JSON.read_text())
     exprs = [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
     for title, expr in exprs:
         result = prom.query(substitute(expr))
         values = [float(s["value"][1]) for s in result]
+        if title in UNDEFINED_UNTIL_AN_EVENT:
+            assert result, f"panel {title!r}: {substitute(expr)} returned no series"
+            continue
         assert any(math.isfinite(v) for v in values), f"panel {title!r}: {substitute(expr)} returned {result}"
     return len(exprs)
 
