@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import tempfile
 import time
@@ -383,6 +384,8 @@ def main(argv=None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     log_dir = args.logs or Path(tempfile.mkdtemp(prefix="fastgen-fuzz-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    # A timeout's SIGTERM unwinds through the finally below, which stops the servers it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     replica, balancer = start_deployment(log_dir)
     endpoints = {"replica": Endpoint(replica.address), "balancer": Endpoint(balancer.address)}
     tally = Tally()

@@ -101,7 +101,12 @@ class PromptEncoder:
         )
 
     def _tokenize(self, text: str, **kwargs) -> list[int]:
-        return _as_value_error("tokenize the prompt", lambda: self.tokenizer.encode(text, **kwargs))
+        ids = _as_value_error("tokenize the prompt", lambda: self.tokenizer.encode(text, **kwargs))
+        if not ids:  # text of only characters the tokenizer drops (control characters): nothing to compute from
+            raise ValueError(
+                f"prompt text {text[:40]!r} encodes to no tokens: send text with characters the tokenizer keeps"
+            )
+        return ids
 
 
 def _as_value_error(what: str, call: Callable):

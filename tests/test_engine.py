@@ -89,6 +89,7 @@ def test_bad_input_raises_and_engine_keeps_serving(models):
     cases = [
         ("", {}, "prompt is empty"),
         ([], {}, "prompt is empty"),
+        ("\x04", {}, "encodes to no tokens"),  # found by the fuzzer: it once failed an engine step
         ([1] * 200, {}, "shorten the prompt"),
         ([1] * 100, {"max_new_tokens": 50}, "exceeds the context of 128 tokens"),
         ([1, 49152], {}, "outside the vocabulary"),
