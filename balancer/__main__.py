@@ -3,7 +3,13 @@
     python -m fastgen.balancer --port 50050 --metrics-port 9400 \\
         --replica r0=127.0.0.1:50051 --replica r1=127.0.0.1:50052 --policy least_loaded [--http-port 8000]
 
-Health is SERVING while at least one replica is healthy. With --http-port it also serves the OpenAI-compatible
+    python -m fastgen.balancer --replicas-dns fastgen-replica:50051   # every address of the name (Kubernetes)
+    python -m fastgen.balancer --replicas-file replicas.txt         # one ID=HOST:PORT or HOST:PORT a line
+
+--replicas-dns and --replicas-file are looked up again every --discovery-interval seconds: replicas that appear take
+traffic once healthy, and those that disappear take no new requests and are closed once their requests finish
+(discovery.py). Health is SERVING while at least one replica is healthy; the grpc.health.v1 service "liveness" is
+SERVING as long as the process answers. With --http-port it also serves the OpenAI-compatible
 HTTP API (openai_api.py) from the same event loop. FASTGEN_API_KEY (or --api-key, which `ps` shows) makes gRPC and
 HTTP require `authorization: Bearer <key>` (health checks excepted); --auth-token-file names the deployment's internal
 token, which the balancer sends to the replicas (and also accepts). --tls-cert/--tls-key serve gRPC and HTTP over
@@ -20,6 +26,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -36,6 +43,7 @@ from ..server.grpc_server import (
 )
 from ..server.metrics import BalancerMetrics, BuildInfo, HttpMetrics, record_build_info, start_metrics_server
 from ..server.tls import TlsFiles, server_ssl_context
+from .discovery import DEFAULT_INTERVAL, Discovery, DnsSource, FileSource, Source, split_host_port
 from .journal import DEFAULT_MIGRATION_LIMIT, DEFAULT_MIGRATION_MAX_LEN, MigrationSettings
 from .openai_api import API_KEY_ENV, ApiSettings, OpenAIApi, start_http
 from .policy import POLICIES, Router
@@ -82,6 +90,20 @@ def _replica_arg(text: str) -> ReplicaSpec:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _dns_arg(text: str) -> tuple[str, int]:
+    try:
+        return split_host_port(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _nameserver_arg(text: str) -> tuple[str, int]:
+    try:
+        return split_host_port(text, default_port=53)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -118,14 +140,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--replica",
         type=_replica_arg,
         action="append",
-        required=True,
+        default=[],
         metavar="ID=HOST:PORT",
         help="a replica to balance over; repeat for each",
     )
     p.add_argument(
+        "--replicas-dns",
+        type=_dns_arg,
+        action="append",
+        default=[],
+        metavar="NAME:PORT",
+        help="every address NAME resolves to is a replica listening on PORT (e.g. a Kubernetes headless Service); "
+        "resolved again every --discovery-interval, replicas joining and leaving live",
+    )
+    p.add_argument(
+        "--replicas-file",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file of replicas, one ID=HOST:PORT or HOST:PORT a line ('#' comments), read again every "
+        "--discovery-interval; replace it by renaming a complete file over it",
+    )
+    p.add_argument(
+        "--dns-server",
+        type=_nameserver_arg,
+        default=None,
+        metavar="HOST[:PORT]",
+        help="ask this DNS server for --replicas-dns (default: the system's resolver)",
+    )
+    p.add_argument(
+        "--discovery-interval",
+        type=_positive_float,
+        default=DEFAULT_INTERVAL,
+        help="seconds between lookups of --replicas-dns and --replicas-file (default: %(default)s)",
+    )
+    p.add_argument(
         "--policy",
         choices=sorted(POLICIES),
-        default="least_loaded",
+        default="prefix_aware",
         help="routing policy; prefix_aware routes a prompt where its prefix is cached unless the wait there costs more "
         "than the prefill it saves",
     )
@@ -178,6 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grace", type=_positive_float, default=30.0, help="seconds in-flight calls get on SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
+    if not (args.replica or args.replicas_dns or args.replicas_file):
+        p.error("no replicas: give --replica ID=HOST:PORT, --replicas-dns NAME:PORT or --replicas-file PATH")
     ids = [r.id for r in args.replica]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
@@ -210,6 +265,8 @@ async def serve(args: argparse.Namespace) -> int:
         prefix_routing=args.policy == "prefix_aware",
         tokenizer=args.tokenizer,
     )
+    discovery = Discovery(pool, discovery_sources(args), args.discovery_interval, metrics)
+    metrics.set_discovered("static", len(args.replica))
     migration = MigrationSettings(args.migration_limit, args.migration_max_len)
     service = BalancerService(pool, Router(args.policy, len(args.replica)), metrics, args.max_retries, migration)
     http = None
@@ -225,10 +282,10 @@ async def serve(args: argparse.Namespace) -> int:
     await set_serving(health, False)
     await server.start()
     pool.start()
+    discovery.start()
     log.info(
-        "balancing %d replicas (%s) with %s on %s:%d%s, metrics on port %d%s",
-        len(pool.replicas),
-        ", ".join(f"{r.id}={r.address}" for r in pool.replicas),
+        "balancing %s with %s on %s:%d%s, metrics on port %d%s",
+        _members_note(args, discovery),
         args.policy,
         args.host,
         args.port,
@@ -240,6 +297,7 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("stopping: no new calls, waiting up to %.0f s for calls in flight", args.grace)
     await set_serving(health, False)
     await asyncio.gather(server.stop(args.grace), *([http.cleanup()] if http else []))
+    await discovery.close()
     await pool.close()
     log.info("stopped")
     return 0
@@ -253,6 +311,17 @@ async def serve_http(
     ssl_context = server_ssl_context(tls) if tls else None
     runner, _port = await start_http(api, args.host, args.http_port, args.grace, ssl_context)
     return runner
+
+
+def discovery_sources(args: argparse.Namespace) -> list[Source]:
+    sources: list[Source] = [DnsSource(name, port, args.dns_server) for name, port in args.replicas_dns]
+    return sources + [FileSource(path) for path in args.replicas_file]
+
+
+def _members_note(args: argparse.Namespace, discovery: Discovery) -> str:
+    static = [f"{r.id}={r.address}" for r in args.replica]
+    parts = [f"{len(static)} replicas ({', '.join(static)})"] if static else []
+    return " and ".join(parts + [s.describe() for s in discovery.sources])
 
 
 def _security_note(security: Security) -> str:

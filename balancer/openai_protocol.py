@@ -28,6 +28,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 MAX_UINT32 = 2**32 - 1  # the other integers travel as uint32: any field without its own bound has this one
+MAX_SLO_TTFT_MS = 86_400_000  # a day: the replica's MAX_SLO_TTFT_S
+SLO_FIELDS = ("prompt_rate", "ttft_ms", "token_rate")
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the engine reads 0 as greedy
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"
@@ -215,7 +217,7 @@ def parse_chat(body: object, request_id: str) -> ApiRequest:
     max_tokens = f.integer("max_completion_tokens", lo=1)
     params = sampling_params(f, n, max_tokens if max_tokens is not None else f.integer("max_tokens", lo=1))
     params.logprobs, params.top_logprobs = logprobs, top
-    request = fastgen_pb2.GenerateRequest(request_id=request_id, params=params)
+    request = fastgen_pb2.GenerateRequest(request_id=request_id, params=params, slo=parse_slo(f.get("slo")))
     request.messages.messages.extend(messages)
     stream, include_usage = stream_flags(f)
     return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top)
@@ -237,10 +239,11 @@ def parse_completion(body: object, request_id: str) -> ApiRequest:
         raise bad_request("best_of is not supported (leave it out, or equal to n)", "best_of")
     params = sampling_params(f, n, f.integer("max_tokens", lo=1))
     params.logprobs, params.top_logprobs, params.echo = top is not None, top or 0, echo
+    slo = parse_slo(f.get("slo"))
     requests = []
     for i, prompt in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        request = fastgen_pb2.GenerateRequest(request_id=rid, params=params)
+        request = fastgen_pb2.GenerateRequest(request_id=rid, params=params, slo=slo)
         if isinstance(prompt, str):
             request.text = prompt
         else:
@@ -312,6 +315,26 @@ def sampling_params(f: Fields, n: int, max_tokens: int | None) -> fastgen_pb2.Sa
     for token, bias in parse_logit_bias(f.get("logit_bias")).items():
         p.logit_bias[token] = bias
     return p
+
+
+def parse_slo(value: object) -> fastgen_pb2.Slo | None:
+    """FastGen's extension field `slo`: {"ttft_ms": ..., "token_rate": ..., "prompt_rate": ...}, each optional (the
+    deployment's --sla-* values stand in), the request's own service level for the slo scheduler."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f'slo must be an object such as {{"ttft_ms": 2000, "token_rate": 4}}, got {value!r}', "slo")
+    unknown = sorted(set(value) - set(SLO_FIELDS))
+    if unknown:
+        raise bad_request(f"slo has unknown fields {unknown}: use {', '.join(SLO_FIELDS)}", "slo")
+    f = Fields({f"slo.{name}": v for name, v in value.items()})  # errors name the field as slo.<name>
+    slo = fastgen_pb2.Slo(ttft_ms=f.integer("slo.ttft_ms", 0, 1, MAX_SLO_TTFT_MS))
+    for name in ("prompt_rate", "token_rate"):
+        rate = f.number(f"slo.{name}", 0.0, 0.0)
+        if name in value and not rate > 0:
+            raise bad_request(f"slo.{name} must be > 0 tokens/s, got {rate}", f"slo.{name}")
+        setattr(slo, name, rate)
+    return slo
 
 
 def parse_stop(value: object) -> list[str]:

@@ -92,10 +92,13 @@ POLICIES: dict[str, PickFn] = {"round_robin": round_robin, "least_loaded": least
 
 @dataclass
 class Router:
-    """A policy and its rotation cursor."""
+    """A policy and its rotation cursor.
+
+    Positions only grow as replicas come and go (a pool never reuses one), so the rotation spans every position up to
+    the largest seen rather than a fixed count: the order is the same, positions at or after the cursor first."""
 
     policy: str
-    num_replicas: int
+    num_replicas: int  # positions known at start; later ones widen the span
     cursor: int = 0
 
     def __post_init__(self) -> None:
@@ -107,8 +110,9 @@ class Router:
         """Position of the chosen replica, or None when there is no candidate."""
         if not loads:
             return None
-        chosen = self._pick(loads, self.cursor, self.num_replicas)
-        self.cursor = (chosen + 1) % self.num_replicas
+        span = max(self.num_replicas, max(loads) + 1, self.cursor)
+        chosen = self._pick(loads, self.cursor % span, span)
+        self.cursor = chosen + 1
         return chosen
 
 

@@ -4,7 +4,12 @@ deployment's internal token, over mutual TLS when the deployment has a CA.
 
 For prefix-aware routing the pool also keeps one WatchCache stream per replica that reports prefix caching, feeding
 that replica's CacheView (prefix_index.py), and hashes prompts with the replicas' tokenizer: the one given on the
-command line, else the one the first replica reports (its folder must be readable here)."""
+command line, else the one the first replica reports (its folder must be readable here).
+
+Membership changes while the balancer runs (discovery.py): an added replica takes traffic once its health check
+says SERVING; a removed one takes no new request at once, keeps its health watch (so its streams can still move if
+it drains) and is closed once its in-flight requests have finished. Positions are never reused, so a request's set
+of tried positions stays meaningful across changes."""
 
 from __future__ import annotations
 
@@ -77,6 +82,7 @@ class Replica:
     reports: int = 0  # GetStatus answers received: tells a lease whether its tokens are in a report yet
     dispatched: int = 0  # requests ever sent
     cache: CacheView = field(default_factory=CacheView)  # its prefix cache as far as the balancer knows
+    watches: list[asyncio.Task] = field(default_factory=list)  # its health (and cache) watch, once started
 
     @property
     def id(self) -> str:
@@ -129,7 +135,13 @@ class ReplicaPool:
         self.health_timeout = health_timeout
         self._metrics = metrics
         self._on_health_change = on_health_change
-        self.replicas = [self._connect(spec, i) for i, spec in enumerate(specs)]
+        self.replicas: list[Replica] = []  # the members, in position order
+        self._leaving: list[Replica] = []  # removed, waiting for their in-flight requests to finish
+        self._closers: set[asyncio.Task] = set()
+        self._next_position = 0
+        self._started = False
+        for spec in specs:
+            self._add(spec)
         self._watches: list[asyncio.Task] = []
         self.prefix_routing = prefix_routing
         # An explicit tokenizer is loaded now (a bad path is the operator's to fix); else the replicas' is, later.
@@ -139,15 +151,68 @@ class ReplicaPool:
 
     # ---- lifecycle ----
     def start(self) -> None:
-        self._watches = [asyncio.create_task(self._watch(r), name=f"health-{r.id}") for r in self.replicas]
-        if self.prefix_routing:
-            self._watches += [asyncio.create_task(self._watch_cache(r), name=f"cache-{r.id}") for r in self.replicas]
+        self._started = True
+        for replica in self.replicas:
+            self._start_watches(replica)
 
     async def close(self) -> None:
-        for task in self._watches:
+        members = self.replicas + self._leaving
+        tasks = self._watches + list(self._closers) + [t for r in members for t in r.watches]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._watches, return_exceptions=True)
-        await asyncio.gather(*(r.channel.close() for r in self.replicas))
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in members))
+
+    # ---- membership ----
+    def add(self, spec: ReplicaSpec) -> Replica:
+        """A new member: out of rotation until its first health check says SERVING. ValueError when the id is taken."""
+        if any(r.id == spec.id for r in self.replicas):
+            raise ValueError(f"replica id {spec.id!r} is already in the pool")
+        replica = self._add(spec)
+        if self._metrics:
+            self._metrics.add_replica(spec.id)
+        if self._started:
+            self._start_watches(replica)
+        log.info("replica %s at %s added: in rotation once healthy", spec.id, spec.address)
+        return replica
+
+    async def remove(self, replica_id: str) -> None:
+        """Takes the replica out of rotation now and closes it once its in-flight requests have finished."""
+        replica = next((r for r in self.replicas if r.id == replica_id), None)
+        if replica is None:
+            return
+        self.replicas.remove(replica)
+        self._leaving.append(replica)
+        log.info(
+            "replica %s at %s removed: no new requests; closed after its %d in flight",
+            replica.id,
+            replica.address,
+            replica.in_flight,
+        )
+        closer = asyncio.create_task(self._close_when_idle(replica), name=f"remove-{replica.id}")
+        self._closers.add(closer)
+        closer.add_done_callback(self._closers.discard)
+        if replica.healthy and self._on_health_change:
+            await self._on_health_change()
+
+    def at(self, position: int) -> Replica | None:
+        """The member at `position` (None once it has been removed)."""
+        return next((r for r in self.replicas if r.position == position), None)
+
+    async def _close_when_idle(self, replica: Replica) -> None:
+        # Picks only see members, and a pick enters its lease without yielding to the event loop, so no request
+        # can reach the replica once in_flight reads 0 here. Its health watch keeps running meanwhile: a call on a
+        # replica that drains still moves when it leaves health.
+        while replica.in_flight:
+            await asyncio.sleep(self.health_interval)
+        for task in replica.watches:
+            task.cancel()
+        await asyncio.gather(*replica.watches, return_exceptions=True)
+        await replica.channel.close()
+        self._leaving.remove(replica)
+        if self._metrics and not any(r.id == replica.id for r in self.replicas):
+            self._metrics.remove_replica(replica.id)
+        log.info("replica %s at %s closed", replica.id, replica.address)
 
     # ---- routing support ----
     def candidates(self, exclude: set[int], key: PromptKey | None = None) -> dict[int, ReplicaLoad]:
@@ -169,6 +234,8 @@ class ReplicaPool:
         return any(r.healthy for r in self.replicas)
 
     def unavailable_message(self) -> str:
+        if not self.replicas:
+            return "no healthy replica: none configured or discovered yet; retry later or check the balancer's log"
         reasons = "; ".join(f"{r.id} at {r.address}: {r.last_error}" for r in self.replicas)
         n = len(self.replicas)
         return (
@@ -305,6 +372,17 @@ class ReplicaPool:
             await self._on_health_change()
 
     # ---- helpers ----
+    def _add(self, spec: ReplicaSpec) -> Replica:
+        replica = self._connect(spec, self._next_position)
+        self._next_position += 1
+        self.replicas.append(replica)
+        return replica
+
+    def _start_watches(self, replica: Replica) -> None:
+        replica.watches.append(asyncio.create_task(self._watch(replica), name=f"health-{replica.id}"))
+        if self.prefix_routing:
+            replica.watches.append(asyncio.create_task(self._watch_cache(replica), name=f"cache-{replica.id}"))
+
     def _connect(self, spec: ReplicaSpec, position: int) -> Replica:
         security = self.security
         channel = open_channel(spec.address, UPSTREAM_CHANNEL_OPTIONS, security.tls, security.server_name, aio=True)

@@ -281,7 +281,7 @@ class Balancer:
         if position is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self._no_replica_message(attempts))
         attempts.tried.add(position)
-        replica = self.pool.replicas[position]
+        replica = self.pool.at(position)
         self._metrics.on_route(self._router.policy, replica.id)
         if key is not None:
             cached = loads[position].cached_tokens
@@ -348,7 +348,7 @@ class Balancer:
     def _no_replica_message(self, attempts: Attempts) -> str:
         if not self.pool.any_healthy():
             return self.pool.unavailable_message()
-        tried = ", ".join(self.pool.replicas[p].id for p in sorted(attempts.tried))
+        tried = ", ".join(r.id for r in map(self.pool.at, sorted(attempts.tried)) if r is not None)
         return f"no other healthy replica to retry on (tried {tried}); retry later"
 
     def _replica_status(self, replica: Replica) -> fastgen_pb2.ReplicaStatus:

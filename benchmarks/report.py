@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 # Order of systems in tables and legends; others follow alphabetically.
-SYSTEM_ORDER = ("splitfuse", "prefill_first", "static", "hf", "vllm")
+SYSTEM_ORDER = ("slo", "splitfuse", "prefill_first", "static", "hf", "vllm")
 SUMMARY_FILE = "summary.json"
 PLOT_DPI = 80
 
@@ -238,8 +238,43 @@ def repeats_report(reps: dict) -> str:
                 f"- {workload}, {n} clients, splitfuse ÷ prefill_first within each repeat: effective R=2 "
                 f"{spread(eff, '{:.2f}')}× (floor ≥ 1.5×); P95 inter-token {spread(itl, '{:.2f}')}× (floor ≤ 0.5×)"
             )
+        parts += slo_check(workload, systems)
         parts.append("")
     return "\n".join(parts)
+
+
+def slo_check(workload: str, systems: dict) -> list[str]:
+    """Issue 16's check, for every slo system of a repeated comparison: its effective throughput at its own floor R
+    against the best fixed schedule (every splitfuse budget and prefill_first) and against prefill_first, within
+    each repeat, and its P95 inter-token latency against 1 / R."""
+    fixed = [name for name in systems if name.split("-")[0] in ("splitfuse", "prefill_first")]
+    lines = []
+    for name in sorted(s for s in systems if s.split("-")[0] == "slo"):
+        for n in sorted(systems[name]):
+            line = slo_line(workload, {s: runs.get(n, {}) for s, runs in systems.items()}, name, n, fixed)
+            lines += [line] if line else []
+    return lines
+
+
+def slo_line(workload: str, at_n: dict, name: str, n: int, fixed: list[str]) -> str | None:
+    """slo_check's line for one slo system at n clients; at_n: system -> repeat -> run at n clients."""
+    by_k = at_n[name]
+    settings = next(iter(by_k.values()))["meta"].get("settings", {})
+    rate = f"{(settings.get('sla_token_rates') or [2])[0]:g}"
+    ks = [k for k in sorted(by_k) if all(k in at_n[f] for f in fixed)]
+    if not fixed or not ks or rate not in by_k[ks[0]]["summary"]["effective"]:
+        return None
+    eff = {s: [at_n[s][k]["summary"]["effective"][rate] for k in ks] for s in [name, *fixed]}
+    best = [max(eff[f][i] for f in fixed) for i in range(len(ks))]
+    line = (
+        f"- {workload}, {n} clients, {name} at R = {rate}: effective {spread(eff[name], '{:.3f}')} req/s, "
+        f"÷ best fixed schedule {spread([ratio(a, b) for a, b in zip(eff[name], best)], '{:.2f}')}× (floor ≥ 1×)"
+    )
+    if "prefill_first" in eff:
+        pf = [ratio(a, b) for a, b in zip(eff[name], eff["prefill_first"])]
+        line += f", ÷ prefill_first {spread(pf, '{:.2f}')}×" + (" (floor ≥ 1.4×)" if n >= 32 else "")
+    itl = [by_k[k]["summary"]["inter_token"]["p95"] * 1e3 for k in ks]
+    return line + f"; P95 inter-token {spread(itl, '{:.0f}')} ms (floor {1e3 / float(rate):.0f} ms)"
 
 
 def ratio(a: float, b: float) -> float:
@@ -266,6 +301,65 @@ def report(out: Path, headline_workload: str = "C1", plots: bool = True) -> str:
             except ImportError:
                 parts.append("(matplotlib is not installed: no plots; pip install -e .[bench])\n")
     return "\n".join(parts)
+
+
+# ---- the slo scheduler's step-time model (python -m fastgen.benchmarks.serving steps) ----
+def read_steps(raw: Path) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """(workload, system) -> (predicted, measured) seconds of every step the replicas traced during the runs under
+    raw (RAW/<workload>/<system>/*.steps.csv); steps the model did not predict yet are left out."""
+    import csv
+
+    pairs: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for path in sorted(Path(raw).glob("*/*/*.steps.csv")):
+        key = (path.parent.parent.name, path.parent.name)
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                predicted, measured = float(row["predicted_s"]), float(row["measured_s"])
+                if not math.isnan(predicted) and measured > 0:
+                    pairs[key].append((predicted, measured))
+    return pairs
+
+
+def steps_report(raw: Path, out: Path, plots: bool = True) -> str:
+    """The step-time model's median absolute percentage error per workload and system, and a predicted-against-
+    measured scatter plot of each (OUT/steps_<workload>_<system>.png)."""
+    pairs = read_steps(raw)
+    if not pairs:
+        return f"no step traces under {raw} (slo systems record them)"
+    lines = ["| workload | system | steps | MdAPE | P90 APE |", "|---|---|---|---|---|"]
+    figures = []
+    for (workload, system), xs in sorted(pairs.items()):
+        errors = sorted(abs(p - m) / m for p, m in xs)
+        p90 = errors[min(len(errors) - 1, int(0.9 * len(errors)))]
+        lines.append(f"| {workload} | {system} | {len(xs)} | {statistics.median(errors):.1%} | {p90:.1%} |")
+        if plots:
+            try:
+                figures.append(str(plot_steps(xs, f"{workload} {system}", out / f"steps_{workload}_{system}.png")))
+            except ImportError:
+                plots = False
+    return "\n".join(lines) + (f"\n\nPlots: {', '.join(figures)}" if figures else "")
+
+
+def plot_steps(pairs: list[tuple[float, float]], title: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.6, 4.2))
+    xs, ys = [m * 1e3 for _, m in pairs], [p * 1e3 for p, _ in pairs]
+    ax.scatter(xs, ys, s=4, alpha=0.4)
+    lo, hi = min(x for x in xs + ys if x > 0), max(xs + ys)
+    ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)  # exact predictions
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlabel="measured step (ms)", ylabel="predicted step (ms)", title=f"step-time model, {title}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=PLOT_DPI)
+    plt.close(fig)
+    return path
 
 
 # ---- other benchmarks' summaries ----

@@ -6,12 +6,19 @@ schedules of the same engine, transformers `generate`, and (when running) vLLM, 
     python -m fastgen.benchmarks.serving run --workloads C1 --systems splitfuse,splitfuse-r2   # replica scaling
     python -m fastgen.benchmarks.serving run --systems vllm --vllm-url http://127.0.0.1:8000  # vLLM baseline
     python -m fastgen.benchmarks.serving report --out benchmarks/results/serving            # tables + PNGs
+    python -m fastgen.benchmarks.serving run --workloads C1 --clients 1,4,8,16,32,48 --repeats 3 --token-rates 2,4 \
+        --systems slo-b2048,splitfuse-b128,splitfuse-b256,splitfuse-b512,prefill_first --out benchmarks/results/slo
+    python -m fastgen.benchmarks.serving steps --out benchmarks/results/slo   # the step-time model's error + plot
 
-Systems: a FastGen scheduler (`splitfuse`, `prefill_first`, `static`), optionally `-rK` for K replicas behind the
-balancer (threads per replica = cores / K); `hf` (transformers generate, static batches of up to N requests, in
-this process); `vllm` (an OpenAI-compatible server already running at --vllm-url). Each FastGen system is a
-`fastgen-deploy` deployment started for its runs and stopped after them; requests go through its balancer
-(`--direct`: straight to its replica).
+Systems: a FastGen scheduler (`splitfuse`, `prefill_first`, `static`, `slo`), optionally `-bN` for a token budget
+(--max-batch-tokens) of N, `-tR` for the token-rate floor R the slo scheduler holds (default --slo-token-rate) and
+`-rK` for K replicas behind the balancer (threads per replica = cores / K), e.g. `splitfuse-b256`, `slo-t4-b1024`;
+`hf` (transformers generate, static batches of up to N requests, in this process); `vllm` (an OpenAI-compatible
+server already running at --vllm-url). Each FastGen system is a `fastgen-deploy` deployment started for its runs and
+stopped after them; requests go through its balancer (`--direct`: straight to its replica). An `slo` deployment's
+replicas record every step's predicted and measured time (`--step-trace-dir`), and each run keeps its steps in
+RAW/<workload>/<system>/c<N>[-<repeat>].steps.csv, which `steps` summarises (median absolute percentage error) and
+plots.
 
 Every run (workload x system x clients [x repeat]) is recorded as soon as it ends: one line of OUT/summary.json
 (meta: command, commit, date, machine, load, settings; summary: throughput, effective throughput and misses per R,
@@ -30,6 +37,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -53,15 +61,33 @@ class System:
     kind: str  # "fastgen" | "hf" | "vllm"
     scheduler: str | None = None
     replicas: int = 1
+    budget: int | None = None  # --max-batch-tokens; None: the command's
+    token_rate: float | None = None  # the slo scheduler's floor; None: the command's --slo-token-rate
+
+
+SYSTEM_SUFFIX = re.compile(r"-(?:b(?P<budget>\d+)|t(?P<rate>\d+(?:\.\d+)?)|r(?P<replicas>\d+))")
 
 
 def parse_system(text: str) -> System:
     if text in ("hf", "vllm"):
         return System(text, text)
-    scheduler, _, replicas = text.partition("-r")
-    if scheduler not in SCHEDULERS or (replicas and not replicas.isdigit()):
-        raise ValueError(f"unknown system {text!r}: use {', '.join(SCHEDULERS)} (optionally -rK), hf or vllm")
-    return System(text, "fastgen", scheduler, int(replicas or 1))
+    scheduler, _, suffixes = text.partition("-")
+    suffixes = "-" + suffixes if suffixes else ""
+    found = list(SYSTEM_SUFFIX.finditer(suffixes))
+    if scheduler not in SCHEDULERS or "".join(m.group(0) for m in found) != suffixes:
+        raise ValueError(
+            f"unknown system {text!r}: use {', '.join(SCHEDULERS)} (optionally -bN budget, -tR slo floor, -rK "
+            "replicas), hf or vllm"
+        )
+    parts = {k: v for m in found for k, v in m.groupdict().items() if v is not None}
+    return System(
+        text,
+        "fastgen",
+        scheduler,
+        int(parts.get("replicas", 1)),
+        int(parts["budget"]) if "budget" in parts else None,
+        float(parts["rate"]) if "rate" in parts else None,
+    )
 
 
 def cpu_count() -> int:
@@ -155,19 +181,25 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
 
     n = system.replicas
     base = free_base_port(2 * (n + 1))
+    budget = system.budget or args.max_batch_tokens
+    slo = system.scheduler == "slo"
     config = DeployConfig(
         name=f"bench-{system.label}-{os.getpid()}",
         model=args.model,
         replicas=n,
         scheduler=system.scheduler,
         dtype=args.dtype,
-        max_batch_tokens=args.max_batch_tokens,
-        max_seqs=min(args.max_seqs, args.max_batch_tokens),
+        max_batch_tokens=budget,
+        max_seqs=min(args.max_seqs, budget),
         threads=args.threads or default_threads(cpu_count(), n),
         port=base,
         metrics_port=base + n + 1,
         http_port=0,  # requests go over gRPC; a vLLM baseline may hold the usual HTTP port
         timeout=args.start_timeout,
+        sla_prompt_rate=args.prompt_rate,
+        # The slo scheduler holds the largest R its replicas score: only the floor under test.
+        sla_token_rates=(system.token_rate or args.slo_token_rate,) if slo else tuple(args.token_rates),
+        step_trace_dir=str(step_trace_dir(args.raw, system).resolve()) if slo else None,
     )
     home = fastgen_home()
     started = time.monotonic()
@@ -198,6 +230,9 @@ def system_under_test(system: System, args: argparse.Namespace):
         with fastgen_deployment(system, args) as (address, config, pids):
             settings = {
                 "scheduler": config.scheduler,
+                "sla_prompt_rate": config.sla_prompt_rate,
+                "sla_token_rates": list(config.sla_token_rates),
+                "step_trace_dir": config.step_trace_dir,
                 "replicas": config.replicas,
                 "threads": config.threads,
                 "max_batch_tokens": config.max_batch_tokens,
@@ -238,6 +273,38 @@ def raw_path(raw: Path, workload: str, system: str, clients: int, repeat: int | 
     return raw / workload / system / (f"c{clients}.json" if repeat is None else f"c{clients}-{repeat}.json")
 
 
+def step_trace_dir(raw: Path, system: System) -> Path:
+    """Where an slo deployment's replicas append their steps (one CSV per replica, for the deployment's life)."""
+    return Path(raw) / "steps" / system.label
+
+
+class StepSlice:
+    """The rows the replicas append to their step traces during one run, saved beside the run's raw records."""
+
+    def __init__(self, folder: str | None):
+        self.folder = Path(folder) if folder else None
+        self.offsets = {p: p.stat().st_size for p in self.folder.glob("*.csv")} if self.folder else {}
+
+    def save(self, raw: Path) -> Path | None:
+        if self.folder is None:
+            return None
+        lines: list[str] = []
+        for path in sorted(self.folder.glob("*.csv")):
+            with path.open() as f:
+                header = f.readline()
+                f.seek(max(self.offsets.get(path, 0), len(header)))
+                rows = f.read().splitlines()
+            lines += [header.rstrip("\n")] if not lines else []
+            lines += [f"{row},{path.stem}" for row in rows if row]
+        if len(lines) < 2:  # no step ran
+            return None
+        lines[0] += ",replica"
+        out = raw.with_suffix(".steps.csv")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+        return out
+
+
 def pending_runs(args: argparse.Namespace, system: System) -> list[tuple[str, int]]:
     return [
         (w, n) for w in args.workloads for n in args.clients if args.force or not has_run(args.out, w, system.label, n)
@@ -260,11 +327,14 @@ async def one_run(
         parse_workload(workload), clients, None, args.requests, args.requests_scale, args.seed, tag, args.max_prompt
     )
     sla = SLA(args.prompt_rate, tuple(args.token_rates))
+    steps = StepSlice(settings.get("step_trace_dir"))
     with CpuMeter(settings.get("pids", [])) as cpu:
         result = await measure(
             backend, spec, tokenizer_dir(args), sla, not args.no_progress, desc=f"{workload} {system.label} c{clients}"
         )
     raw = raw_path(args.raw, workload, system.label, clients, repeat)
+    await asyncio.sleep(0.2)  # a replica writes a step's trace row just after the step's outputs went out
+    steps_file = steps.save(raw)
     result.meta |= {
         "system": system.label,
         "kind": system.kind,
@@ -273,7 +343,7 @@ async def one_run(
         "cpu": cpu.result,
         "command": args.command_line,
         "raw": str(raw),
-    }
+    } | ({"steps": str(steps_file)} if steps_file else {})
     result.save_raw(raw)
     add_run(args.out, workload, system.label, clients, repeat, result.summary_json())
     print_summary(result, f"{workload} {system.label:<14} c{clients}:")
@@ -372,6 +442,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P in prompt tokens/s (default: 100)")
     p.add_argument("--token-rates", type=float_list, default=[1.0, 2.0, 4.0], help="SLA R values (default: 1,2,4)")
     p.add_argument(
+        "--slo-token-rate",
+        type=float,
+        default=2.0,
+        help="the token-rate floor R of slo systems without -tR (default: %(default)g)",
+    )
+    p.add_argument(
         "--quiet-cores",
         type=float,
         default=0.7,
@@ -404,25 +480,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     run = sub.add_parser("run", help="run the comparison (resumable), then report")
     add_run_args(run)
     report = sub.add_parser("report", help="tables, checks and plots from the results folder")
-    for q in (run, report):
+    steps = sub.add_parser("steps", help="the slo step-time model's error and predicted-vs-measured plots")
+    for q in (run, report, steps):
         q.add_argument(
             "--out",
             type=Path,
             default=DEFAULT_OUT,
             help="results folder, tracked: summary.json and plots (default: %(default)s)",
         )
-    run.add_argument(
-        "--raw", type=Path, default=None, help="raw per-request records (default: benchmarks/out/serving/<OUT's name>)"
-    )
+    for q in (run, steps):
+        q.add_argument(
+            "--raw",
+            type=Path,
+            default=None,
+            help="raw per-request records (default: benchmarks/out/serving/<OUT's name>)",
+        )
+    steps.add_argument("--no-plots", action="store_true")
     report.add_argument("--headline", default="C1", help="workload of the SplitFuse vs prefill-first check")
     report.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    from .report import report
+    from .report import report, steps_report
 
     args = parse_args(argv)
+    if args.command == "steps":
+        print(steps_report(args.raw or default_raw(args.out), args.out, plots=not args.no_plots))
+        return 0
     if args.command == "run":
         args.raw = args.raw or default_raw(args.out)
         args.command_line = command("serving", argv)
@@ -434,6 +519,8 @@ def main(argv=None) -> int:
         if args.no_report:
             return 0
         args.headline, args.no_plots = args.workloads[0], False
+        if any(s.scheduler == "slo" for s in args.systems):
+            print(steps_report(args.raw, args.out))
     print(report(args.out, args.headline, plots=not args.no_plots))
     return 0
 

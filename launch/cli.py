@@ -15,8 +15,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from ..replica.config import DEVICES, DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, SCHEDULERS, CacheConfig, parse_size
-from . import certs, deployment, prometheus
-from .config import API_KEY_ENV, POLICIES, DeployConfig, address, default_threads, format_size, http_url
+from . import certs, deployment, kubernetes, prometheus
+from .config import ADMISSIONS, API_KEY_ENV, POLICIES, DeployConfig, address, default_threads, format_size, http_url
 from .deployment import DeployError
 from .state import fastgen_home, paths_for
 
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_prometheus_config(sub)
     add_certs(sub)
+    add_k8s(sub)
     return parser
 
 
@@ -60,9 +61,14 @@ def add_name(p: argparse.ArgumentParser) -> None:
 
 
 def add_start(sub) -> None:
-    d = DeployConfig()
     p = sub.add_parser("start", help="launch a deployment and wait until it serves", epilog=PORTS_HELP)
     add_name(p)
+    add_start_flags(p)
+
+
+def add_start_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag of `start` but --name: what the deployment runs and how (`k8s render` takes them too)."""
+    d = DeployConfig()
     p.add_argument(
         "--model",
         default=d.model,
@@ -145,7 +151,27 @@ def add_start(sub) -> None:
         help="on CUDA without --kv-cache-memory: the share of each GPU that weights, activations and the KV pool may "
         "fill (default: %(default)s)",
     )
-    p.add_argument("--scheduler", choices=SCHEDULERS, default=d.scheduler, help="default: %(default)s")
+    p.add_argument(
+        "--scheduler",
+        choices=SCHEDULERS,
+        default=d.scheduler,
+        help="slo: each step's token budget from the requests' deadlines (--sla-prompt-rate, the largest "
+        "--sla-token-rate), capped by --max-batch-tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default=d.admission,
+        help="slo: while even decoding alone would break the token-rate floors, keep admitting new requests or "
+        "refuse them with RESOURCE_EXHAUSTED and a retry hint (default: %(default)s)",
+    )
+    p.add_argument(
+        "--step-trace-dir",
+        type=lambda text: str(Path(text).expanduser().resolve()),
+        default=None,
+        metavar="DIR",
+        help="each replica appends every step's shape, predicted and measured time to DIR/replica-N.csv",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
     p.add_argument(
         "--no-prefix-caching",
@@ -209,6 +235,21 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
         help="auto: TLS and mutual TLS with a private CA and certificate made for the deployment (fastgen-deploy "
         "certs), kept in its state directory (default: %(default)s)",
     )
+
+
+def add_k8s(sub) -> None:
+    p = sub.add_parser("k8s", help="Kubernetes: print the manifests of a deployment (see launch/k8s/)")
+    render = p.add_subparsers(dest="k8s_command", required=True, metavar="COMMAND").add_parser(
+        "render",
+        help="print the manifests (YAML) for start's flags: kubectl apply -f - takes them",
+        description="Prints the Kubernetes objects of a deployment with start's settings: replicas (a StatefulSet "
+        "behind a headless Service), the balancer (a Deployment discovering them by DNS), probes, disruption "
+        "budgets, a PodMonitor and the Grafana dashboard. Pods bind every interface (--host is not used); the "
+        "internal token comes from the Secret <name>-auth (key token), the API key from the Secret <name>-api-key "
+        "(key api-key) and TLS from --tls-secret, never from flags.",
+    )
+    kubernetes.add_render_flags(render)
+    add_start_flags(render)
 
 
 def add_certs(sub) -> None:
@@ -617,6 +658,28 @@ def cmd_certs(args: argparse.Namespace, home: Path) -> int:
     return 0
 
 
+def cmd_k8s(args: argparse.Namespace, home: Path) -> int:
+    if args.auth_token_file or args.tls_cert or args.tls_key or args.tls_ca or args.tls != "off":
+        raise DeployError(
+            "on Kubernetes the internal token and TLS come from Secrets: drop --auth-token-file and --tls*, create "
+            f"the Secret {args.name}-auth (key token) and pass --tls-secret for a kubernetes.io/tls Secret"
+        )
+    config = config_from(args)
+    config = replace(config, threads=args.threads or kubernetes.THREADS)  # a pod's cores, not this machine's
+    cluster = kubernetes.cluster_settings(args)
+    problems = kubernetes.problems(config, cluster)
+    if problems:
+        raise DeployError("; ".join(problems))
+    if args.api_key:
+        print(
+            f"note: the API key is not written into manifests; create it with kubectl create secret generic "
+            f"{args.name}-api-key --from-literal=api-key=...",
+            file=sys.stderr,
+        )
+    print(kubernetes.render(config, cluster), end="")
+    return 0
+
+
 def cmd_prometheus_config(args: argparse.Namespace, home: Path) -> int:
     print(prometheus.scrape_config(home.resolve(), args.name, args.scrape_interval), end="")
     return 0
@@ -632,6 +695,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "prometheus-config": cmd_prometheus_config,
     "certs": cmd_certs,
+    "k8s": cmd_k8s,
 }
 
 

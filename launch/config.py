@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..replica.config import (
+    ADMISSIONS,
     DEVICES,
     DTYPES,
     KERNEL_BACKENDS,
@@ -50,7 +51,7 @@ class DeployConfig:
     model: str = DEFAULT_MODEL
     replicas: int = 2
     tp: int = 1
-    policy: str = "round_robin"
+    policy: str = "prefix_aware"  # measured best on the chat workload (benchmarks/RESULTS.md section 9)
     host: str = "127.0.0.1"
     port: int = 50050
     metrics_port: int = 9400
@@ -67,6 +68,8 @@ class DeployConfig:
     kv_cache_memory: int | None = None  # bytes; None: the replica's default (sized from device memory on CUDA)
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: share of the device the replica may fill
     scheduler: str = SchedulerConfig.policy
+    admission: str = SchedulerConfig.slo.admission  # slo: keep | refuse new requests while the floors break
+    step_trace_dir: str | None = None  # each replica appends its steps' predicted and measured times to DIR/<id>.csv
     max_model_len: int | None = None
     prefix_caching: bool = CacheConfig.prefix_caching
     threads: int = 1  # torch threads per process: per replica, or per rank with --tp
@@ -173,6 +176,7 @@ def _choice_problems(c: DeployConfig) -> list[str]:
         ("--policy", c.policy, POLICIES),
         ("--dtype", c.dtype, DTYPES),
         ("--scheduler", c.scheduler, SCHEDULERS),
+        ("--admission", c.admission, ADMISSIONS),
         ("--device", c.device, DEVICES),
         ("--kernels", c.kernels, KERNEL_BACKENDS),
         ("--load-format", c.load_format, LOAD_FORMATS),
@@ -355,6 +359,10 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     if c.kv_cache_memory is not None:
         argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
     argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}", "--scheduler", c.scheduler]
+    if c.admission != SchedulerConfig.slo.admission:  # the replica's default otherwise
+        argv += ["--admission", c.admission]
+    if c.step_trace_dir is not None:
+        argv += ["--step-trace", str(Path(c.step_trace_dir) / f"{rid}.csv")]
     if c.max_model_len is not None:
         argv += ["--max-model-len", str(c.max_model_len)]
     if not c.prefix_caching:

@@ -15,6 +15,7 @@ import time
 from ..server.grpc_server import PortInUseError, add_replica_security_args, create_server, replica_security, set_serving
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
 from .config import (
+    ADMISSIONS,
     DEVICES,
     DTYPES,
     KERNEL_BACKENDS,
@@ -23,6 +24,7 @@ from .config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SloConfig,
     parse_size,
 )
 
@@ -99,7 +101,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="on CUDA, the share of the device's memory for weights, activations and the KV pool, which gets what "
         "a profiling pass leaves; --kv-cache-memory or --num-blocks override it (default: %(default)g)",
     )
-    p.add_argument("--scheduler", default=_SCHEDULER.policy, choices=SCHEDULERS)
+    p.add_argument(
+        "--scheduler",
+        default=_SCHEDULER.policy,
+        choices=SCHEDULERS,
+        help="slo: each step's token budget from the requests' deadlines (--sla-prompt-rate, the largest "
+        "--sla-token-rate) and a step-time model fitted on this replica; --max-batch-tokens caps it "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--admission",
+        default=_SCHEDULER.slo.admission,
+        choices=ADMISSIONS,
+        help="slo: while even decoding alone would break the token-rate floors, keep admitting new requests or "
+        "refuse them with RESOURCE_EXHAUSTED and a retry hint (default: %(default)s)",
+    )
+    p.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="CSV",
+        help="append every step's shape, predicted and measured time to this CSV (the slo scheduler's model)",
+    )
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument(
         "--no-prefix-caching",
@@ -141,7 +163,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kernels=args.kernels,
         load_format=args.load_format,
         scheduler=SchedulerConfig(
-            max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, policy=args.scheduler
+            max_batch_tokens=args.max_batch_tokens,
+            max_seqs=args.max_seqs,
+            policy=args.scheduler,
+            # The floor the scheduler holds is the strictest R the deployment is scored against.
+            slo=SloConfig(args.sla_prompt_rate, max(args.sla_token_rate), args.admission),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -170,12 +196,24 @@ def build_info(args: argparse.Namespace):
 
 
 def warm_up(engine) -> None:
-    """One short request through every stage, so the first real request does not pay for lazy set-up."""
+    """One short request through every stage, so the first real request does not pay for lazy set-up; with the
+    slo scheduler, then the short profile that seeds its step-time model."""
     from .request import SamplingParams
+    from .slo_scheduler import SloScheduler, calibrate
+    from .step_model import FEATURES
 
     engine.add_request("warm-up", list(range(1, 9)), SamplingParams(max_new_tokens=2, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    if isinstance(engine.scheduler, SloScheduler):
+        calibrate(engine)
+        model = engine.scheduler.model
+        log.info(
+            "step-time model after %d calibration steps: %s (median error %.1f%%)",
+            model.steps,
+            ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, model.coefficients or ())),
+            100 * model.median_error(),
+        )
 
 
 async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
@@ -187,6 +225,7 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
     from .builder import build_engine
     from .parallel import TPGroup
     from .service import EngineLoop, QueueLimits, ReplicaService
+    from .step_model import StepTrace
 
     torch.set_num_threads(args.threads)
     config = engine_config(args)  # flag errors surface before anything binds
@@ -217,7 +256,11 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
         return engine
 
     loop = EngineLoop(
-        build, metrics, QueueLimits(args.max_queue_requests, args.max_queue_tokens), asyncio.get_running_loop()
+        build,
+        metrics,
+        QueueLimits(args.max_queue_requests, args.max_queue_tokens),
+        asyncio.get_running_loop(),
+        StepTrace(args.step_trace) if args.step_trace else None,
     )
     await loop.start()
     service.engine_loop = loop

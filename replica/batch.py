@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .step_model import StepShape
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -15,6 +17,18 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
+class StepPlan:
+    """What the slo scheduler planned for a batch: read by the engine's stats, never by the model runner."""
+
+    shape: StepShape  # what the step carries, as the step-time model sees it
+    predicted_s: float  # the step-time model's prediction for the batch as built (nan before it has data)
+    budget_s: float  # the time the step was allowed: the least slack of the streams it serves (inf: nothing bounds it)
+    overloaded: bool  # even a decode-only step breaks some stream's token-rate floor
+    past_deadline: int  # requests waiting for a first token they can no longer get by its deadline
+    behind: int  # streams whose inter-token moving average went past their floor
+
+
+@dataclass(frozen=True)
 class Batch:
     seqs: list[ScheduledSeq]  # decodes (one token) first, then prompt chunks
     num_decodes: int
@@ -22,6 +36,7 @@ class Batch:
     # (src, dst) KV blocks to copy in every layer before the forward pass: a forked sequence's copy of its parent's
     # prompt. All copies read the cache as the previous step left it.
     copies: list[tuple[int, int]] = field(default_factory=list)
+    plan: StepPlan | None = None  # set by the slo scheduler; rank 0 only (not broadcast)
 
     @property
     def num_tokens(self) -> int:

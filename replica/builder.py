@@ -22,6 +22,7 @@ from .models.llama import LlamaModel, ModelConfig
 from .parallel import TPGroup
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
+from .slo_scheduler import SloScheduler
 
 log = logging.getLogger("fastgen.replica")
 
@@ -45,7 +46,7 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
 
     runner, num_blocks = build_runner(config, tp, broadcast)
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
-    scheduler = Scheduler(sched_config, allocator)
+    scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
     return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
 

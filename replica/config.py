@@ -9,7 +9,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEDULERS = ("splitfuse", "prefill_first", "static")
+SCHEDULERS = ("splitfuse", "prefill_first", "static", "slo")
+# What the slo scheduler does with new requests while even a decode-only step would break the token-rate floors:
+# keep: admit them and carry on; refuse: answer RESOURCE_EXHAUSTED with a retry hint until the overload clears.
+ADMISSIONS = ("keep", "refuse")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where the hardware has it, else float32
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda where a GPU is found, else cpu (a replica also takes cuda:N)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # auto: triton on CUDA, cpu elsewhere
@@ -37,10 +40,29 @@ _UNITS = {
 
 
 @dataclass(frozen=True)
+class SloConfig:
+    """The service level the slo scheduler plans for, per request unless the request brings its own (request.Slo):
+    the first token within prompt_tokens / prompt_rate seconds of arrival, and tokens at no less than token_rate per
+    second (every span-16 moving average of inter-token gaps at most 1 / token_rate, as fastgen.server.sla scores)."""
+
+    prompt_rate: float = 100.0  # P, prompt tokens/s (BENCHMARKS.md's CPU profile; the paper's GPUs: 512)
+    token_rate: float = 4.0  # R, tokens/s: the floor every stream is held to
+    admission: str = "keep"  # keep | refuse (ADMISSIONS)
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_rate", "token_rate"):
+            value = getattr(self, name)
+            if not 0.0 < value < float("inf"):
+                raise ValueError(f"slo {name} must be a positive number, got {value}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"unknown admission {self.admission!r}: use one of {', '.join(ADMISSIONS)}")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_tokens: int = 512  # token budget of one forward pass
     max_seqs: int = 64  # sequences in one forward pass
-    policy: str = "splitfuse"  # splitfuse | prefill_first | static
+    policy: str = "splitfuse"  # splitfuse | prefill_first | static | slo
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     # How many later requests may be admitted ahead of a waiting request that does not fit yet. Past this the queue
     # stops overtaking it, running sequences drain, and it gets its blocks: no starvation.
@@ -48,6 +70,8 @@ class SchedulerConfig:
     # Share of the KV pool that admission keeps free (at least one block) for running sequences to decode into, so
     # that admitting a prompt does not preempt a decode at the next step. Not applied when nothing runs.
     watermark: float = 0.01
+    # The slo policy's targets; max_batch_tokens is then its cap on the tokens of one pass.
+    slo: SloConfig = SloConfig()
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:

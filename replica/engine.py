@@ -21,7 +21,7 @@ from .model_runner import ModelRunner
 from .models.llama import ModelConfig
 from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob
 from .prompts import Prompt, PromptEncoder
-from .request import FinishReason, Resume, SamplingParams, Sequence
+from .request import FinishReason, Resume, SamplingParams, Sequence, Slo
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
 
@@ -95,13 +95,21 @@ class Engine:
         return self.scheduler.config.max_model_len
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams = SamplingParams(), resume: Resume | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams = SamplingParams(),
+        resume: Resume | None = None,
+        slo: Slo | None = None,
     ) -> int:
         """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input. With
-        `resume`, the request continues output another replica delivered (stream migration)."""
+        `resume`, the request continues output another replica delivered (stream migration); `slo` is its own
+        service level (the slo scheduler plans for it; the others ignore it)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use: choose a unique id")
         params.validate(self.model_config.vocab_size)
+        if slo is not None:
+            slo.validate()
         prompt_ids, prompt_text = self.prompts.encode_with_text(prompt, want_text=params.echo)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -117,7 +125,12 @@ class Engine:
         # Resumed tokens sit after the prompt as generated ones: the scheduler recomputes them as it would after a
         # preemption, and the next draw is keyed by the same position as on the replica that failed.
         seq = Sequence(
-            self._next_seq_id, list(prompt_ids) + resumed, len(prompt_ids), max_new, cache_salt=params.cache_salt
+            self._next_seq_id,
+            list(prompt_ids) + resumed,
+            len(prompt_ids),
+            max_new,
+            cache_salt=params.cache_salt,
+            slo=slo,
         )
         self.scheduler.add(seq)  # refuses what can never fit
         self._next_seq_id += 1
@@ -195,6 +208,7 @@ class Engine:
             kv_blocks_total=s.allocator.num_blocks,
             queued_prompt_tokens=sum(q.num_uncomputed for q in s.waiting),
             pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
+            refuse_for_s=s.refuse_for(),
         )
 
     # ---- the step ---------------------------------------------------------------------------------------
@@ -212,6 +226,7 @@ class Engine:
         sampled = sample(logits, rows, self.runner.kernels.argmax)
         now = time.monotonic()
         outputs = [self._emit(c, t, lp, now) for c, t, lp in zip(owners, sampled.tokens, sampled.logprobs)]
+        self.scheduler.observe(batch)
         return StepResult(outputs, self._stats(batch, now - forward_start, start))
 
     def _rows(self, sampled: list[_Completion]) -> tuple[list[_Completion], list[SamplingRow]]:
@@ -239,6 +254,7 @@ class Engine:
                 seq.num_prompt_tokens,
                 seq.max_new_tokens,
                 cache_salt=seq.cache_salt,
+                slo=seq.slo,
             )
             self._next_seq_id += 1
             children.append(self._start(req, child, dataclasses.replace(parent.timings)))
@@ -382,6 +398,7 @@ class Engine:
             prefix_cache_hits=prefix.hits,
             prefix_cache_evictions=prefix.evictions,
             prefix_cache_blocks=alloc.num_cached,
+            plan=batch.plan,
         )
 
 

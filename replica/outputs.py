@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .batch import StepPlan
 from .request import FinishReason
 
 
@@ -73,6 +74,7 @@ class StepStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (not prefilled)
     prefix_cache_evictions: int = 0  # cached blocks reused for other KV since the previous step
     prefix_cache_blocks: int = 0  # blocks holding cached prefixes after the step, held or not
+    plan: StepPlan | None = None  # the slo scheduler's plan for the step (its step-time prediction, budget, load)
 
     @property
     def num_tokens(self) -> int:
@@ -95,3 +97,4 @@ class EngineLoad:
     kv_blocks_total: int = 0
     queued_prompt_tokens: int = 0  # tokens the queued requests still have to prefill
     pending_prompt_tokens: int = 0  # prompt tokens not yet prefilled, queued and running
+    refuse_for_s: float | None = None  # the scheduler sheds load: refuse new requests, retry after this many seconds

@@ -114,6 +114,30 @@ def check_count(name: str, count: int, limit: int, what: str = "items") -> None:
         raise ValueError(f"{name} may have at most {limit} {what}, got {count}")
 
 
+MAX_SLO_TTFT_S = 86400.0  # a first-token deadline further out than a day is a mistake, not a service level
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request's own service level for the slo scheduler; None fields take the deployment's (SloConfig). The first
+    token is due ttft_s after arrival when set, else prompt_tokens / prompt_rate after it; token_rate is the floor of
+    the rate its tokens arrive at (every span-16 moving average of the gaps at most 1 / token_rate)."""
+
+    prompt_rate: float | None = None  # prompt tokens/s
+    ttft_s: float | None = None  # seconds
+    token_rate: float | None = None  # tokens/s
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field and what to change."""
+        for name, hi in (("prompt_rate", None), ("ttft_s", MAX_SLO_TTFT_S), ("token_rate", None)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not 0.0 < value < float("inf") or (hi is not None and value > hi):
+                limit = f"in (0, {hi:g}]" if hi is not None else "a finite number > 0"
+                raise ValueError(f"slo.{name} must be {limit}, got {value}")
+
+
 @dataclass(frozen=True)
 class Resume:
     """Output a client already has from a replica that failed: the request continues after it, as if it had run
@@ -146,6 +170,7 @@ class Sequence:
     # Content hashes of token_ids' full blocks computed so far (prefix_cache); kept through preemption so that a
     # recomputed sequence finds its own blocks if they are still cached.
     block_hashes: list[bytes] = field(default_factory=list)
+    slo: Slo | None = None  # the request's own service level (the slo scheduler); None: the deployment's
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .batch import Batch, ScheduledSeq
@@ -47,11 +48,15 @@ class Scheduler:
         self._prefix = PrefixStats()
         self._evictions_seen = allocator.num_evictions
         self._watermark_blocks = max(1, int(allocator.num_blocks * config.watermark)) if config.watermark else 0
-        self._schedule = {
+        self._schedule = self._schedules()[config.policy]
+
+    def _schedules(self) -> dict[str, Callable[[], Batch]]:
+        """The schedules this class builds, by policy name (a subclass adds its own)."""
+        return {
             "splitfuse": self._schedule_splitfuse,
             "prefill_first": self._schedule_prefill_first,
             "static": self._schedule_static,
-        }[config.policy]
+        }
 
     # ---- admission and release -------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -128,28 +133,31 @@ class Scheduler:
             batch, self._copies = dataclasses.replace(batch, copies=self._copies), []
         return batch
 
+    def observe(self, batch: Batch) -> None:
+        """Called by the engine once the step that ran `batch` has sampled and emitted its tokens. The fixed
+        schedules learn nothing from it."""
+
+    def refuse_for(self) -> float | None:
+        """Seconds new requests should wait before retrying while the scheduler sheds load; None: admit them."""
+        return None
+
     # ---- the three schedules ---------------------------------------------------------------------------
     def _schedule_splitfuse(self) -> Batch:
         """Every decode gets one token; prompt chunks (unfinished prompts first, then new requests in arrival
         order) fill the rest of the budget, splitting a prompt that does not fit."""
-        budget = self.config.max_batch_tokens
-        decodes, chunks, preempted, scheduled = [], [], [], set()
-        for seq in list(self.running):
-            if seq.status is SeqStatus.RUNNING and seq.num_uncomputed == 1:
-                if self._make_room(seq, seq.num_tokens, scheduled, preempted, preempt_self=True):
-                    decodes.append(self._take(seq, 1, scheduled))
-                    budget -= 1
+        scheduled: set[int] = set()
+        decoding = self._decode_all(scheduled)
+        decodes, chunks, preempted = decoding.seqs, [], list(decoding.preempted)
+        budget = self.config.max_batch_tokens - len(decodes)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.seq_id in scheduled or seq.num_uncomputed <= 1:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            self._make_room(seq, seq.num_computed + n, scheduled, preempted, preempt_self=False)
-            n = min(n, self.allocator.tokens_fitting(seq.block_table, seq.num_computed))
-            if n:
-                chunks.append(self._take(seq, n, scheduled))
-                budget -= n
+            chunk = self._continue_prompt(seq, min(seq.num_uncomputed, budget), scheduled, preempted)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= len(chunk.token_ids)
         if not preempted:  # a pool short enough to preempt admits nothing new this step
             chunks += self._admit(budget, scheduled, whole_prompts=False)
         return Batch(decodes + chunks, len(decodes), preempted)
@@ -195,14 +203,9 @@ class Scheduler:
             n = seq.num_tokens - cached if whole_prompts else min(seq.num_tokens - cached, budget)
             if whole_prompts and n > budget and admitted:
                 break  # whole prompts only; the first one may exceed the budget so it can run at all
-            watermark = self._watermark_blocks if self.running else 0
             need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else cached + n) - len(hits)
-            if claimed + need + self.allocator.reclaimed(hits) + watermark <= self.allocator.num_free:
-                del self.waiting[i]
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                self._reuse(seq, hits)
-                admitted.append(self._take(seq, n, scheduled))
+            if self._room_for(claimed + need, hits):
+                admitted.append(self._start(i, hits, n, scheduled))
                 budget -= n
                 claimed += need - (len(seq.block_table) - len(hits))
                 self._overtakes = 0 if i == 0 else self._overtakes + 1
@@ -213,6 +216,28 @@ class Scheduler:
             else:
                 i += 1
         return admitted
+
+    def _room_for(self, blocks: int, hits: list[int]) -> bool:
+        """Whether `blocks` new blocks and the cached ones `hits` reclaims fit the pool, beside the watermark that
+        admission keeps free for the running sequences."""
+        watermark = self._watermark_blocks if self.running else 0
+        return blocks + self.allocator.reclaimed(hits) + watermark <= self.allocator.num_free
+
+    def _start(self, i: int, hits: list[int], n: int, scheduled: set[int]) -> ScheduledSeq:
+        """Moves waiting sequence i to running on its cached prefix `hits` and schedules its first n tokens."""
+        seq = self.waiting[i]
+        del self.waiting[i]
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._reuse(seq, hits)
+        return self._take(seq, n, scheduled)
+
+    def _continue_prompt(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[int]) -> ScheduledSeq | None:
+        """Schedules up to n more prompt tokens of running seq, preempting newer sequences for their blocks; None
+        when no block can be had."""
+        self._make_room(seq, seq.num_computed + n, scheduled, preempted, preempt_self=False)
+        n = min(n, self.allocator.tokens_fitting(seq.block_table, seq.num_computed))
+        return self._take(seq, n, scheduled) if n else None
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks seq can start from. At least its last token stays to compute, for logits to sample from;

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import grpc
 
 from ..proto import fastgen_pb2 as pb
 from ..proto import fastgen_pb2_grpc
-from ..server.errors import QueueFullError, status_for, trailing_metadata
+from ..server.errors import RETRY_AFTER_MS, QueueFullError, retry_hint_ms, status_for, trailing_metadata
 from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
@@ -32,8 +33,10 @@ from .request import (
     FinishReason,
     Resume,
     SamplingParams,
+    Slo,
     check_count,
 )
+from .step_model import StepTrace
 
 log = logging.getLogger("fastgen.replica")
 
@@ -53,6 +56,7 @@ class _Add:
     params: SamplingParams
     outputs: asyncio.Queue  # receives RequestOutput objects, or an Exception that ends the request
     resume: Resume | None = None  # output delivered by a replica that failed, which this request continues
+    slo: Slo | None = None  # the request's own service level
 
 
 @dataclass
@@ -82,9 +86,15 @@ class EngineLoop:
     and every region pays a wake-up instead of finding its workers spinning (benchmarks/RESULTS.md has the cost)."""
 
     def __init__(
-        self, build: Callable[[], Engine], metrics, limits: QueueLimits, loop: asyncio.AbstractEventLoop
+        self,
+        build: Callable[[], Engine],
+        metrics,
+        limits: QueueLimits,
+        loop: asyncio.AbstractEventLoop,
+        trace: StepTrace | None = None,
     ) -> None:
         self.engine: Engine | None = None  # set on the engine thread by build()
+        self.trace = trace  # written by the engine thread only: every step's predicted and measured time
         self.metrics = metrics
         self.limits = limits
         self.loop = loop
@@ -109,17 +119,24 @@ class EngineLoop:
         self._stop = True
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        if self.trace is not None and not self._thread.is_alive():
+            self.trace.close()
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
     def submit(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, resume: Resume | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        resume: Resume | None = None,
+        slo: Slo | None = None,
     ) -> asyncio.Queue:
         outputs: asyncio.Queue = asyncio.Queue()
         self._in_flight += 1
-        self._inbox.put(_Add(request_id, prompt, params, outputs, resume))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo))
         return outputs
 
     def done(self) -> None:
@@ -155,6 +172,8 @@ class EngineLoop:
             if result.stats is not None:
                 self.metrics.on_step(result.stats)
                 stats = result.stats
+                if self.trace is not None:
+                    self.trace.write(time.monotonic(), stats)
                 self.prefill_rate.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_s)
             self._publish_load()
             self._publish_cache_events()
@@ -185,8 +204,16 @@ class EngineLoop:
                 raise QueueFullError(
                     f"queue full (over {self.limits.max_prompt_tokens} prompt tokens waiting): back off and retry"
                 )
-            resume = {} if command.resume is None else {"resume": command.resume}
-            self.engine.add_request(command.request_id, command.prompt, command.params, **resume)
+            if load.refuse_for_s is not None:
+                self.metrics.on_shed()
+                raise QueueFullError(
+                    f"overloaded: even decoding alone would break the token-rate floors; retry in "
+                    f"{load.refuse_for_s:.1f} s",
+                    round(load.refuse_for_s * 1000),
+                )
+            extra = {} if command.resume is None else {"resume": command.resume}
+            extra |= {} if command.slo is None else {"slo": command.slo}
+            self.engine.add_request(command.request_id, command.prompt, command.params, **extra)
         except (ValueError, QueueFullError) as exc:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
             return
@@ -258,6 +285,16 @@ def resume_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Resume | 
     if len(r.token_ids) >= max_tokens:
         raise ValueError(f"resume holds {len(r.token_ids)} tokens but the context holds {max_tokens}")
     return Resume(tuple(r.token_ids), r.text_chars)
+
+
+def slo_from_proto(request: pb.GenerateRequest) -> Slo | None:
+    """The request's own service level (a field at 0 takes the deployment's); ValueError names a bad value."""
+    if not request.HasField("slo"):
+        return None
+    s = request.slo
+    slo = Slo(s.prompt_rate or None, s.ttft_ms / 1000 if s.ttft_ms else None, s.token_rate or None)
+    slo.validate()
+    return slo
 
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -376,17 +413,18 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             engine = self.engine_loop.engine
             engine.prompts.check_size(prompt, engine.max_model_len)
             resume = resume_from_proto(request, engine.max_model_len)
+            slo = slo_from_proto(request)
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
-        outputs = self.engine_loop.submit(request_id, prompt, params, resume)
+        outputs = self.engine_loop.submit(request_id, prompt, params, resume, slo)
         unfinished = params.n
         try:
             while unfinished:
                 out = await outputs.get()
                 if isinstance(out, Exception):
                     unfinished = 0
-                    await self._fail(context, method, status_for(out), str(out))
+                    await self._fail(context, method, status_for(out), str(out), retry_hint_ms(out))
                 unfinished -= out.finished
                 yield request_id, out, unfinished == 0
         finally:
@@ -395,9 +433,9 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 self.engine_loop.abort(request_id)
                 self.metrics.on_rpc(method, grpc.StatusCode.CANCELLED)
 
-    async def _fail(self, context, method: str, code: grpc.StatusCode, message: str):
+    async def _fail(self, context, method: str, code: grpc.StatusCode, message: str, retry_ms: int = RETRY_AFTER_MS):
         self.metrics.on_rpc(method, code)
-        await context.abort(code, message, trailing_metadata(code))
+        await context.abort(code, message, trailing_metadata(code, retry_ms))
 
     async def Generate(self, request, context):
         final: dict[int, RequestOutput] = {}

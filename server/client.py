@@ -53,7 +53,9 @@ SAMPLING_FIELDS = (
     "keep_special_tokens",
     "echo",
 )
-CALL_FIELDS = ("request_id", "timeout")
+# slo: the request's own service level for the slo scheduler, a dict of fastgen.v1.Slo's fields (ttft_ms,
+# token_rate, prompt_rate).
+CALL_FIELDS = ("request_id", "timeout", "slo")
 # Requests of one batch in flight at once: enough to fill a deployment, few enough not to overflow its queues.
 DEFAULT_MAX_IN_FLIGHT = 128
 API_KEY_ENV = "FASTGEN_API_KEY"  # the balancer's key, also what a client sends by default
@@ -205,6 +207,8 @@ def is_single_prompt(prompt: object) -> bool:
 
 def build_request(prompt: object, request_id: str | None, kwargs: Mapping[str, object]) -> fastgen_pb2.GenerateRequest:
     req = fastgen_pb2.GenerateRequest(request_id=request_id or "", params=sampling_params(kwargs))
+    if kwargs.get("slo") is not None:
+        req.slo.CopyFrom(fastgen_pb2.Slo(**kwargs["slo"]))
     if isinstance(prompt, str):
         req.text = prompt
     elif len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt):

@@ -24,7 +24,12 @@ RETRY_AFTER_MS = 1000
 
 
 class QueueFullError(Exception):
-    """The server's bounded queue is full: the client should back off and retry."""
+    """The server's bounded queue is full, or it sheds load: the client should back off and retry after
+    `retry_after_ms`."""
+
+    def __init__(self, message: str, retry_after_ms: int = RETRY_AFTER_MS) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -36,9 +41,14 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def trailing_metadata(code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
+def trailing_metadata(code: grpc.StatusCode, retry_ms: int = RETRY_AFTER_MS) -> tuple[tuple[str, str], ...]:
     """What an answer with `code` carries besides its message: the retry hint for RESOURCE_EXHAUSTED."""
-    return ((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else ()
+    return ((RETRY_AFTER_KEY, str(retry_ms)),) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else ()
+
+
+def retry_hint_ms(exc: BaseException) -> int:
+    """The retry hint an exception's answer carries (RESOURCE_EXHAUSTED only)."""
+    return exc.retry_after_ms if isinstance(exc, QueueFullError) else RETRY_AFTER_MS
 
 
 def retry_after_ms(metadata) -> int | None:

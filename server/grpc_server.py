@@ -17,6 +17,8 @@ from .errors import add_generation_servicer
 from .tls import TlsFiles, server_credentials
 
 SERVICE_NAME = fastgen_pb2.DESCRIPTOR.services_by_name["Generation"].full_name  # "fastgen.v1.Generation"
+# The grpc.health.v1 service name a liveness probe checks (Kubernetes: livenessProbe.grpc.service).
+LIVENESS_SERVICE = "liveness"
 # Large enough for long prompts given as token ids or long completions.
 MESSAGE_LIMIT = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_receive_message_length", MESSAGE_LIMIT)]
@@ -88,9 +90,13 @@ def create_server(
 
 
 async def set_serving(health: health_aio.HealthServicer, serving: bool) -> None:
+    """Health of the server ("" and the Generation service). The liveness service says SERVING whatever this says:
+    the process answers, which is all a liveness probe should ask (a replica loading its model or draining, or a
+    balancer whose replicas are all down, must not be restarted for it)."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
         await health.set(name, status)
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
 
 REPLICA_TOKEN_HINT = (

@@ -8,6 +8,7 @@ the deployment CLI import this module.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +64,7 @@ REQUEST_LATENCY_BUCKETS = (
 )
 TOKENS_PER_FORWARD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0)
 
 REPLICA_LABELS = ("replica", "model")
 FINISH_REASONS = ("length", "stop", "eos", "cancelled")
@@ -159,6 +161,51 @@ STEP_TIME = _replica(
     "One engine step, scheduling and detokenization included.",
     buckets=LATENCY_BUCKETS,
 )
+# The slo scheduler (replica/slo_scheduler.py): its step-time model against the measured fastgen_step_seconds, the
+# time it allowed each step, and where the streams stand against their deadlines. No series move under the others.
+STEP_PREDICTED = _replica(
+    "fastgen_step_predicted_seconds",
+    Histogram,
+    "The slo scheduler's step-time model: its prediction of each step's time (measured: fastgen_step_seconds).",
+    buckets=LATENCY_BUCKETS,
+)
+STEP_MODEL_ERROR = _replica(
+    "fastgen_step_model_error_ratio",
+    Histogram,
+    "|predicted - measured| / measured time of each step, for the slo scheduler's step-time model.",
+    buckets=ERROR_BUCKETS,
+)
+STEP_TIME_BUDGET = _replica(
+    "fastgen_step_time_budget_seconds",
+    Histogram,
+    "The time the slo scheduler allowed each step: the least slack of the streams it serves (steps that serve none "
+    "are not counted).",
+    buckets=LATENCY_BUCKETS,
+)
+SLO_PAST_DEADLINE = _replica(
+    "fastgen_slo_requests_past_deadline",
+    Gauge,
+    "Requests waiting for a first token they can no longer get by their deadline (slo scheduler): they yield to the "
+    "others.",
+)
+SLO_BEHIND = _replica(
+    "fastgen_slo_streams_behind",
+    Gauge,
+    "Streams whose inter-token moving average went past their token-rate floor (slo scheduler).",
+)
+SLO_OVERLOADED = _replica(
+    "fastgen_slo_overloaded",
+    Gauge,
+    "1 while even a decode-only step is predicted to break a token-rate floor (slo scheduler), else 0.",
+)
+SLO_OVERLOADED_STEPS = _replica(
+    "fastgen_slo_overloaded_steps_total", Counter, "Steps the slo scheduler ran overloaded."
+)
+SLO_SHED = _replica(
+    "fastgen_slo_shed_requests_total",
+    Counter,
+    "Requests refused with RESOURCE_EXHAUSTED because the replica was overloaded (--admission refuse).",
+)
 SLA_REQUESTS = _replica(
     "fastgen_sla_requests_total",
     Counter,
@@ -251,6 +298,22 @@ BALANCER_MIGRATION_TIME = MetricDef(
     (),
     LATENCY_BUCKETS,
 )
+# Membership (balancer/discovery.py): static --replica flags, a watched file, or a DNS name re-resolved.
+DISCOVERY_SOURCES = ("static", "file", "dns")
+BALANCER_DISCOVERED_REPLICAS = MetricDef(
+    "fastgen_balancer_discovered_replicas",
+    Gauge,
+    "Replicas the balancer balances over, by where it learned of them (static: --replica; file: --replicas-file; "
+    "dns: --replicas-dns); healthy or not.",
+    ("source",),
+)
+BALANCER_DISCOVERY_ERRORS = MetricDef(
+    "fastgen_balancer_discovery_errors_total",
+    Counter,
+    "Lookups of the replicas that failed (the DNS server did not answer, the file could not be read or parsed); "
+    "membership stays as it was.",
+    ("source",),
+)
 
 # The balancer's OpenAI-compatible HTTP API (when --http-port is set). Unknown paths are one route, "other".
 HTTP_REQUESTS = MetricDef(
@@ -298,6 +361,14 @@ REPLICA_METRICS = (
     BUDGET_FILL,
     FORWARD_TIME,
     STEP_TIME,
+    STEP_PREDICTED,
+    STEP_MODEL_ERROR,
+    STEP_TIME_BUDGET,
+    SLO_PAST_DEADLINE,
+    SLO_BEHIND,
+    SLO_OVERLOADED,
+    SLO_OVERLOADED_STEPS,
+    SLO_SHED,
     SLA_REQUESTS,
 )
 BALANCER_METRICS = (
@@ -315,6 +386,8 @@ BALANCER_METRICS = (
     BALANCER_MIGRATIONS_REFUSED,
     BALANCER_RESUMED_TOKENS,
     BALANCER_MIGRATION_TIME,
+    BALANCER_DISCOVERED_REPLICAS,
+    BALANCER_DISCOVERY_ERRORS,
 )
 HTTP_METRICS = (HTTP_REQUESTS, HTTP_LATENCY)
 ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + HTTP_METRICS + (BUILD_INFO,)
@@ -374,9 +447,18 @@ class StepStatsLike(Protocol):
     prefix_cache_hits: int
     prefix_cache_evictions: int
     prefix_cache_blocks: int
+    plan: PlanLike | None
 
     @property
     def num_tokens(self) -> int: ...
+
+
+class PlanLike(Protocol):
+    predicted_s: float
+    budget_s: float
+    overloaded: bool
+    past_deadline: int
+    behind: int
 
 
 class TimingsLike(Protocol):
@@ -450,6 +532,26 @@ class ReplicaMetrics:
                 m[BUDGET_FILL].observe(stats.num_tokens / stats.token_budget)
             m[FORWARD_TIME].observe(stats.forward_s)
             m[STEP_TIME].observe(stats.step_s)
+        if stats.plan is not None:
+            self._record_plan(stats.plan, stats.step_s)
+
+    def _record_plan(self, plan: PlanLike, step_s: float) -> None:
+        m = self._bound
+        if plan.predicted_s == plan.predicted_s:  # not nan: the model predicts
+            m[STEP_PREDICTED].observe(plan.predicted_s)
+            if step_s > 0:
+                m[STEP_MODEL_ERROR].observe(abs(plan.predicted_s - step_s) / step_s)
+        if plan.budget_s < float("inf"):
+            m[STEP_TIME_BUDGET].observe(max(0.0, plan.budget_s))
+        m[SLO_PAST_DEADLINE].set(plan.past_deadline)
+        m[SLO_BEHIND].set(plan.behind)
+        m[SLO_OVERLOADED].set(1 if plan.overloaded else 0)
+        if plan.overloaded:
+            m[SLO_OVERLOADED_STEPS].inc()
+
+    def on_shed(self) -> None:
+        """A request was refused because the replica was overloaded (the slo scheduler's --admission refuse)."""
+        self._bound[SLO_SHED].inc()
 
     def _record_prefix_cache(self, stats: StepStatsLike) -> None:
         m = self._bound
@@ -531,26 +633,45 @@ class BalancerMetrics:
         retry_codes: tuple[grpc.StatusCode, ...] = (),
     ):
         self._m = m = register(registry, BALANCER_METRICS)
+        self._policy, self._retry_codes = policy, retry_codes
         for method in BALANCER_METHODS:
             for code in EXPECTED_CODES:
                 m[BALANCER_REQUESTS].labels(method=method, code=code)
         for reason in MIGRATION_REFUSALS:
             m[BALANCER_MIGRATIONS_REFUSED].labels(reason=reason)
+        for source in DISCOVERY_SOURCES:
+            m[BALANCER_DISCOVERED_REPLICAS].labels(source=source).set(0)
+            m[BALANCER_DISCOVERY_ERRORS].labels(source=source)
         for replica in replicas:
-            for code in EXPECTED_CODES:
-                m[BALANCER_REPLICA_REQUESTS].labels(replica=replica, code=code)
-            for code in retry_codes:
-                m[BALANCER_RETRIES].labels(replica=replica, code=code_name(code))
-            m[BALANCER_IN_FLIGHT].labels(replica=replica).set(0)
-            m[BALANCER_REPLICA_HEALTHY].labels(replica=replica).set(0)
-            for cause in MIGRATION_CAUSES:
-                m[BALANCER_MIGRATIONS].labels(replica=replica, cause=cause)
-            if policy is not None:
-                m[BALANCER_ROUTING].labels(policy=policy, replica=replica)
-            for d in (BALANCER_PREFIX_QUERY_TOKENS, BALANCER_PREFIX_HIT_TOKENS):
-                m[d].labels(replica=replica)
-            m[BALANCER_CACHE_WATCH_LIVE].labels(replica=replica).set(0)
-            m[BALANCER_CACHED_BLOCKS].labels(replica=replica).set(0)
+            self.add_replica(replica)
+
+    def _replica_series(self, replica: str) -> list[tuple[MetricDef, dict[str, str]]]:
+        """Every series of `replica` whose labels are known in advance."""
+        series = [(BALANCER_REPLICA_REQUESTS, {"code": code}) for code in EXPECTED_CODES]
+        series += [(BALANCER_RETRIES, {"code": code_name(code)}) for code in self._retry_codes]
+        series += [(BALANCER_MIGRATIONS, {"cause": cause}) for cause in MIGRATION_CAUSES]
+        series += [(BALANCER_ROUTING, {"policy": self._policy})] if self._policy is not None else []
+        series += [(d, {}) for d in (BALANCER_IN_FLIGHT, BALANCER_REPLICA_HEALTHY, BALANCER_CACHE_WATCH_LIVE)]
+        series += [(d, {}) for d in (BALANCER_CACHED_BLOCKS, BALANCER_PREFIX_QUERY_TOKENS, BALANCER_PREFIX_HIT_TOKENS)]
+        return [(d, {"replica": replica, **labels}) for d, labels in series]
+
+    def add_replica(self, replica: str) -> None:
+        """Exports the replica's series from now on: counters at 0, gauges at 0 (unhealthy until checked)."""
+        for d, labels in self._replica_series(replica):
+            self._m[d].labels(**labels)
+
+    def remove_replica(self, replica: str) -> None:
+        """Drops the series of a replica that left the pool, so that replicas coming and going (pods rescheduled
+        under new addresses) do not grow the exposition without bound. Series of codes first seen later stay."""
+        for d, labels in self._replica_series(replica):
+            with contextlib.suppress(KeyError):
+                self._m[d].remove(*(labels[name] for name in d.labels))
+
+    def set_discovered(self, source: str, count: int) -> None:
+        self._m[BALANCER_DISCOVERED_REPLICAS].labels(source=source).set(count)
+
+    def on_discovery_error(self, source: str) -> None:
+        self._m[BALANCER_DISCOVERY_ERRORS].labels(source=source).inc()
 
     def on_rpc(self, method: str, code: grpc.StatusCode) -> None:
         """A client-facing RPC finished with `code`."""

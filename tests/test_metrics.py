@@ -47,6 +47,7 @@ def stats(**overrides):
         prefix_cache_hits=32,
         prefix_cache_evictions=2,
         prefix_cache_blocks=9,
+        plan=None,
     )
     fields.update(overrides)
     s = SimpleNamespace(**fields)

@@ -237,6 +237,34 @@ ENGINE = (
     Panel(
         "Forward-pass time", "Model forward and sampling of one engine step.", "s", quantiles("fastgen_forward_seconds")
     ),
+    Panel(
+        "Step time: predicted and measured (slo)",
+        "The slo scheduler's step-time model against the measured step, the time it allowed a step (the least "
+        "slack of the streams served), and the model's median relative error.",
+        "s",
+        (
+            Query(f"histogram_quantile(0.5, {rate('fastgen_step_seconds_bucket', by='le')})", "measured p50"),
+            Query(
+                f"histogram_quantile(0.5, {rate('fastgen_step_predicted_seconds_bucket', by='le')})", "predicted p50"
+            ),
+            Query(
+                f"histogram_quantile(0.5, {rate('fastgen_step_time_budget_seconds_bucket', by='le')})", "allowed p50"
+            ),
+            Query(f"histogram_quantile(0.5, {rate('fastgen_step_model_error_ratio_bucket', by='le')})", "error p50"),
+        ),
+    ),
+    Panel(
+        "Deadlines and overload (slo)",
+        "Requests that can no longer meet their first-token deadline, streams below their token-rate floor, "
+        "whether a replica is overloaded (a decode-only step breaks a floor), and requests it refused for it.",
+        "short",
+        (
+            Query(f"sum by (replica) (fastgen_slo_requests_past_deadline{{{REPLICA}}})", "{{replica}} past deadline"),
+            Query(f"sum by (replica) (fastgen_slo_streams_behind{{{REPLICA}}})", "{{replica}} behind"),
+            Query(f"max by (replica) (fastgen_slo_overloaded{{{REPLICA}}})", "{{replica}} overloaded"),
+            Query(rate("fastgen_slo_shed_requests_total", by="replica"), "{{replica}} refused/s"),
+        ),
+    ),
 )
 
 BALANCER = (

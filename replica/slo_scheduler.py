@@ -1,0 +1,338 @@
+"""SLO-aware Dynamic SplitFuse (`--scheduler slo`): the token budget of every step chosen from the requests'
+deadlines and a step-time model fitted on the engine's own steps (no torch).
+
+Every request has two deadlines of the paper's SLA (BENCHMARKS.md): its first token is due prompt_tokens / P seconds
+after arrival, and after that its next token is due 1 / R seconds after the previous one. Holding every gap within
+1 / R keeps every span-16 moving average of the gaps within it (an average of numbers that are all at most 1 / R
+is at most 1 / R), so a stream that never waits longer than its floor meets the rate part of the SLA, and the
+moving average's own allowance for one longer gap is the margin that absorbs a misprediction.
+
+Each step:
+1. every decoding sequence gets its token (as in SplitFuse: decodes never pause, least of all when behind);
+2. the step may take as long as the stream with the least slack allows: the least time left before a decoding
+   stream's next token is due, times HEADROOM. A stream already past due yields: it bounds the step by its floor
+   alone. Nothing bounds a step that serves no stream but the token cap (max_batch_tokens);
+3. prompt chunks fill that time, as many tokens as the step-time model predicts fit, to the requests in order of
+   their next deadline (least laxity first). Requests that can no longer make their first-token deadline, found
+   as Moore and Hodgson's rule finds the fewest late jobs (in deadline order, whenever the work so far overruns a
+   deadline, the largest job so far is given up), go after every request that still can, in arrival order; a
+   stream recomputed after a preemption is never given up. A chunk that ends a prompt also bounds the step by that
+   prompt's own first-token deadline. No starvation: a request that later ones overtook `max_overtakes` times
+   goes first from then on;
+4. when even the decodes alone are predicted to take longer than the shortest floor (overload), the step carries
+   the decodes and at most OVERLOAD_CHUNK prompt tokens, and with `admission="refuse"` new requests are refused,
+   with the time the shortest running stream needs to finish as the retry hint, until it clears.
+
+Admission, KV allocation, preemption, prefix caching and forks are the SplitFuse scheduler's (this is a subclass).
+Until the model has seen a few steps (a replica calibrates it at start-up) steps are bounded by max_batch_tokens
+alone, as SplitFuse's are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .batch import Batch, ScheduledSeq, StepPlan
+from .block_allocator import BlockAllocator
+from .config import SchedulerConfig
+from .request import SamplingParams, SeqStatus, Sequence
+from .scheduler import Scheduler
+from .step_model import StepModel, StepShape
+
+HEADROOM = 0.8  # share of the least slack a step is planned to take: the margin for the model's error
+OVERLOAD_CHUNK = 64  # prompt tokens a step still carries while overloaded, so that queued requests move
+ALPHA = 2 / (16 + 1)  # the SLA's moving average of inter-token gaps (span 16, as fastgen.server.sla scores it)
+RETRY_BOUNDS_S = (0.1, 60.0)  # the retry hint of a refused request stays within these
+MIN_PROMPT_SHARE = 0.05  # of step time, when judging which deadlines can still be met (overloaded: little)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Where one sequence stands against its service level."""
+
+    seq: Sequence
+    arrival: float
+    first_due: float  # when its first token is due
+    gap: float  # 1 / R: the longest wait for each next token
+    tokens: int  # generated tokens seen so far
+    last: float | None = None  # when the latest token came (None: no token yet on this replica)
+    ema: float | None = None  # the SLA's moving average of its gaps
+    behind: bool = False  # the moving average went past the floor: the rate part of its SLA is missed
+    passed: int = 0  # steps in which later requests were admitted while it waited
+
+    def due(self) -> float:
+        return self.first_due if self.last is None else self.last + self.gap
+
+
+@dataclass
+class _Fill:
+    """The step being built: what it carries so far, its predicted time, the time it may take, the tokens left."""
+
+    shape: StepShape
+    predicted_s: float
+    budget_s: float
+    tokens: int
+
+
+class SloScheduler(Scheduler):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        model: StepModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(config, allocator)
+        self.model = model or StepModel()
+        self.clock = clock
+        self.overloaded = False
+        self._streams: dict[int, _Stream] = {}
+        self._forked: list[Sequence] = []  # children started since the last observe: their first token came with it
+        self._step_start = 0.0
+        self._plan: StepPlan | None = None
+
+    def _schedules(self) -> dict[str, Callable[[], Batch]]:
+        return super()._schedules() | {"slo": self._schedule_slo}
+
+    # ---- streams -------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        super().add(seq)
+        slo, deployment = seq.slo, self.config.slo
+        rate = (slo and slo.prompt_rate) or deployment.prompt_rate
+        ttft = slo.ttft_s if slo and slo.ttft_s is not None else seq.num_prompt_tokens / rate
+        now = self.clock()
+        gap = 1.0 / ((slo and slo.token_rate) or deployment.token_rate)
+        self._streams[seq.seq_id] = _Stream(seq, now, now + ttft, gap, seq.num_generated)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> int:
+        shared = super().fork(parent, children)
+        stream = self._streams[parent.seq_id]
+        for child in children:
+            self._streams[child.seq_id] = dataclasses.replace(stream, seq=child)
+        self._forked += children
+        return shared
+
+    def finish(self, seq: Sequence) -> None:
+        super().finish(seq)
+        self._streams.pop(seq.seq_id, None)
+
+    def observe(self, batch: Batch) -> None:
+        """The step is done and its tokens are out: the step-time model learns the step's time, and every stream
+        that got a token moves its deadline."""
+        now = self.clock()
+        if batch.plan is not None:
+            self.model.observe(batch.plan.shape, now - self._step_start)
+        got = [self._streams.get(s.seq_id) for s in batch.seqs if s.sample]
+        got += [self._streams.get(c.seq_id) for c in self._forked]
+        self._forked = []
+        for stream in got:
+            if stream is not None and stream.seq.num_generated > stream.tokens:
+                self._token(stream, now)
+
+    @staticmethod
+    def _token(stream: _Stream, now: float) -> None:
+        if stream.last is not None:
+            d = now - stream.last
+            stream.ema = d if stream.ema is None else stream.ema + ALPHA * (d - stream.ema)
+            stream.behind = stream.behind or stream.ema > stream.gap
+        stream.last = now
+        stream.tokens = stream.seq.num_generated
+
+    def refuse_for(self) -> float | None:
+        if not self.overloaded or not self.running or self.config.slo.admission != "refuse":
+            return None  # (an idle engine runs no step that would clear the flag: it is not overloaded)
+        step = self._plan.predicted_s if self._plan is not None else math.nan
+        left = min((s.max_tokens - s.num_tokens + 1 for s in self.running), default=1)
+        lo, hi = RETRY_BOUNDS_S
+        return lo if math.isnan(step) else min(hi, max(lo, left * step))
+
+    # ---- the schedule --------------------------------------------------------------------------------------
+    def _schedule_slo(self) -> Batch:
+        now = self._step_start = self.clock()
+        scheduled: set[int] = set()
+        decoding = self._decode_all(scheduled)
+        decodes, preempted = decoding.seqs, list(decoding.preempted)
+        shape = StepShape(0, len(decodes), sum(s.start + 1 for s in decodes), 0)
+        decode_s = self.model.predict(shape)
+        budget_s, floor_s = self._time_budget([self._streams[s.seq_id] for s in decodes], decode_s, now)
+        self.overloaded = decode_s > floor_s
+        tokens = self.config.max_batch_tokens - len(decodes)
+        if self.overloaded:
+            tokens = min(tokens, OVERLOAD_CHUNK)
+        order, hopeless = self._order(shape, budget_s, now, admit=not preempted)
+        plan = _Fill(shape, decode_s, budget_s, tokens)
+        chunks = self._fill(plan, order, hopeless, now, scheduled, preempted)
+        self._plan = StepPlan(
+            plan.shape,
+            plan.predicted_s,
+            plan.budget_s,
+            self.overloaded,
+            sum(1 for s in hopeless if s.last is None),
+            sum(1 for s in self._streams.values() if s.behind),
+        )
+        return Batch(decodes + chunks, len(decodes), preempted, plan=self._plan)
+
+    def _fill(
+        self,
+        plan: _Fill,
+        order: list[_Stream],
+        hopeless: set[_Stream],
+        now: float,
+        scheduled: set[int],
+        preempted: list[int],
+    ) -> list[ScheduledSeq]:
+        """Prompt chunks for the streams in `order`, each as large as the tokens and time left allow (time is not
+        counted while overloaded or before the model is ready); updates `plan` as they are placed."""
+        timed = self.model.ready and not self.overloaded
+        chunks: list[ScheduledSeq] = []
+        served_arrival = -math.inf  # the latest arrival among the streams that got a chunk
+        for stream in order:
+            if plan.tokens <= 0:
+                break
+            seq = stream.seq
+            time_left = plan.budget_s - plan.predicted_s if timed else math.inf
+            if seq.status is SeqStatus.RUNNING:
+                n = self._fit(seq, seq.num_computed, time_left, plan.tokens)
+                chunk = self._continue_prompt(seq, n, scheduled, preempted)
+            elif preempted:
+                continue  # a pool short enough to preempt admits nothing new this step (as SplitFuse)
+            else:
+                chunk = self._admit_one(stream, time_left, plan.tokens, scheduled)
+            if chunk is None and stream.passed >= self.config.max_overtakes:
+                break  # it waits for blocks or a free sequence slot: later requests may not take them first
+            if chunk is None:
+                continue
+            served_arrival = max(served_arrival, stream.arrival)
+            chunks.append(chunk)
+            plan.tokens -= len(chunk.token_ids)
+            plan.shape = plan.shape.plus_chunk(chunk.start, len(chunk.token_ids))
+            plan.predicted_s = self.model.predict(plan.shape)
+            if timed and chunk.sample and stream.last is None and stream not in hopeless:
+                # Its first token comes at the end of this step: the step must end by its deadline.
+                plan.budget_s = min(plan.budget_s, max(plan.predicted_s, HEADROOM * (stream.first_due - now)))
+        served = {c.seq_id for c in chunks}
+        for stream in order:  # overtaken: it waited while a later request got a chunk
+            if stream.arrival < served_arrival and stream.seq.seq_id not in served:
+                stream.passed += 1
+        return chunks
+
+    @staticmethod
+    def _time_budget(decoding: list[_Stream], decode_s: float, now: float) -> tuple[float, float]:
+        """(the time this step may take, the shortest floor among the streams it decodes), both times HEADROOM.
+
+        A stream bounds the step by the time left before its next token is due. One that can no longer get it in
+        time yields: it bounds the step by its floor alone (so its gaps from now on stay within it), and a prompt
+        whose last token is being computed and that is already too late for its first-token deadline not at all."""
+        budget = floor = math.inf
+        for stream in decoding:
+            slack = HEADROOM * (stream.due() - now)
+            if stream.last is not None:
+                floor = min(floor, HEADROOM * stream.gap)
+                budget = min(budget, slack if slack >= decode_s else HEADROOM * stream.gap)
+            elif slack >= decode_s:
+                budget = min(budget, slack)
+        return budget, floor
+
+    def _fit(self, seq: Sequence, start: int, time_left: float, tokens_left: int) -> int:
+        """Prompt tokens of seq from `start` that the step has room and time for."""
+        n = min(seq.num_tokens - start, tokens_left)
+        return n if time_left == math.inf else min(n, self.model.chunk_fitting(start, time_left))
+
+    def _admit_one(
+        self, stream: _Stream, time_left: float, tokens_left: int, scheduled: set[int]
+    ) -> ScheduledSeq | None:
+        """Starts waiting stream's sequence with its first chunk when max_seqs, the KV pool and the step allow."""
+        if len(self.running) >= self.config.max_seqs:
+            return None
+        seq = stream.seq
+        hits = self._cached_prefix(seq)
+        cached = len(hits) * self.allocator.block_size
+        n = self._fit(seq, cached, time_left, tokens_left)
+        if n <= 0 or not self._room_for(self.allocator.blocks_for(cached + n) - len(hits), hits):
+            return None
+        return self._start(self.waiting.index(seq), hits, n, scheduled)
+
+    def _order(
+        self, decodes: StepShape, budget_s: float, now: float, admit: bool
+    ) -> tuple[list[_Stream], set[_Stream]]:
+        """The streams with prompt tokens to compute, in the order they get them (see the module's docstring), and
+        those of them that can no longer meet their next deadline."""
+        pending = [
+            self._streams[s.seq_id] for s in self.running if s.status is SeqStatus.RUNNING and s.num_uncomputed > 1
+        ]
+        if admit:
+            pending += [self._streams[s.seq_id] for s in self.waiting]
+        if not pending:
+            return [], set()
+        share = self._prompt_share(decodes, budget_s)
+        kept: list[tuple[float, int, _Stream]] = []  # a max-heap of work (seconds) by negating it
+        hopeless: set[_Stream] = set()
+        work = 0.0
+        for stream in sorted(pending, key=_Stream.due):
+            seq = stream.seq
+            w = self.model.chunk_cost(seq.num_computed, seq.num_uncomputed) / share if share else 0.0
+            work += w
+            if stream.last is None:  # a stream already delivering (recomputed after preemption) never gives up
+                heapq.heappush(kept, (-w, id(stream), stream))
+            if now + work > stream.due() and kept:
+                w_max, _, dropped = heapq.heappop(kept)
+                work += w_max
+                hopeless.add(dropped)
+        starving = [s for s in pending if s.passed >= self.config.max_overtakes]
+        first = sorted(starving, key=lambda s: s.arrival)
+        rest = sorted(
+            (s for s in pending if s not in hopeless and s.passed < self.config.max_overtakes), key=_Stream.due
+        )
+        late = sorted((s for s in hopeless if s.passed < self.config.max_overtakes), key=lambda s: s.arrival)
+        return first + rest + late, hopeless
+
+    def _prompt_share(self, decodes: StepShape, budget_s: float) -> float:
+        """The share of the engine's time that goes to prompt tokens while steps of budget_s (or of the token cap)
+        carry these decodes; 0 before the model is ready (then nothing counts as late)."""
+        if not self.model.ready:
+            return 0.0
+        step = budget_s
+        if step == math.inf:
+            step = self.model.predict(decodes.plus_chunk(0, max(1, self.config.max_batch_tokens - decodes.decode_seqs)))
+        fixed = self.model.predict(decodes)
+        return max(MIN_PROMPT_SHARE, 1 - fixed / step) if step > 0 else 1.0
+
+
+# ---- start-up calibration -------------------------------------------------------------------------------------
+CALIBRATION_DECODES = 16  # short requests that decode while the prompts below arrive
+CALIBRATION_PROMPTS = (32, 128, 256, 512, 1024)  # prompt lengths, each capped by max_batch_tokens
+
+
+def calibrate(engine, first_token_id: int = 3) -> None:
+    """Seeds the step-time model from a short profile: a few sequences decoding while prompts of several lengths
+    arrive, so the steps vary in prompt tokens, decode sequences and context. Runs through `engine` (its scheduler an
+    SloScheduler) like any request, on token ids of no meaning: a few seconds on a CPU. A request the engine cannot
+    take (a small context or KV pool) is left out."""
+    config, vocab = engine.scheduler.config, engine.model_config.vocab_size
+    cap = max(1, min(config.max_batch_tokens, config.max_model_len // 2))
+    added: list[str] = []
+
+    def add(rid: str, n: int, max_new: int) -> None:
+        start = first_token_id + 997 * len(added)  # prompts that share no prefix: each is computed whole
+        ids = [(start + (j * 7) % 4999) % vocab for j in range(n)]
+        params = SamplingParams(max_new_tokens=max(1, min(max_new, config.max_model_len - n)), ignore_eos=True)
+        try:
+            engine.add_request(f"calibrate-{rid}", ids, params)
+            added.append(rid)
+        except ValueError:
+            pass
+
+    for i in range(min(CALIBRATION_DECODES, config.max_seqs - 1)):
+        add(f"d{i}", min(16, cap), 3 * len(CALIBRATION_PROMPTS) + 4)
+    engine.step()
+    for i, length in enumerate(CALIBRATION_PROMPTS):
+        add(f"p{i}", min(length, cap), 2)
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()

@@ -1,0 +1,238 @@
+"""The step-time model: how long one engine step takes, from what its batch carries (no torch).
+
+    seconds = c0 + c1 * prompt tokens + c2 * decode sequences + c3 * decode context + c4 * prompt context
+
+where the decode context is the key rows the decodes' attention reads (the sum of their lengths) and the prompt
+context the key rows the prompt tokens' attention reads (each token reads its sequence up to itself). A pass costs
+a fixed part (weights read, per-layer dispatch), a part per token (the linear layers) and a part per key row
+(attention), and the model fits each on the device it runs on.
+
+The fit is least squares over every step the engine ran, recent steps weighing more (exponential forgetting, as
+recursive least squares does): normal equations kept as running sums, solved after each step on columns scaled to
+unit length, with coefficients held non-negative (a feature whose coefficient comes out negative is dropped from
+that solve), so a longer batch never predicts a shorter step. Before each update the step is predicted, and the
+relative error of that prediction is what the model reports as its error: a prediction made without the step's own
+timing.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+FEATURES = ("fixed", "prompt_tokens", "decode_seqs", "decode_context", "prompt_context")
+FORGETTING = 0.995  # weight of a step's timing after each later step: about the last 200 steps count
+RIDGE = 1e-6  # relative to each scaled column: keeps the solve defined when a feature has not varied yet
+MIN_STEPS = 8  # steps seen before the model predicts
+# A feature that no step has carried for a long while (its weight of recent steps that carried it below this: about
+# 2,800 steps) keeps the coefficient it had, rather than one fitted on next to nothing.
+STALE = 1e-6
+ERROR_WINDOW = 512  # recent prediction errors kept for the median
+
+
+def chunk_context(start: int, n: int) -> int:
+    """Key rows the attention of n prompt tokens at positions start .. start + n - 1 reads."""
+    return n * start + n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's time depends on."""
+
+    prompt_tokens: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0  # key rows the decodes read: the sum of their sequences' lengths
+    prompt_context: int = 0  # key rows the prompt tokens read (chunk_context of every chunk)
+
+    def vector(self) -> tuple[float, ...]:
+        return (1.0, self.prompt_tokens, self.decode_seqs, self.decode_context, self.prompt_context)
+
+    def plus_chunk(self, start: int, n: int) -> StepShape:
+        return StepShape(
+            self.prompt_tokens + n, self.decode_seqs, self.decode_context, self.prompt_context + chunk_context(start, n)
+        )
+
+
+def batch_shape(batch) -> StepShape:
+    """The shape of a Batch (decodes first, then prompt chunks)."""
+    decodes = batch.seqs[: batch.num_decodes]
+    chunks = batch.seqs[batch.num_decodes :]
+    return StepShape(
+        sum(len(s.token_ids) for s in chunks),
+        len(decodes),
+        sum(s.start + 1 for s in decodes),
+        sum(chunk_context(s.start, len(s.token_ids)) for s in chunks),
+    )
+
+
+class StepModel:
+    """Predicts a step's seconds from its StepShape and learns from every step observed.
+
+    `coefficients` seeds the model (one per FEATURES, seconds per unit) and makes it ready at once; `learn=False`
+    keeps them fixed (scripted tests, a model measured elsewhere)."""
+
+    def __init__(self, coefficients: Sequence[float] | None = None, learn: bool = True) -> None:
+        k = len(FEATURES)
+        if coefficients is not None and len(coefficients) != k:
+            raise ValueError(f"a step model has {k} coefficients ({', '.join(FEATURES)}), got {len(coefficients)}")
+        self.coefficients: list[float] | None = None if coefficients is None else [float(c) for c in coefficients]
+        self.learn = learn
+        self.steps = 0  # observed
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |predicted - measured| / measured
+        self._xtx = [[0.0] * k for _ in range(k)]
+        self._xty = [0.0] * k
+        self._carried = [0.0] * k  # per feature, the forgetting-weighted count of steps with it non-zero
+
+    @property
+    def ready(self) -> bool:
+        return self.coefficients is not None
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds the step is expected to take; nan before the model is ready."""
+        if self.coefficients is None:
+            return math.nan
+        return max(0.0, sum(c * x for c, x in zip(self.coefficients, shape.vector())))
+
+    def chunk_cost(self, start: int, n: int) -> float:
+        """Seconds that a chunk of n prompt tokens starting at position `start` adds to a step (nan before the model
+        is ready)."""
+        if self.coefficients is None:
+            return math.nan
+        return self.coefficients[1] * n + self.coefficients[4] * chunk_context(start, n)
+
+    def chunk_fitting(self, start: int, seconds: float) -> int:
+        """The most prompt tokens one chunk starting at position `start` may carry for its cost to stay within
+        `seconds` (added to whatever else the step carries); a very large number when tokens cost nothing."""
+        if self.coefficients is None or seconds <= 0:
+            return 0
+        per_token, per_row = self.coefficients[1], self.coefficients[4]
+        # cost(n) = per_token * n + per_row * (n * start + n * (n + 1) / 2) <= seconds
+        a, b = per_row / 2, per_token + per_row * (start + 0.5)
+        if a > 0:
+            n = (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
+        elif b > 0:
+            n = seconds / b
+        else:
+            return 1 << 30
+        return int(min(n, 1 << 30))
+
+    def observe(self, shape: StepShape, seconds: float) -> float:
+        """Takes a step's measured seconds; returns what the model predicted for it (nan before it was ready)."""
+        predicted = self.predict(shape)
+        if seconds > 0 and not math.isnan(predicted):
+            self.errors.append(abs(predicted - seconds) / seconds)
+        self.steps += 1
+        if not self.learn:
+            return predicted
+        x = shape.vector()
+        for i, xi in enumerate(x):
+            self._carried[i] = FORGETTING * self._carried[i] + (xi != 0)
+            row = self._xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = FORGETTING * row[j] + xi * xj
+            self._xty[i] = FORGETTING * self._xty[i] + xi * seconds
+        if self.steps >= MIN_STEPS:
+            self.coefficients = self._solve()
+        return predicted
+
+    def median_error(self) -> float:
+        """Median absolute relative error of the recent predictions (nan without any)."""
+        return statistics.median(self.errors) if self.errors else math.nan
+
+    def _solve(self) -> list[float]:
+        """Least squares with every coefficient but the fixed part non-negative: solve, drop the most negative
+        feature, solve again. A stale feature (STALE) keeps its coefficient."""
+        previous = self.coefficients or [0.0] * len(FEATURES)
+        held = {i: previous[i] for i in range(1, len(FEATURES)) if self._carried[i] < STALE}
+        active = [i for i in range(len(FEATURES)) if i not in held]
+        while True:
+            beta = _ridge_solve(self._xtx, self._xty, active)
+            worst = min((i for i in active if i > 0), key=lambda i: beta[i], default=None)
+            if worst is None or beta[worst] >= 0:
+                return [held.get(i, b) for i, b in enumerate(beta)]
+            active.remove(worst)
+
+
+def _ridge_solve(xtx: list[list[float]], xty: list[float], active: list[int]) -> list[float]:
+    """Solves the normal equations on the active features, columns scaled to unit length; 0 elsewhere."""
+    scale = [math.sqrt(xtx[i][i]) or 1.0 for i in active]
+    m = [
+        [xtx[i][j] / (si * sj) + (RIDGE if a == b else 0.0) for b, (j, sj) in enumerate(zip(active, scale))]
+        + [xty[i] / si]
+        for a, (i, si) in enumerate(zip(active, scale))
+    ]
+    n = len(active)
+    for col in range(n):  # Gaussian elimination with partial pivoting
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    z = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        z[r] = (m[r][n] - sum(m[r][c] * z[c] for c in range(r + 1, n))) / m[r][r]
+    beta = [0.0] * len(xty)
+    for a, (i, si) in enumerate(zip(active, scale)):
+        beta[i] = z[a] / si
+    return beta
+
+
+# ---- the record of predictions against measurements ------------------------------------------------------------
+TRACE_COLUMNS = (
+    "time",
+    "prompt_tokens",
+    "decode_seqs",
+    "decode_context",
+    "prompt_context",
+    "predicted_s",
+    "measured_s",
+    "budget_s",
+    "overloaded",
+)
+
+
+class StepTrace:
+    """Appends one CSV row per engine step (TRACE_COLUMNS) to a file: the step's shape, the model's prediction and
+    the measured step time, for the model's error figure and plot (`python -m fastgen.replica --step-trace F`)."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists() or path.stat().st_size == 0
+        self._file = path.open("a", newline="", buffering=1)  # line by line: a reader sees every finished step
+        self._writer = csv.writer(self._file)
+        if new:
+            self._writer.writerow(TRACE_COLUMNS)
+
+    def write(self, time: float, stats) -> None:
+        """One step's StepStats (with its plan)."""
+        plan = stats.plan
+        if plan is None:
+            return
+        s = plan.shape
+        self._writer.writerow(
+            (
+                f"{time:.6f}",
+                s.prompt_tokens,
+                s.decode_seqs,
+                s.decode_context,
+                s.prompt_context,
+                f"{plan.predicted_s:.6g}",
+                f"{stats.step_s:.6g}",
+                f"{plan.budget_s:.6g}",
+                int(plan.overloaded),
+            )
+        )
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
