@@ -132,7 +132,7 @@ class OpenAIApi:
         try:
             return await gather_or_cancel([self._balancer.generate(p) for p in prompts])
         except RequestFailed as f:
-            raise error_from_failure(f.code, f.details) from None
+            raise error_from_failure(f.code, f.details, f.retry_after_ms) from None
 
     async def _stream(self, request: web.Request, api: ApiRequest, meta: Meta) -> web.StreamResponse:
         stream = STREAMS[api.kind](meta, api)
@@ -140,7 +140,7 @@ class OpenAIApi:
             try:
                 first = await anext(upstream, None)
             except RequestFailed as f:  # nothing sent yet: a plain HTTP error
-                raise error_from_failure(f.code, f.details) from None
+                raise error_from_failure(f.code, f.details, f.retry_after_ms) from None
             response = web.StreamResponse(headers=SSE_HEADERS)
             await response.prepare(request)
             try:
@@ -228,7 +228,7 @@ async def relay(response: web.StreamResponse, upstream: AsyncIterator, first, st
         if stream.api.include_usage:
             await response.write(sse(stream.usage_event()))
     except RequestFailed as f:
-        await response.write(sse(error_from_failure(f.code, f.details).body()))
+        await response.write(sse(error_from_failure(f.code, f.details, f.retry_after_ms).body()))
     await response.write(DONE)
 
 

@@ -85,10 +85,12 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def error_from_failure(code: grpc.StatusCode, details: str) -> ApiError:
-    """The HTTP answer to a request the balancer failed with a gRPC status."""
+def error_from_failure(code: grpc.StatusCode, details: str, retry_after_ms: int | None = None) -> ApiError:
+    """The HTTP answer to a request the balancer failed with a gRPC status; a 429's Retry-After is the replica's hint
+    in whole seconds, rounded up."""
     status = HTTP_STATUS_OF.get(code, 500)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    wait_s = RETRY_AFTER_S if retry_after_ms is None else max(1, -(-retry_after_ms // 1000))
+    headers = {"Retry-After": str(wait_s)} if status == 429 else None
     return ApiError(status, details or code.name, code=code.name.lower(), headers=headers)
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
-from ..server.errors import trailing_metadata
+from ..server.errors import RETRY_AFTER_MS, retry_after_ms, trailing_metadata
 from ..server.metrics import BalancerMetrics
 from .journal import DEFAULT_MIGRATION, Journal, MigrationSettings, journal_for, unresumable_reason, with_seed
 from .policy import Router, estimate_prompt_tokens
@@ -53,12 +53,13 @@ class ReplicaLost(Exception):
 
 
 class RequestFailed(Exception):
-    """What the client gets: a status code and a message."""
+    """What the client gets: a status code, a message and, for RESOURCE_EXHAUSTED, the replica's retry hint."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_ms: int = RETRY_AFTER_MS):
         super().__init__(details)
         self.code = code
         self.details = details
+        self.retry_after_ms = retry_after_ms
 
 
 @dataclass
@@ -313,7 +314,9 @@ class Balancer:
         # A full queue with no other replica to try is the client's answer (back off), not "unavailable".
         nowhere_else = code in RETRY_ONCE_ON_OTHER_REPLICA and not self.pool.candidates(exclude=attempts.tried)
         if nowhere_else or not attempts.may_retry(code):
-            raise RequestFailed(code, self._pass_through_message(replica, e, attempts))
+            # The replica knows when it expects room (the slo scheduler's refusals name it): pass its hint on.
+            hint = retry_after_ms(e.trailing_metadata()) or RETRY_AFTER_MS
+            raise RequestFailed(code, self._pass_through_message(replica, e, attempts), hint)
         attempts.note_retry(code)
         self._metrics.on_retry(replica.id, code)
         log.info("replica %s failed a request (%s: %s); retrying elsewhere", replica.id, code.name, e.details())
@@ -399,7 +402,7 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
             raise
         except RequestFailed as f:
             self._metrics.on_rpc("Generate", f.code)
-            await context.abort(f.code, f.details, trailing_metadata(f.code))
+            await context.abort(f.code, f.details, trailing_metadata(f.code, f.retry_after_ms))
         self._metrics.on_rpc("Generate", grpc.StatusCode.OK)
         return response
 
@@ -413,7 +416,7 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
             raise
         except RequestFailed as f:
             self._metrics.on_rpc("GenerateStream", f.code)
-            await context.abort(f.code, f.details, trailing_metadata(f.code))
+            await context.abort(f.code, f.details, trailing_metadata(f.code, f.retry_after_ms))
         self._metrics.on_rpc("GenerateStream", grpc.StatusCode.OK)
 
     async def GetStatus(self, request, context):

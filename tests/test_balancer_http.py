@@ -153,7 +153,7 @@ def test_replica_errors_become_http_statuses(stream):
                 }
             }
             r = await http.post("/v1/chat/completions", {**CHAT, "stream": stream})  # a full, then b full
-            assert r.status == 429 and r.headers["Retry-After"] == "1"
+            assert r.status == 429 and r.headers["Retry-After"] == "3"  # the replica's 2500 ms, rounded up
             assert (await r.json())["error"]["type"] == "rate_limit_error"
             route = "/v1/chat/completions"
             assert (http.requests(route, 400), http.requests(route, 429)) == (1, 1)

@@ -19,6 +19,7 @@ from fastgen.balancer.service import Balancer, BalancerService, RequestFailed
 from fastgen.proto import fastgen_pb2 as pb
 from fastgen.proto import fastgen_pb2_grpc
 from fastgen.server import AsyncClient, GenerationError
+from fastgen.server.errors import trailing_metadata
 from fastgen.server.grpc_server import create_server, set_serving
 from fastgen.server.metrics import BalancerMetrics
 from fastgen.testing import free_port
@@ -32,6 +33,9 @@ class FailAfter:
 
     chunks: int
     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+
+
+HINT_MS = 2500  # the retry hint a fake replica's RESOURCE_EXHAUSTED carries
 
 
 @dataclass
@@ -60,7 +64,7 @@ class FakeReplica(fastgen_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         action = self._next(context)
         if isinstance(action, grpc.StatusCode):
-            await context.abort(action, f"{self.id} answers {action.name}")
+            await context.abort(action, f"{self.id} answers {action.name}", trailing_metadata(action, HINT_MS))
         if action == SLOW:
             await self._hang()
         return pb.GenerateResponse(
@@ -75,7 +79,7 @@ class FakeReplica(fastgen_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request, context):
         action = self._next(context)
         if isinstance(action, grpc.StatusCode):
-            await context.abort(action, f"{self.id} answers {action.name}")
+            await context.abort(action, f"{self.id} answers {action.name}", trailing_metadata(action, HINT_MS))
         n = action.chunks if isinstance(action, FailAfter) else 3
         for i in range(n):
             yield pb.GenerateChunk(request_id=request.request_id, text=f"{i}", token_ids=[i], replica=self.id)
@@ -192,16 +196,19 @@ def test_resource_exhausted_moves_once_then_reaches_the_client():
 
 
 def test_a_full_queue_with_no_other_replica_reaches_the_client_as_is():
-    a = FakeReplica("a", [grpc.StatusCode.RESOURCE_EXHAUSTED])
+    a = FakeReplica("a", [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2)
 
     async def main():
         async with balancer_over([a]) as h:
             with pytest.raises(GenerationError) as err:
                 await h.client.generate("hi")
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # back off, not "unavailable"
+            with pytest.raises(RequestFailed) as failed:
+                await h.balancer.generate(pb.GenerateRequest(text="hi"))
+            assert failed.value.retry_after_ms == HINT_MS  # the replica's hint, passed on
 
     run(main())
-    assert a.calls == 1
+    assert a.calls == 2
 
 
 def test_the_core_answers_without_a_grpc_context():

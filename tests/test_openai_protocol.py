@@ -358,6 +358,7 @@ def test_grpc_codes_map_to_http_statuses(code, status):
     e = op.error_from_failure(code, "why")
     assert (e.status, e.message, e.code) == (status, "why", code.name.lower())
     assert e.headers == ({"Retry-After": "1"} if status == 429 else {})
+    assert op.error_from_failure(code, "why", 2001).headers == ({"Retry-After": "3"} if status == 429 else {})
     assert e.body()["error"]["type"] == {400: "invalid_request_error", 429: "rate_limit_error"}.get(
         status, "server_error"
     )
