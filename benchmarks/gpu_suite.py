@@ -7,7 +7,7 @@ Stages, each isolated (a stage that fails records its error and the next one sti
   cuda_tests   `pytest -m cuda` in a subprocess, summarised (full output in DIR/cuda_tests.log)
   kernels      decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
-               step at batch 1 against the time to read the weights once
+               step at batch 1 against the time to read the weights once, with CUDA graphs and without (--enforce-eager)
   sla          the paper's comparison at reduced size: splitfuse against prefill_first, effective throughput at
                P = 512, R = 2, 4, 6 (closed-loop clients on the in-process engine)
 
@@ -384,7 +384,7 @@ def model_folder(plan: Plan) -> Path:
     return resolve_model(plan.model, "dummy")
 
 
-def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse"):
+def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse", enforce_eager: bool = False):
     from ..replica import pipeline
 
     return pipeline(
@@ -396,6 +396,7 @@ def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse"):
         kv_cache_memory=plan.kv_cache_memory,
         scheduler=policy,
         progress=False,
+        enforce_eager=enforce_eager,
     )
 
 
@@ -420,6 +421,11 @@ def offline(ctx: Context) -> dict:
     read_bytes = weights_read_bytes(pipe.engine.runner.model)
     del pipe
     release_memory(ctx)
+    pipe = build_pipeline(p, p.offline_budget, enforce_eager=True)  # the same decode step without CUDA graphs
+    pipe(prompts[:1], max_new_tokens=2)
+    eager_step_ms = decode_step_ms(pipe.engine, p.decode_steps)
+    del pipe
+    release_memory(ctx)
 
     model = transformers_model(model_folder(p), p.dtype, p.device)
     run_transformers(model, prompts[: p.hf_batch], 2, p.hf_batch, p.device)  # warm-up
@@ -441,6 +447,8 @@ def offline(ctx: Context) -> dict:
         transformers_batch=p.hf_batch,
         fastgen_over_transformers=round(hf_s / fastgen_s, 2),
         decode_step_ms=round(step_ms, 3),
+        decode_step_eager_ms=round(eager_step_ms, 3),
+        cuda_graphs_speedup=round(eager_step_ms / step_ms, 2),
         weights_read_gb=round(read_bytes / 1e9, 2),
         weights_read_bound_ms=round(bound_ms, 3),
         decode_step_over_bound=round(step_ms / bound_ms, 2),

@@ -33,6 +33,9 @@ class Kernels:
     linear: Callable[..., torch.Tensor]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]
+    # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
+    # size), so a CUDA graph captured once replays it correctly for any batch of that size.
+    graph_safe: bool = False
 
 
 TORCH_KERNELS = Kernels(

@@ -313,7 +313,11 @@ def paged_attention(
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, block_n, num_warps = _attention_config(meta, group, head_dim_pad, q.dtype)
     tokens_per_tile = block_m // group
-    tiles = _tile_map(tuple(meta.query_start_host), tokens_per_tile, q.device)
+    # Held by the step's metadata: a captured graph keeps reading this tensor, so it must outlive the cache entry.
+    key = ("tiles", tokens_per_tile)
+    tiles = meta.workspace.get(key)
+    if tiles is None:
+        tiles = meta.workspace[key] = _tile_map(tuple(meta.query_start_host), tokens_per_tile, q.device)
     num_tiles = tiles.shape[1]
     _paged_attention_kernel[(num_tiles, kv_heads)](
         q,
@@ -448,4 +452,5 @@ TRITON_KERNELS = Kernels(
     pack_linear=TORCH_KERNELS.pack_linear,
     linear=TORCH_KERNELS.linear,
     argmax=TORCH_KERNELS.argmax,
+    graph_safe=True,
 )

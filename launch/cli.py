@@ -129,6 +129,11 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         help="auto: triton on cuda, the C kernels on cpu (default: %(default)s)",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: decode steps run op by op (vLLM's flag; graphs are on by default on cuda)",
+    )
+    p.add_argument(
         "--max-batch-tokens",
         type=int,
         default=d.max_batch_tokens,

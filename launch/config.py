@@ -60,6 +60,7 @@ class DeployConfig:
     device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)
     kernels: str = EngineConfig.kernels
     load_format: str = EngineConfig.load_format
+    enforce_eager: bool = EngineConfig.enforce_eager
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
     max_batch_tokens: int = SchedulerConfig.max_batch_tokens
     max_seqs: int = SchedulerConfig.max_seqs
@@ -367,6 +368,8 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
         argv += ["--max-model-len", str(c.max_model_len)]
     if not c.prefix_caching:
         argv += ["--no-prefix-caching"]
+    if c.enforce_eager:
+        argv += ["--enforce-eager"]
     argv += ["--threads", str(c.threads)]
     argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
     if c.tp > 1:

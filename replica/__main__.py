@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="auto: read the checkpoint; dummy: random weights made on the device (any model, and the presets, "
         "which ship without weights)",
     )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step op by op (vLLM's flag)"
+    )
     p.add_argument("--max-batch-tokens", type=positive, default=_SCHEDULER.max_batch_tokens)
     p.add_argument("--max-seqs", type=positive, default=_SCHEDULER.max_seqs)
     p.add_argument("--block-size", type=positive, default=_CACHE.block_size)
@@ -162,6 +165,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         kernels=args.kernels,
         load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens,
             max_seqs=args.max_seqs,

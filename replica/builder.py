@@ -15,6 +15,7 @@ from .batch import Batch, ScheduledSeq
 from .batch_broadcast import BatchBroadcast
 from .block_allocator import BlockAllocator
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .engine import Engine
 from .kv_cache import allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
 from .model_runner import ModelRunner
@@ -89,8 +90,24 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             num_blocks * block_size,
             gib(num_blocks * per_block),
         )
-    kv = allocate_kv_cache(model_config.num_layers, num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype, device)
-    return ModelRunner(model, kv, block_size, device, broadcast), num_blocks
+    graphed = kernels.graph_safe and not config.enforce_eager
+    # Graphed decode steps pad their batch with rows that write to one extra block, which the allocator never sees.
+    kv = allocate_kv_cache(
+        model_config.num_layers, num_blocks + graphed, block_size, attn.kv_heads, attn.head_dim, dtype, device
+    )
+    graphs = None
+    if graphed:
+        graphs = DecodeGraphs(
+            model,
+            kv,
+            block_size,
+            config.scheduler.max_seqs,
+            config.max_model_len or model_config.max_position_embeddings,
+            pad_block=num_blocks,
+            device=device,
+            capture=device.type == "cuda",
+        )
+    return ModelRunner(model, kv, block_size, device, broadcast, graphs), num_blocks
 
 
 def _kv_blocks(

@@ -130,6 +130,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context
     default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
     progress: bool = True  # show weight-loading progress
+    # vLLM's name: no CUDA graphs. Otherwise, with graph-safe kernels (Triton), decode-only steps run over static
+    # buffers padded to batch-size buckets, replayed from graphs captured at start-up on CUDA.
+    enforce_eager: bool = False
 
 
 def preset_path(model: str) -> Path | None:

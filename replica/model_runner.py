@@ -5,6 +5,9 @@ runners run each batch they receive (`follow`): every rank then takes part in th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..kernels import AttentionMetadata, Kernels
@@ -12,6 +15,19 @@ from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .kv_cache import copy_blocks
 from .models.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
+
+
+@dataclass
+class StepInputs:
+    """One step's tensors on the model's device."""
+
+    input_ids: torch.Tensor  # (tokens,) int64
+    positions: torch.Tensor  # (tokens,) int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # (sampled,) int64: the rows of the hidden states whose logits are sampled
 
 
 class ModelRunner:
@@ -22,12 +38,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         broadcast: BatchBroadcast | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.broadcast = broadcast  # set on every rank of a tensor-parallel group
+        self.graphs = graphs  # decode-only steps replay from these when set (CUDA)
 
     @property
     def kernels(self) -> Kernels:
@@ -57,41 +75,73 @@ class ModelRunner:
         """This rank's forward pass over the batch; every rank gets the gathered logits. Forked sequences' KV block
         copies come first."""
         copy_blocks(self.kv_caches, batch.copies, self.device)
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # (tokens, hidden)
-        return self.model.logits(hidden[sample_rows])
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        step = self.prepare(batch)
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)  # (tokens, hidden)
+        return self.model.logits(hidden[step.sample_rows])
 
-    def prepare(self, batch: Batch):
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, seq_lens, sample_rows = [0], [], []
-        for s in batch.seqs:
-            n = len(s.token_ids)
-            tokens += s.token_ids
-            span = range(s.start, s.start + n)
-            positions += span
-            slots += [s.block_table[p // bs] * bs + p % bs for p in span]
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(s.start + n)
-            if s.sample:
-                sample_rows.append(query_start[-1] - 1)
+    def prepare(self, batch: Batch) -> StepInputs:
+        """The batch's tensors, every one a view of a single host-to-device copy."""
+        lists = step_lists(batch, self.block_size)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-
-        def tensor(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-
+        tables = [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        flat = to_device(
+            [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
+            + tables,
+            self.device,
+        )
+        parts = flat.split(
+            [len(lists.tokens)] * 3
+            + [len(lists.query_start), len(lists.seq_lens)]
+            + [len(lists.sample_rows), len(tables)]
+        )
+        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables = parts
         meta = AttentionMetadata(
-            query_start=tensor(query_start),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(tables),
-            slot_mapping=tensor(slots, torch.int64),
+            query_start=query_start.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables.view(len(batch.seqs), width).to(torch.int32),
+            slot_mapping=slots,
             num_decodes=batch.num_decodes,
             max_query_len=max(len(s.token_ids) for s in batch.seqs),
-            max_seq_len=max(seq_lens),
-            query_start_host=query_start,
-            seq_lens_host=seq_lens,
+            max_seq_len=max(lists.seq_lens),
+            query_start_host=lists.query_start,
+            seq_lens_host=lists.seq_lens,
         )
-        return tensor(tokens, torch.int64), tensor(positions, torch.int64), meta, tensor(sample_rows, torch.int64)
+        return StepInputs(input_ids, positions, meta, sample_rows)
+
+
+@dataclass
+class StepLists:
+    """A batch's flat per-token and per-sequence values, on the host."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]  # cache slot of each token: block * block_size + offset
+    query_start: list[int]  # (seqs + 1): offsets of each sequence's tokens
+    seq_lens: list[int]  # cached tokens per sequence once this step has written its own
+    sample_rows: list[int]  # the token rows whose logits are sampled
+
+
+def step_lists(batch: Batch, block_size: int) -> StepLists:
+    out = StepLists([], [], [], [0], [], [])
+    for s in batch.seqs:
+        n = len(s.token_ids)
+        out.tokens += s.token_ids
+        span = range(s.start, s.start + n)
+        out.positions += span
+        out.slots += [s.block_table[p // block_size] * block_size + p % block_size for p in span]
+        out.query_start.append(out.query_start[-1] + n)
+        out.seq_lens.append(s.start + n)
+        if s.sample:
+            out.sample_rows.append(out.query_start[-1] - 1)
+    return out
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """One int64 tensor on the device. On CUDA it crosses in one copy from pinned memory that does not wait for the
+    device (torch's caching host allocator keeps the pinned buffer until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -85,6 +85,7 @@ def pipeline(
     progress: bool = True,
     load_format: str = EngineConfig.load_format,
     prefix_caching: bool = CacheConfig.prefix_caching,
+    enforce_eager: bool = EngineConfig.enforce_eager,
 ) -> Pipeline:
     """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
     device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
@@ -102,5 +103,6 @@ def pipeline(
         ),
         max_model_len=max_model_len,
         progress=progress,
+        enforce_eager=enforce_eager,
     )
     return Pipeline(build_engine(config))

@@ -20,14 +20,20 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     from fastgen.replica import pipeline
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 23, 40)]
+    # Five prompts: decode-only steps of five sequences pad to the bucket of eight.
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 23, 40, 3)]
     result = {}
-    for backend in ("torch", "triton"):
+    for backend, eager in (("torch", False), ("triton", False), ("triton", True)):
         # Budget 16 with 8-token blocks: prompt chunks start mid-block and decodes share passes with them.
         pipe = pipeline(sys.argv[1], dtype="float32", kernels=backend, max_batch_tokens=16, block_size=8,
-                        progress=False)
+                        max_seqs=8, enforce_eager=eager, progress=False)
         assert pipe.engine.runner.model.layers[0].self_attn.kernels.name == backend
-        result[backend] = [o.token_ids for o in pipe(prompts, max_new_tokens=6, min_new_tokens=6)]
+        # Triton's kernels are graph-safe: decode-only steps take the padded static-buffer path of CUDA graphs
+        # (without capture on CPU) unless eager is enforced.
+        assert (pipe.engine.runner.graphs is not None) == (backend == "triton" and not eager)
+        result[f"{backend}{'-eager' if eager else ''}"] = [
+            o.token_ids for o in pipe(prompts, max_new_tokens=6, min_new_tokens=6)
+        ]
     print(json.dumps(result))
     """
 )
@@ -41,3 +47,4 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["triton"] == result["torch"]
+    assert result["triton-eager"] == result["torch"]

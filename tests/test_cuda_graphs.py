@@ -1,0 +1,74 @@
+"""CUDA graphs for decode steps: the bucket plan on any machine; on a GPU (`pytest -m cuda`), replayed graphs give
+the tokens eager steps give, and the engine on CUDA matches transformers under every schedule and with preemption.
+The padded static-buffer path itself also runs on CPU, under the Triton interpreter (tests/test_triton_engine.py)."""
+
+import random
+
+import pytest
+import torch
+
+from fastgen.replica import pipeline
+from fastgen.replica.cuda_graphs import bucket_sizes
+from fastgen.testing import make_tiny_model
+
+from .helpers import assert_matches, hf_greedy, random_prompts
+
+
+def test_buckets_cover_every_batch_size_with_little_padding():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    for max_seqs in (1, 3, 8, 50, 256):
+        buckets = bucket_sizes(max_seqs)
+        assert buckets[-1] == max_seqs
+        for n in range(1, max_seqs + 1):
+            assert next(b for b in buckets if b >= n) - n <= 7
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("graphs") / "llama", heads=4, kv_heads=2, tie=True)
+
+
+def cuda_pipe(model, **kw):
+    return pipeline(str(model), dtype="float32", device="cuda", progress=False, **kw)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheduler", ["splitfuse", "prefill_first", "static", "slo"])
+def test_engine_on_cuda_matches_transformers(model, scheduler):
+    prompts = random_prompts(12, random.Random(5), 1, 100)
+    refs = hf_greedy(model, prompts, 12)
+    for budget in (16, 256):
+        pipe = cuda_pipe(model, max_batch_tokens=budget, scheduler=scheduler)
+        assert pipe.engine.runner.graphs.captured[1].graph is not None, "graphs are on by default on CUDA"
+        assert_matches(pipe(prompts, max_new_tokens=12, min_new_tokens=12), refs)
+
+
+@cuda
+@pytest.mark.cuda
+def test_engine_on_cuda_with_preemption_matches_transformers(model):
+    prompts = random_prompts(12, random.Random(7), 20, 60)
+    refs = hf_greedy(model, prompts, 16)
+    pipe = cuda_pipe(model, max_batch_tokens=32, block_size=4, num_blocks=20)
+    assert_matches(pipe(prompts, max_new_tokens=16, min_new_tokens=16), refs)
+    assert pipe.engine.scheduler.num_preemptions > 0
+
+
+@cuda
+@pytest.mark.cuda
+def test_graph_replay_gives_the_tokens_of_eager_steps(model):
+    """Greedy and seeded sampled tokens, batch sizes that fill a bucket and ones that pad it."""
+    prompts = random_prompts(21, random.Random(9), 1, 80)
+    results = {}
+    for eager in (True, False):
+        pipe = cuda_pipe(model, max_batch_tokens=128, max_seqs=32, enforce_eager=eager)
+        assert (pipe.engine.runner.graphs is None) == eager
+        greedy = pipe(prompts, max_new_tokens=20, min_new_tokens=20)
+        seeded = pipe(prompts, max_new_tokens=20, min_new_tokens=20, temperature=0.8, top_p=0.9, seed=3)
+        results[eager] = [o.token_ids for o in greedy + seeded]
+    assert results[False] == results[True]
