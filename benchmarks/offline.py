@@ -4,15 +4,18 @@ min_new_tokens = max_new_tokens) on SmolLM2-135M, same dtype, same prompts, same
     python -m fastgen.benchmarks.offline --dtype bfloat16 --threads 1 --repeats 3
     python -m fastgen.benchmarks.offline --skip-hf --vllm-url http://127.0.0.1:8000 --vllm-model smollm2-135m
 
-With --vllm-url the same prompts also go, all at once, to a running vLLM OpenAI-compatible server (start it with
---no-enable-prefix-caching: the repeats send the same prompts), timed from the first request to the last token.
+With --vllm-url the same prompts also go, all at once, to a running vLLM OpenAI-compatible server, timed from the
+first request to the last token.
 
 Repeats run interleaved, one of each system in turn; the ratio is of medians, and each repeat's own ratio is
-reported too.
+reported too, as is the first repeat (cold: nothing but a two-token warm-up ran before it). Every repeat sends
+fresh prompts (slices of the corpus at offsets no other prompt starts at), the same to every system: no prefix cache,
+FastGen's or vLLM's, can serve a repeat from an earlier one, so servers may keep their caches on.
 
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
-Also reports model FLOP/s of a 512-token prefill against a large matmul's FLOP/s measured in the same run.
+Also reports model FLOP/s of a 512- and a 2048-token prefill (fresh prompts) against a large matmul's FLOP/s measured
+in the same run.
 
 --json writes the summary RESULTS.md's tables are built from (small: every repeat's seconds, medians, ratios, the
 command, commit, date and machine); this benchmark keeps no per-request records. Print its table with
@@ -36,13 +39,17 @@ CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 WORKLOADS = {"W1": dict(n=64, prompt=(128, 512), gen=128), "W2": dict(n=16, prompt=(1024, 1024), gen=64)}
 
 
-def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    """Token-id prompts sliced from the real-text corpus at random offsets (wrapping around)."""
+def make_prompts(tokenizer, n: int, lo: int, hi: int, repeat: int = 0) -> list[list[int]]:
+    """Token-id prompts sliced from the real-text corpus (wrapping around), lengths uniform in [lo, hi]. Each starts
+    at an offset of its own, and repeat r takes the offsets after those of repeats 0 .. r-1 in one fixed shuffle: no
+    two prompts of a run, nor of any two repeats, begin alike (while the corpus has offsets left), so no prefix
+    cache can serve one from another."""
     ids = tokenizer.encode(CORPUS.read_text(), add_special_tokens=False)
-    rng = random.Random(seed)
+    offsets = random.Random(0).sample(range(len(ids)), len(ids))
+    rng = random.Random(repeat)
     prompts = []
-    for _ in range(n):
-        length, start = rng.randint(lo, hi), rng.randrange(len(ids))
+    for i in range(n):
+        length, start = rng.randint(lo, hi), offsets[(repeat * n + i) % len(ids)]
         prompts.append([ids[(start + j) % len(ids)] for j in range(length)])
     return prompts
 
@@ -94,18 +101,24 @@ def run_vllm(url: str, model: str, prompts, gen) -> float:
     return max(r.end for r in records) - start
 
 
-def prefill_flops(pipe, dtype) -> tuple[float, float]:
-    """(model FLOP/s of one 512-token prefill, FLOP/s of a 4096^2 x 512 matmul) in the same dtype."""
+PREFILL_LENGTHS = (512, 2048)
+
+
+def prefill_flops(pipe, dtype, length: int) -> tuple[float, float]:
+    """(model FLOP/s of one prefill of `length` tokens, FLOP/s of a 4096^2 x 512 matmul) in the same dtype. The
+    model's FLOPs count the linear layers (the LM head for one row), not attention."""
     engine = pipe.engine
     params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
-    params += engine.model_config.vocab_size * engine.model_config.hidden_size / 512  # one LM-head row
-    prompt = list(range(100, 612))
+    params += engine.model_config.vocab_size * engine.model_config.hidden_size / length  # one LM-head row
+    vocab = engine.model_config.vocab_size
     times = []
-    for _ in range(3):
+    for i in range(3):
+        # A first token of its own for every prompt: the prefix cache holds nothing of it.
+        prompt = [(100 + 7919 * (i + 1) * length + j * 31) % (vocab - 100) + 100 for j in range(length)]
         start = time.perf_counter()
         pipe([prompt], max_new_tokens=1)
         times.append(time.perf_counter() - start)
-    model_flops = 2 * params * 512 / min(times)
+    model_flops = 2 * params * length / min(times)
     a, b = torch.randn(512, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
     a @ b
     start = time.perf_counter()
@@ -147,13 +160,13 @@ def main() -> None:
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
         n = max(1, int(w["n"] * args.scale))
-        prompts = make_prompts(pipe.tokenizer, n, *w["prompt"])
         tokens = n * w["gen"]
         # Repeats interleaved (FastGen, transformers, vLLM, FastGen, ...): the host's speed drifts by tens of percent
         # over minutes, and interleaving spreads the drift over every system instead of charging it to one.
         hf_repeats = 0 if hf is None else args.hf_repeats or args.repeats
         ours, theirs, vllm = [], [], []
         for r in range(max(args.repeats, hf_repeats)):
+            prompts = make_prompts(pipe.tokenizer, n, *w["prompt"], repeat=r)
             if r < args.repeats:
                 ours.append(run_fastgen(pipe, prompts, w["gen"]))
             if r < hf_repeats:
@@ -168,7 +181,10 @@ def main() -> None:
             fastgen_median_s=statistics.median(ours),
             fastgen_tok_s=tokens / statistics.median(ours),
         )
-        line = f"{name}: FastGen median {statistics.median(ours):.1f} s ({tokens / statistics.median(ours):.0f} tok/s)"
+        line = (
+            f"{name}: FastGen median {statistics.median(ours):.1f} s ({tokens / statistics.median(ours):.0f} tok/s), "
+            f"first {ours[0]:.1f} s"
+        )
         if theirs:
             ratio = statistics.median(theirs) / statistics.median(ours)
             paired = [t / o for o, t in zip(ours, theirs)]  # each repeat's pair ran back to back
@@ -183,14 +199,19 @@ def main() -> None:
             results[name]["vllm_s"] = vllm
             results[name]["vllm_median_s"] = statistics.median(vllm)
             results[name]["speedup_vs_vllm"] = statistics.median(vllm) / statistics.median(ours)
-            line += f", vLLM {statistics.median(vllm):.1f} s -> {results[name]['speedup_vs_vllm']:.2f}x"
+            results[name]["speedup_vs_vllm_first"] = vllm[0] / ours[0]
+            line += (
+                f", vLLM {statistics.median(vllm):.1f} s (first {vllm[0]:.1f} s) -> "
+                f"{results[name]['speedup_vs_vllm']:.2f}x (first {vllm[0] / ours[0]:.2f}x)"
+            )
         print(line, flush=True)
-    model_flops, matmul_flops = prefill_flops(pipe, dtype)
-    results["prefill_512"] = dict(model_flops=model_flops, matmul_flops=matmul_flops)
-    print(
-        f"prefill 512: {model_flops / 1e9:.1f} GFLOP/s vs matmul {matmul_flops / 1e9:.1f} GFLOP/s "
-        f"({model_flops / matmul_flops:.0%})"
-    )
+    for length in PREFILL_LENGTHS:
+        model_flops, matmul_flops = prefill_flops(pipe, dtype, length)
+        results[f"prefill_{length}"] = dict(model_flops=model_flops, matmul_flops=matmul_flops)
+        print(
+            f"prefill {length}: {model_flops / 1e9:.1f} GFLOP/s vs matmul {matmul_flops / 1e9:.1f} GFLOP/s "
+            f"({model_flops / matmul_flops:.0%})"
+        )
     results["meta"] = run_info("offline") | dict(
         dtype=args.dtype, threads=args.threads, load_before=load, load_after=os.getloadavg()
     )

@@ -369,22 +369,32 @@ def offline_table(data: dict) -> str:
     def cell(xs: list[float]) -> str:
         return spread(xs, "{:.1f}") + " s" if xs else "–"
 
+    def first(xs: list[float]) -> str:
+        return f"{xs[0]:.1f} s" if xs else "–"
+
     meta = data.get("meta", {})
-    head = ["workload", "threads", "FastGen", "transformers", "× transformers", "per repeat", "vLLM", "× vLLM"]
+    head = ["workload", "threads", "FastGen", "first", "transformers", "× transformers", "per repeat", "vLLM", "first"]
+    head += ["× vLLM", "× vLLM first"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in sorted(k for k in data if k.startswith("W")):
         w = data[name]
         per = ", ".join(f"{x:.2f}×" for x in w.get("speedup_per_repeat", []))
-        cells = [name, str(meta.get("threads", "?")), cell(w["fastgen_s"]), cell(w.get("transformers_s", []))]
+        cells = [name, str(meta.get("threads", "?")), cell(w["fastgen_s"]), first(w["fastgen_s"])]
+        cells += [cell(w.get("transformers_s", []))]
         cells += [fmt(w.get("speedup"), 2) + "×" if "speedup" in w else "–", per or "–"]
-        cells += [cell(w.get("vllm_s", [])), fmt(w.get("speedup_vs_vllm"), 2) + "×" if "vllm_s" in w else "–"]
+        cells += [cell(w.get("vllm_s", [])), first(w.get("vllm_s", []))]
+        cells += [fmt(w.get("speedup_vs_vllm"), 2) + "×" if "vllm_s" in w else "–"]
+        cells += [fmt(w.get("speedup_vs_vllm_first"), 2) + "×" if "speedup_vs_vllm_first" in w else "–"]
         lines.append("| " + " | ".join(cells) + " |")
-    pf = data.get("prefill_512")
-    if pf:
+    for key in sorted((k for k in data if k.startswith("prefill_")), key=lambda k: int(k.removeprefix("prefill_"))):
+        pf = data[key]
         lines.append(
-            f"\n512-token prefill: {pf['model_flops'] / 1e9:.0f} GFLOP/s of model FLOPs against "
-            f"{pf['matmul_flops'] / 1e9:.0f} GFLOP/s for a large matmul ({pf['model_flops'] / pf['matmul_flops']:.0%})."
+            f"\n{key.removeprefix('prefill_')}-token prefill: {pf['model_flops'] / 1e9:.0f} GFLOP/s of model FLOPs "
+            f"against {pf['matmul_flops'] / 1e9:.0f} GFLOP/s for a large matmul "
+            f"({pf['model_flops'] / pf['matmul_flops']:.0%})."
         )
+    if meta.get("machine"):
+        lines.append(f"\nMachine: {machine_text(meta['machine'])}.")
     return "\n".join(lines)
 
 

@@ -32,7 +32,14 @@ log = logging.getLogger("fastgen.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("decode_attention.c", "prefill_attention.c", "prefill_attention_avx512.c", "elementwise.c", "linear.c")
+    for name in (
+        "decode_attention.c",
+        "prefill_attention.c",
+        "prefill_attention_avx512.c",
+        "elementwise.c",
+        "linear.c",
+        "linear_f32.c",
+    )
 ]
 HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
@@ -195,6 +202,10 @@ class CLibrary:
         n=INT,
         k=INT,
         threads=INT,
+    )
+    linear_f32_available: Callable[[], int] = entry()
+    linear_f32: Callable[..., int] = entry(
+        x=POINTER, x_stride=INT64, w=POINTER, bias=POINTER, y=POINTER, y_stride=INT64, m=INT, n=INT, k=INT, threads=INT
     )
 
     @classmethod

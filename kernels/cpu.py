@@ -56,6 +56,13 @@ def _elementwise() -> clib.CLibrary | None:
 
 
 @functools.cache
+def _linear_f32() -> clib.CLibrary | None:
+    """The library where its float32 small-batch linear kernel runs on this CPU (AVX-512), else None."""
+    library = _get_library()
+    return library if library is not None and library.linear_f32_available() else None
+
+
+@functools.cache
 def _amx() -> clib.CLibrary | None:
     """The library where this process may use the matrix engine (AMX), else None. prefill_attention_available()
     asks Linux for the tile state; the linear kernel, built under the same guard, needs nothing more."""
@@ -406,6 +413,41 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     return y if status == 0 else None
 
 
+SMALL_ROWS = 16  # the float32 kernel's largest batch (csrc/linear_f32.c MAX_ROWS); sgemm serves larger ones
+
+
+def linear_f32_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x (rows, in_features) W^T + bias in float32 for up to SMALL_ROWS rows (csrc/linear_f32.c), or None where the
+    kernel does not take them."""
+    library = _linear_f32()
+    if (
+        library is None
+        or not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu)
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or not 0 < x.shape[0] <= SMALL_ROWS
+        or not weight.is_contiguous()
+        or x.shape[1] != weight.shape[1]
+        or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+    ):
+        return None
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    y = torch.empty((rows, out_features), dtype=torch.float32)
+    status = library.linear_f32(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        rows,
+        out_features,
+        in_features,
+        torch.get_num_threads(),
+    )
+    return y if status == 0 else None
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     """A CPU bfloat16 weight packed once at load, for exactly one kernel: the AMX linear kernel (csrc/linear.c)
@@ -446,6 +488,10 @@ def linear(
             return y
     elif packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    elif x.dtype == torch.float32 and x.shape[0] <= SMALL_ROWS:
+        y = linear_f32_small(x, weight, bias)
+        if y is not None:
+            return y
     return F.linear(x, weight, bias)
 
 

@@ -289,13 +289,26 @@ def test_run_info_names_command_commit_date_and_machine():
 def test_report_reads_offline_and_balancer_summaries(tmp_path):
     meta = {"command": "python -m fastgen.benchmarks.offline --threads 2", "commit": "abc1234", "machine": MACHINE}
     offline = {
-        "W1": {"fastgen_s": [10.0, 12.0, 11.0], "transformers_s": [40.0, 44.0, 42.0], "speedup": 42 / 11},
+        "W1": {
+            "fastgen_s": [10.0, 12.0, 11.0],
+            "transformers_s": [40.0, 44.0, 42.0],
+            "speedup": 42 / 11,
+            "vllm_s": [13.0, 11.5, 12.0],
+            "speedup_vs_vllm": 12 / 11,
+            "speedup_vs_vllm_first": 1.3,
+        },
+        "prefill_2048": {"model_flops": 30e9, "matmul_flops": 60e9},
+        "prefill_512": {"model_flops": 40e9, "matmul_flops": 60e9},
         "meta": meta | {"threads": 2},
     }
     (tmp_path / "offline.json").write_text(json.dumps(offline))
     text = report.report_path(tmp_path / "offline.json")
     assert "`python -m fastgen.benchmarks.offline --threads 2`; commit abc1234; machine Some CPU x 2" in text
-    assert "| W1 | 2 | 11.0 (10.0–12.0) s | 42.0 (40.0–44.0) s | 3.82× |" in text
+    # The first (cold) repeat beside every median; the prefill figures by length; the machine under the table.
+    assert "| W1 | 2 | 11.0 (10.0–12.0) s | 10.0 s | 42.0 (40.0–44.0) s | 3.82× |" in text
+    assert "| 12.0 (11.5–13.0) s | 13.0 s | 1.09× | 1.30× |" in text
+    assert text.index("512-token prefill: 40 GFLOP/s") < text.index("2048-token prefill: 30 GFLOP/s")
+    assert "Machine: Some CPU x 2 (AVX512-BF16)." in text
 
 
 def test_balancer_overhead_verdict():
