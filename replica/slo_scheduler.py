@@ -2,11 +2,10 @@
 deadlines and a step-time model fitted on the engine's own steps (no torch).
 
 Every request has two deadlines of the paper's SLA (BENCHMARKS.md): its first token is due prompt_tokens / P seconds
-after arrival, and after that its next token is due when waiting any longer would lift the span-16 moving average
-of its gaps (what the SLA scores) past EMA_TARGET of its floor 1 / R. A stream whose tokens came faster than its floor
-has banked time: one long step (a whole prompt's chunk) costs it a single gap, which the moving average weighs by
-2 / 17. So a stream is due at least 1 / R after its previous token and, while its average is low, later; the
-target's distance from the floor is the margin for a misprediction.
+after arrival, and after that its next token is due 1 / R seconds after the previous one. Holding every gap within
+1 / R keeps every span-16 moving average of the gaps within it (an average of numbers that are all at most 1 / R
+is at most 1 / R), so a stream that never waits longer than its floor meets the rate part of the SLA, and the
+moving average's own allowance for one longer gap is the margin that absorbs a misprediction.
 
 Each step:
 1. every decoding sequence gets its token (as in SplitFuse: decodes never pause, least of all when behind);
@@ -50,8 +49,6 @@ OVERLOAD_CHUNK = 64  # prompt tokens a step still carries while overloaded, so t
 ALPHA = 2 / (16 + 1)  # the SLA's moving average of inter-token gaps (span 16, as fastgen.server.sla scores it)
 RETRY_BOUNDS_S = (0.1, 60.0)  # the retry hint of a refused request stays within these
 MIN_PROMPT_SHARE = 0.05  # of step time, when judging which deadlines can still be met (overloaded: little)
-# Share of the floor that a stream's moving average may be brought up to by one long gap; the rest is margin.
-EMA_TARGET = 0.8
 
 
 @dataclass(eq=False)
@@ -69,14 +66,7 @@ class _Stream:
     passed: int = 0  # steps in which later requests were admitted while it waited
 
     def due(self) -> float:
-        return self.first_due if self.last is None else self.last + self.allowance()
-
-    def allowance(self) -> float:
-        """The longest wait for the next token that keeps the moving average of the gaps within EMA_TARGET of the
-        floor (the floor itself, at least: a gap of the floor never lifts the average past it)."""
-        if self.ema is None:  # the first gap seeds the average: it alone must be within the floor
-            return self.gap
-        return max(self.gap, self.ema + (EMA_TARGET * self.gap - self.ema) / ALPHA)
+        return self.first_due if self.last is None else self.last + self.gap
 
 
 @dataclass
