@@ -413,7 +413,11 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     return y if status == 0 else None
 
 
-SMALL_ROWS = 16  # the float32 kernel's largest batch (csrc/linear_f32.c MAX_ROWS); sgemm serves larger ones
+# The float32 kernel's largest batch (csrc/linear_f32.c MAX_ROWS). Not yet routed from `linear`: its rows are summed
+# in another order than sgemm's, so a row's logits, and a seeded or near-tied request's tokens, would change with the
+# number of rows in its step (16 or fewer against more); the failover tests' failure-free references caught it. It
+# goes in once one kernel with one summation order serves every row count (issue 21).
+SMALL_ROWS = 16
 
 
 def linear_f32_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -488,10 +492,6 @@ def linear(
             return y
     elif packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
-    elif x.dtype == torch.float32 and x.shape[0] <= SMALL_ROWS:
-        y = linear_f32_small(x, weight, bias)
-        if y is not None:
-            return y
     return F.linear(x, weight, bias)
 
 
