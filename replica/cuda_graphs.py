@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import AttentionMetadata
 from .batch import Batch
-from .model_runner import to_device
+from .model_runner import padded_tables, step_lists, to_device
 from .models.llama import LlamaModel
 
 log = logging.getLogger("fastgen.replica")
@@ -113,15 +113,21 @@ class DecodeGraphs:
     def _load(self, batch: Batch, bucket: int) -> None:
         """Copies the batch into the static buffers' first rows and padding into the rest of the bucket: one
         host-to-device copy, then copies on the device."""
-        bs, n = self.block_size, len(batch.seqs)
-        width = max(len(s.block_table) for s in batch.seqs)
-        pad = bucket - n
-        tokens = [s.token_ids[0] for s in batch.seqs] + [0] * pad
-        positions = [s.start for s in batch.seqs] + [0] * pad
-        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in batch.seqs] + [self.pad_slot] * pad
-        seq_lens = [s.start + 1 for s in batch.seqs] + [1] * pad
-        tables = [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-        flat = to_device(tokens + positions + slots + seq_lens + tables, self.device)
+        n, pad = len(batch.seqs), bucket - len(batch.seqs)
+        lists = step_lists(batch, self.block_size)  # one token per sequence: rows are sequences
+        width, tables = padded_tables(batch)
+        flat = to_device(
+            lists.tokens
+            + [0] * pad
+            + lists.positions
+            + [0] * pad
+            + lists.slots
+            + [self.pad_slot] * pad
+            + lists.seq_lens
+            + [1] * pad
+            + tables,
+            self.device,
+        )
         ids, pos, slot, lens, table = flat.split([bucket] * 4 + [n * width])
         self.input_ids[:bucket].copy_(ids)
         self.positions[:bucket].copy_(pos)
@@ -129,7 +135,7 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(lens)
         self.block_tables[:n, :width].copy_(table.view(n, width))
         if pad:  # padding rows read their one key from the pad block
-            self.block_tables[n:bucket, 0].fill_(self.pad_slot // bs)
+            self.block_tables[n:bucket, 0].fill_(self.pad_slot // self.block_size)
 
     def _forward(self, meta: AttentionMetadata, bucket: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], meta, self.kv_caches)  # (bucket, hidden)

@@ -84,8 +84,7 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> StepInputs:
         """The batch's tensors, every one a view of a single host-to-device copy."""
         lists = step_lists(batch, self.block_size)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        width, tables = padded_tables(batch)
         flat = to_device(
             [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
             + tables,
@@ -136,6 +135,12 @@ def step_lists(batch: Batch, block_size: int) -> StepLists:
         if s.sample:
             out.sample_rows.append(out.query_start[-1] - 1)
     return out
+
+
+def padded_tables(batch: Batch) -> tuple[int, list[int]]:
+    """(width, every sequence's block table padded with 0 to width, flattened row after row)."""
+    width = max(len(s.block_table) for s in batch.seqs)
+    return width, [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
