@@ -11,6 +11,9 @@
    (the AMX prompt kernel for bfloat16 where there is AMX, else the AVX-512 prompt kernel,
    kernels/csrc/prefill_attention_avx512.c) against every row through the C decode kernel (the fallback) and
    torch's CPU attention, whose results depend on the thread count.
+4. Linear layers, float32: every linear layer of SmolLM2-135M at 1 to 2048 rows (the LM head up to 64, the most rows
+   a step samples), the batch-invariant AVX-512 kernel (kernels/csrc/linear_f32.c) against torch's F.linear
+   (MKL's sgemm, what float32 ran before), weights not in cache; also the FLOP/s at each size.
 The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
@@ -59,6 +62,41 @@ def linear_table(repeats: int) -> list[str]:
 
         a, b = median_s(onednn, repeats), median_s(amx, repeats)
         rows.append(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {weight_bytes / b / 1e9:.1f} |")
+    return rows
+
+
+def linear_f32_table(repeats: int) -> list[str]:
+    from fastgen.replica import pipeline
+    from fastgen.replica.parallel import ParallelLinear, ParallelLMHead
+
+    model = pipeline("smollm2-135m", dtype="float32", progress=False).engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
+    head = {id(m.weight) for m in layers if isinstance(m, ParallelLMHead)}
+    rows = [
+        "| rows | F.linear (sgemm) ms | linear_f32 ms | linear_f32 / sgemm speed | sgemm GFLOP/s "
+        "| linear_f32 GFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in (1, 2, 4, 8, 16, 64, 512, 2048):
+        weights = [layer.weight for layer in layers if m <= 64 or id(layer.weight) not in head]
+        xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
+        flops = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
+        if cpu.linear_f32(xs[weights[0].shape[1]], weights[0], None) is None:
+            return ["(the float32 linear kernel does not run on this machine)"]
+
+        def sgemm(xs=xs, weights=weights):
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        def ours(xs=xs, weights=weights):
+            for w in weights:
+                cpu.linear_f32(xs[w.shape[1]], w, None)
+
+        reps = repeats if m <= 512 else max(1, repeats // 2)
+        a, b = median_s(sgemm, reps), median_s(ours, reps)
+        rows.append(
+            f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {flops / a / 1e9:.0f} | {flops / b / 1e9:.0f} |"
+        )
     return rows
 
 
@@ -141,16 +179,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-only", action="store_true", help="only the prompt-attention table")
+    p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear table")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.prompt_only:
-        print("\n".join(prompt_attention_table(args.repeats)))
-        return
-    print("\n".join(linear_table(args.repeats)))
-    print()
-    print("\n".join(attention_table(args.repeats)))
-    print()
-    print("\n".join(prompt_attention_table(args.repeats)))
+        tables = [prompt_attention_table]
+    elif args.linear_f32_only:
+        tables = [linear_f32_table]
+    else:
+        tables = [linear_table, attention_table, prompt_attention_table, linear_f32_table]
+    print("\n\n".join("\n".join(table(args.repeats)) for table in tables))
 
 
 if __name__ == "__main__":
