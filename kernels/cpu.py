@@ -413,23 +413,16 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     return y if status == 0 else None
 
 
-# The float32 kernel's largest batch (csrc/linear_f32.c MAX_ROWS). Not yet routed from `linear`: its rows are summed
-# in another order than sgemm's, so a row's logits, and a seeded or near-tied request's tokens, would change with the
-# number of rows in its step (16 or fewer against more); the failover tests' failure-free references caught it. It
-# goes in once one kernel with one summation order serves every row count (issue 21).
-SMALL_ROWS = 16
-
-
-def linear_f32_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x (rows, in_features) W^T + bias in float32 for up to SMALL_ROWS rows (csrc/linear_f32.c), or None where the
-    kernel does not take them."""
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x (rows, in_features) W^T + bias in float32 (csrc/linear_f32.c), each row's result the same in any batch and
+    on any thread count, or None where the kernel does not take the tensors."""
     library = _linear_f32()
     if (
         library is None
         or not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu)
         or x.dim() != 2
+        or x.shape[0] == 0
         or x.stride(1) != 1
-        or not 0 < x.shape[0] <= SMALL_ROWS
         or not weight.is_contiguous()
         or x.shape[1] != weight.shape[1]
         or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
@@ -463,7 +456,7 @@ class PackedWeight:
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The weight packed once for a CPU bfloat16 kernel, or None where packing does not apply (float32 keeps the plain
-    path, bit-exact with transformers).
+    path).
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packed once, that work is gone. The
     AMX kernel, where it runs, streams the weight faster than oneDNN at decode sizes and keeps up with it at prompt
@@ -492,6 +485,12 @@ def linear(
             return y
     elif packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    elif x.dtype == torch.float32:
+        # Not sgemm: its rows sum in an order that depends on the row count, so a row's logits, and a seeded or
+        # near-tied request's tokens, would depend on the batch around it.
+        y = linear_f32(x, weight, bias)
+        if y is not None:
+            return y
     return F.linear(x, weight, bias)
 
 

@@ -361,6 +361,35 @@ def test_seeded_text_survives_budgets_and_preemption(tiny_model_dir):
             assert outs["a"].num_preemptions > 0  # it really was recomputed
 
 
+def test_logprobs_are_the_same_alone_and_in_any_batch(tiny_model_dir):
+    """float32 on the CPU kernels is batch-invariant to the last bit: a request's logprobs (and so its seeded or
+    near-tied tokens) are the same alone, among other requests, and under other token budgets. sgemm's rows sum in an
+    order that depends on the row count, so with it the floats differ between a one-row step and a crowded one."""
+    from fastgen.kernels import cpu
+
+    if cpu.linear_f32(torch.ones(1, 8), torch.ones(8, 8), None) is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512: sgemm serves float32 there")
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=7, logprobs=3, ignore_eos=True)
+    prompt = [31, 32, 33, 34, 35, 36, 37]
+
+    def logprobs(out):
+        return [(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top]) for t in out.logprobs]
+
+    alone = pipeline(str(tiny_model_dir), dtype="float32", kernels="cpu", max_batch_tokens=64, progress=False)
+    reference = logprobs(run(alone, {"a": (prompt, params)})["a"])
+    rng = random.Random(9)
+    crowd = {
+        f"x{i}": (
+            [rng.randrange(3, 49152) for _ in range(rng.randint(10, 40))],
+            SamplingParams(max_new_tokens=rng.randint(4, 16), temperature=1.0, ignore_eos=True),
+        )
+        for i in range(20)
+    }
+    for budget in (16, 256):
+        pipe = pipeline(str(tiny_model_dir), dtype="float32", kernels="cpu", max_batch_tokens=budget, progress=False)
+        assert logprobs(run(pipe, {**crowd, "a": (prompt, params)})["a"]) == reference, f"budget {budget}"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_draws_are_the_same_on_cuda_and_cpu():
