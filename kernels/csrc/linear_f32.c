@@ -26,6 +26,8 @@
 #define PROMPT_ROWS 16
 /* Bytes of weight rows a block may keep in L1 beside the x rows streaming through. */
 #define L1_WEIGHT_BYTES (32 * 1024)
+/* How far ahead, in weight blocks, a one-block batch asks for the weight. */
+#define PREFETCH_BLOCKS 2
 /* Multiply-adds per extra thread below which one thread does the whole layer (waking one costs microseconds). */
 #define MIN_WORK_PER_THREAD (1 << 16)
 
@@ -48,15 +50,19 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16])
                          _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* out[i * width + j] = x row i . w row j for i < mr, j < nr <= width (mr * width <= 16); mr, nr and width are
- * constants where this is inlined, so each call site is its own fully unrolled loop nest with its accumulators in registers. */
+/* out[i * width + j] = x row i . w row j for i < mr, j < nr <= width (mr * width <= 16); `prefetch` asks for the
+ * weight block PREFETCH_BLOCKS ahead meanwhile (where each block meets one block of x, the block's compute is too short
+ * for the hardware prefetcher to keep memory busy). mr, nr, width and prefetch are constants where this is inlined, so each call site is its own fully unrolled loop nest with its accumulators in registers. */
 static inline __attribute__((always_inline)) void dot_block(const float *x, int64_t x_stride, const float *w, int k,
-                                                            int mr, int nr, int width, float out[16]) {
+                                                            int mr, int nr, int width, int prefetch, float out[16]) {
     __m512 acc[16];
     for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
     int kk = 0;
     for (; kk + 16 <= k; kk += 16) {
         __m512 wv[16];
+        if (prefetch) /* the same line of the weight block PREFETCH_BLOCKS ahead: a hint, it never faults */
+            for (int j = 0; j < nr; j++)
+                _mm_prefetch((const char *)(w + (int64_t)(PREFETCH_BLOCKS * width + j) * k + kk), _MM_HINT_T0);
         for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_ps(w + (int64_t)j * k + kk);
         for (int i = 0; i < mr; i++) {
             const __m512 xv = _mm512_loadu_ps(x + (int64_t)i * x_stride + kk);
@@ -101,15 +107,20 @@ static inline __attribute__((always_inline)) void columns(const float *x, int64_
                 const float *xb = x + (int64_t)i0 * x_stride;
                 float *yb = y + (int64_t)i0 * y_stride + n0;
                 if (nr == NR) { /* constant block shapes: each call below is its own unrolled loop nest */
-                    if (MR >= 4 && mr == 4) dot_block(xb, x_stride, wb, k, 4, NR, NR, out);
-                    else if (MR >= 3 && mr == 3) dot_block(xb, x_stride, wb, k, 3, NR, NR, out);
-                    else if (MR >= 2 && mr == 2) dot_block(xb, x_stride, wb, k, 2, NR, NR, out);
-                    else dot_block(xb, x_stride, wb, k, 1, NR, NR, out);
+                    if (m <= MR) { /* the whole batch in one block: the weight streams from memory */
+                        if (MR >= 4 && mr == 4) dot_block(xb, x_stride, wb, k, 4, NR, NR, 1, out);
+                        else if (MR >= 3 && mr == 3) dot_block(xb, x_stride, wb, k, 3, NR, NR, 1, out);
+                        else if (MR >= 2 && mr == 2) dot_block(xb, x_stride, wb, k, 2, NR, NR, 1, out);
+                        else dot_block(xb, x_stride, wb, k, 1, NR, NR, 1, out);
+                    } else if (MR >= 4 && mr == 4) dot_block(xb, x_stride, wb, k, 4, NR, NR, 0, out);
+                    else if (MR >= 3 && mr == 3) dot_block(xb, x_stride, wb, k, 3, NR, NR, 0, out);
+                    else if (MR >= 2 && mr == 2) dot_block(xb, x_stride, wb, k, 2, NR, NR, 0, out);
+                    else dot_block(xb, x_stride, wb, k, 1, NR, NR, 0, out);
                     store_block(out, bb, yb, y_stride, mr, NR, NR);
                 } else {
                     for (int j = 0; j < nr; j++)
                         for (int i = 0; i < mr; i++) {
-                            dot_block(xb + (int64_t)i * x_stride, x_stride, wb + (int64_t)j * k, k, 1, 1, 1, out);
+                            dot_block(xb + (int64_t)i * x_stride, x_stride, wb + (int64_t)j * k, k, 1, 1, 1, 0, out);
                             store_block(out, bb ? bb + j : 0, yb + (int64_t)i * y_stride + j, y_stride, 1, 1, 1);
                         }
                 }
