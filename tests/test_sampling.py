@@ -30,17 +30,22 @@ def run(pipe, requests):
     return done
 
 
+def random_crowd(seed, n, prompt_lens, new_tokens, temperature):
+    """n sampled requests {id: (prompt, SamplingParams)} of random token ids, lengths drawn from the given ranges."""
+    rng = random.Random(seed)
+    return {
+        f"x{i}": (
+            [rng.randrange(3, 49152) for _ in range(rng.randint(*prompt_lens))],
+            SamplingParams(max_new_tokens=rng.randint(*new_tokens), temperature=temperature, ignore_eos=True),
+        )
+        for i in range(n)
+    }
+
+
 def test_same_seed_same_tokens_whatever_the_batch(pipe):
     params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = run(pipe, {"a": ([11, 12, 13], params)})["a"].token_ids
-    rng = random.Random(0)
-    crowd = {
-        f"x{i}": (
-            [rng.randrange(3, 49152) for _ in range(rng.randint(1, 90))],
-            SamplingParams(max_new_tokens=rng.randint(1, 30), temperature=0.8, ignore_eos=True),
-        )
-        for i in range(6)
-    }
+    crowd = random_crowd(seed=0, n=6, prompt_lens=(1, 90), new_tokens=(1, 30), temperature=0.8)
     crowd["a"] = ([11, 12, 13], params)
     assert run(pipe, crowd)["a"].token_ids == alone
     other_seed = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
@@ -377,14 +382,7 @@ def test_logprobs_are_the_same_alone_and_in_any_batch(tiny_model_dir):
 
     alone = pipeline(str(tiny_model_dir), dtype="float32", kernels="cpu", max_batch_tokens=64, progress=False)
     reference = logprobs(run(alone, {"a": (prompt, params)})["a"])
-    rng = random.Random(9)
-    crowd = {
-        f"x{i}": (
-            [rng.randrange(3, 49152) for _ in range(rng.randint(10, 40))],
-            SamplingParams(max_new_tokens=rng.randint(4, 16), temperature=1.0, ignore_eos=True),
-        )
-        for i in range(20)
-    }
+    crowd = random_crowd(seed=9, n=20, prompt_lens=(10, 40), new_tokens=(4, 16), temperature=1.0)
     for budget in (16, 256):
         pipe = pipeline(str(tiny_model_dir), dtype="float32", kernels="cpu", max_batch_tokens=budget, progress=False)
         assert logprobs(run(pipe, {**crowd, "a": (prompt, params)})["a"]) == reference, f"budget {budget}"
