@@ -12,8 +12,8 @@
    kernels/csrc/prefill_attention_avx512.c) against every row through the C decode kernel (the fallback) and
    torch's CPU attention, whose results depend on the thread count.
 4. Linear layers, float32: every linear layer of SmolLM2-135M at 1 to 2048 rows (the LM head up to 64, the most rows
-   a step samples), the batch-invariant AVX-512 kernel (kernels/csrc/linear_f32.c) against torch's F.linear
-   (MKL's sgemm, what float32 ran before), weights not in cache; also the FLOP/s at each size.
+   a step samples), the batch-invariant AVX-512 kernel on its packed weights (kernels/csrc/linear_f32.c) against
+   torch's F.linear (MKL's sgemm) on the plain ones, weights not in cache; also the FLOP/s at each size.
 The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
@@ -71,26 +71,28 @@ def linear_f32_table(repeats: int) -> list[str]:
 
     model = pipeline("smollm2-135m", dtype="float32", progress=False).engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
-    head = {id(m.weight) for m in layers if isinstance(m, ParallelLMHead)}
+    if any(layer.packed is None or layer.packed.f32 is None for layer in layers):
+        return ["(the float32 linear kernel does not run on this machine)"]
     rows = [
         "| rows | F.linear (sgemm) ms | linear_f32 ms | linear_f32 / sgemm speed | sgemm GFLOP/s "
         "| linear_f32 GFLOP/s |",
         "|---|---|---|---|---|---|",
     ]
+    # The layers hold only their packed weights; sgemm gets each one unpacked, as torch keeps a weight.
+    packed = [(layer.packed.f32, isinstance(layer, ParallelLMHead)) for layer in layers]
+    plain = [p.unpacked().contiguous() for p, _ in packed]
     for m in (1, 2, 4, 8, 16, 64, 512, 2048):
-        weights = [layer.weight for layer in layers if m <= 64 or id(layer.weight) not in head]
-        xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
-        flops = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
-        if cpu.linear_f32(xs[weights[0].shape[1]], weights[0], None) is None:
-            return ["(the float32 linear kernel does not run on this machine)"]
+        chosen = [(p, w) for (p, is_head), w in zip(packed, plain) if m <= 64 or not is_head]
+        xs = {w.shape[1]: torch.randn(m, w.shape[1]) for _, w in chosen}
+        flops = sum(2 * m * w.shape[0] * w.shape[1] for _, w in chosen)
 
-        def sgemm(xs=xs, weights=weights):
-            for w in weights:
+        def sgemm(xs=xs, chosen=chosen):
+            for _, w in chosen:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
-        def ours(xs=xs, weights=weights):
-            for w in weights:
-                cpu.linear_f32(xs[w.shape[1]], w, None)
+        def ours(xs=xs, chosen=chosen):
+            for p, _ in chosen:
+                cpu.linear_f32(xs[p.in_features], p, None)
 
         reps = repeats if m <= 512 else max(1, repeats // 2)
         a, b = median_s(sgemm, reps), median_s(ours, reps)

@@ -205,7 +205,16 @@ class CLibrary:
     )
     linear_f32_available: Callable[[], int] = entry()
     linear_f32: Callable[..., int] = entry(
-        x=POINTER, x_stride=INT64, w=POINTER, bias=POINTER, y=POINTER, y_stride=INT64, m=INT, n=INT, k=INT, threads=INT
+        x=POINTER,
+        x_stride=INT64,
+        packed=POINTER,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        threads=INT,
     )
 
     @classmethod

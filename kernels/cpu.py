@@ -12,8 +12,9 @@
 - Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
   SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several; and greedy
   sampling's argmax over the logits.
-- Linear layers for bfloat16 (`pack_weight`, `linear`): weights packed once at load, for the AMX kernel
-  (csrc/linear.c) where it runs, else in oneDNN's blocked layout.
+- Linear layers (`pack_weight`, `linear`): weights packed once at load. bfloat16: for the AMX kernel (csrc/linear.c)
+  where it runs, else in oneDNN's blocked layout. float32 with AVX-512: for a kernel whose every output sums in one
+  order whatever the batch (csrc/linear_f32.c), so a request's logits do not depend on the requests beside it.
 
 Every kernel splits its work over the process's torch threads (torch.get_num_threads()) through OpenMP, on the same
 thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Each output is computed by one
@@ -57,7 +58,7 @@ def _elementwise() -> clib.CLibrary | None:
 
 @functools.cache
 def _linear_f32() -> clib.CLibrary | None:
-    """The library where its float32 small-batch linear kernel runs on this CPU (AVX-512), else None."""
+    """The library where its float32 linear kernel runs on this CPU (AVX-512), else None."""
     library = _get_library()
     return library if library is not None and library.linear_f32_available() else None
 
@@ -413,33 +414,55 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     return y if status == 0 else None
 
 
-def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+@dataclass(frozen=True)
+class PackedF32:
+    """A float32 weight (out_features, in_features) in csrc/linear_f32.c's panel order, packed once at load: panel p,
+    column c, lane j holds w[32 p + j][c]; out_features padded to 32 with zero rows."""
+
+    panels: torch.Tensor  # (out_features / 32 rounded up, in_features, 32)
+    out_features: int
+    in_features: int
+
+    def unpacked(self) -> torch.Tensor:
+        """The weight (out_features, in_features) again, for the rare input the kernel does not take."""
+        return self.panels.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
+
+
+def pack_f32(weight: torch.Tensor) -> PackedF32 | None:
+    """The weight in the float32 kernel's panel order, or None where that kernel does not run (no AVX-512, not a
+    float32 CPU matrix)."""
+    if _linear_f32() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    out_features, in_features = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % 32))
+    panels = padded.view(-1, 32, in_features).permute(0, 2, 1).contiguous()
+    return PackedF32(panels, out_features, in_features)
+
+
+def linear_f32(x: torch.Tensor, packed: PackedF32, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x (rows, in_features) W^T + bias in float32 (csrc/linear_f32.c), each row's result the same in any batch and
     on any thread count, or None where the kernel does not take the tensors."""
-    library = _linear_f32()
     if (
-        library is None
-        or not (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu)
+        not (x.dtype == torch.float32 and x.is_cpu)
         or x.dim() != 2
         or x.shape[0] == 0
         or x.stride(1) != 1
-        or not weight.is_contiguous()
-        or x.shape[1] != weight.shape[1]
+        or x.shape[1] != packed.in_features
         or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
     ):
         return None
-    rows, (out_features, in_features) = x.shape[0], weight.shape
-    y = torch.empty((rows, out_features), dtype=torch.float32)
-    status = library.linear_f32(
+    rows = x.shape[0]
+    y = torch.empty((rows, packed.out_features), dtype=torch.float32)
+    status = _linear_f32().linear_f32(
         x.data_ptr(),
         x.stride(0),
-        weight.data_ptr(),
+        packed.panels.data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
-        out_features,
+        packed.out_features,
         rows,
-        out_features,
-        in_features,
+        packed.out_features,
+        packed.in_features,
         torch.get_num_threads(),
     )
     return y if status == 0 else None
@@ -447,21 +470,34 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A CPU bfloat16 weight packed once at load, for exactly one kernel: the AMX linear kernel (csrc/linear.c)
-    where it runs, else oneDNN."""
+    """A CPU weight packed once at load, for exactly one kernel: in bfloat16 the AMX linear kernel (csrc/linear.c)
+    where it runs, else oneDNN; in float32 the batch-invariant kernel (csrc/linear_f32.c)."""
 
     amx: PackedLinear | None = None
     onednn: torch.Tensor | None = None
+    f32: PackedF32 | None = None
+
+    @property
+    def holds_weight(self) -> bool:
+        """The packed form alone computes the layer, so the layer may drop its plain weight (float32: every input the
+        kernel declines goes to torch with the weight unpacked)."""
+        return self.f32 is not None
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """The weight packed once for a CPU bfloat16 kernel, or None where packing does not apply (float32 keeps the plain
-    path).
+    """The weight packed once for a CPU kernel, or None where packing does not apply.
+
+    Float32 goes to the batch-invariant kernel where it runs (AVX-512): a row's result does not depend on the rows
+    around it, which sgemm's does. It keeps up with sgemm at prompt sizes and is faster for decode batches, whose
+    weight it streams once for all rows (python -m fastgen.benchmarks.cpu_kernels --linear-f32-only).
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packed once, that work is gone. The
     AMX kernel, where it runs, streams the weight faster than oneDNN at decode sizes and keeps up with it at prompt
     sizes on several threads (python -m fastgen.benchmarks.cpu_kernels --threads N; benchmarks/RESULTS.md). Both
     split their work over the torch threads."""
+    f32 = pack_f32(weight)
+    if f32 is not None:
+        return PackedWeight(f32=f32)
     if (
         weight.device.type != "cpu"
         or weight.dtype != torch.bfloat16
@@ -476,21 +512,20 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one."""
+    """x W^T + b, through the packed weight when there is one (weight may then be None: packed.holds_weight)."""
+    if packed is not None and packed.f32 is not None:
+        y = linear_f32(x, packed.f32, bias)
+        if y is not None:
+            return y
+        return F.linear(x, packed.f32.unpacked() if weight is None else weight, bias)
     if packed is not None and packed.amx is not None:
         y = linear_amx(x, packed.amx, bias)
         if y is not None:
             return y
     elif packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
-    elif x.dtype == torch.float32:
-        # Not sgemm: its rows sum in an order that depends on the row count, so a row's logits, and a seeded or
-        # near-tied request's tokens, would depend on the batch around it.
-        y = linear_f32(x, weight, bias)
-        if y is not None:
-            return y
     return F.linear(x, weight, bias)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -14,6 +15,15 @@ from .attention import paged_attention
 from .dense import argmax, linear, no_packing
 from .norm import add_rms_norm, rms_norm, silu_mul
 from .rotary import rotary_write_kv
+
+
+class Packed(Protocol):
+    """What a layer may ask of a packed weight; the rest of it is private to the backend that made it."""
+
+    @property
+    def holds_weight(self) -> bool:
+        """The packed form alone computes the layer: the layer may drop its plain weight and pass None for it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -27,9 +37,9 @@ class Kernels:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps) -> (normed, sum)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     # A weight (out_features, in_features) in the form this backend's `linear` reads fastest, packed once at load;
-    # None where the plain weight serves. The packed form is private to the backend that made it.
-    pack_linear: Callable[[torch.Tensor], object | None]
-    # (x, weight, bias or None, packed or None) -> x W^T + bias
+    # None where the plain weight serves.
+    pack_linear: Callable[[torch.Tensor], Packed | None]
+    # (x, weight or None (packed.holds_weight), bias or None, packed or None) -> x W^T + bias
     linear: Callable[..., torch.Tensor]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]

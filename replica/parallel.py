@@ -57,7 +57,8 @@ def _frozen(*shape: int) -> nn.Parameter:
 
 class ParallelLinear(nn.Module):
     """What every linear layer holds, whatever its split: this rank's weight shard (out, in), its bias or None, the
-    weight packed once at load for the kernels (`pack`), and the kernels' matrix multiply (`project`)."""
+    weight packed once at load for the kernels (`pack`; where the packed form holds the whole weight, the plain one is
+    dropped and `weight` is None), and the kernels' matrix multiply (`project`)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels: Kernels) -> None:
         super().__init__()
@@ -68,6 +69,8 @@ class ParallelLinear(nn.Module):
 
     def pack(self) -> None:
         self.packed = self.kernels.pack_linear(self.weight)
+        if self.packed is not None and self.packed.holds_weight:
+            self.weight = None  # two copies of every weight would double the model's memory
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) on this rank's shard."""

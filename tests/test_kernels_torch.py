@@ -370,32 +370,40 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
         assert torch.allclose(cpu.linear(x, w, bias, onednn).float(), ref, rtol=1e-2, atol=1e-2), rows
 
 
-# 50, 7, 1030: masked tails; 37, 5, 3: weight rows short of a block; 300 rows of 576 cross the kernel's x chunk
+# 37, 5, 3, 18: a last panel short of 32 features (masked); 576 x 300 rows crosses the kernel's chunk of rows; 1030: a
+# chunk of fewer rows than a strip's multiple
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 50), (5, 16), (3, 7), (18, 1030)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cpu_linear_f32_matches_float64_and_is_batch_invariant(out_features, in_features, with_bias):
     """The float32 linear kernel against a float64 matmul at decode and prompt row counts, on rows that are a view
     into wider ones; each row's result bit for bit the same alone or in any batch, on one thread or several; the
-    layers' float32 path is this kernel; other dtypes left to torch."""
+    layers' float32 path is this kernel on the packed weight, and drops the plain one; other dtypes left to torch."""
     from fastgen.kernels import cpu
 
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features) / in_features**0.5
     bias = torch.randn(out_features) if with_bias else None
+    packed = cpu.pack_f32(w)
+    if packed is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512: sgemm serves there")
+    assert torch.equal(packed.unpacked(), w)
+    layer_weight = cpu.pack_weight(w)
+    assert layer_weight.f32 is not None and layer_weight.holds_weight
     most = 300
     x = torch.randn(most, in_features + 32)[:, 16 : 16 + in_features]
-    if cpu.linear_f32(x[:1], w, bias) is None:
-        pytest.skip("no C compiler, or a CPU without AVX-512: sgemm serves there")
-    alone = torch.cat([in_threads(1, cpu.linear_f32, x[i : i + 1], w, bias) for i in range(most)])
-    for rows in (*range(1, 18), 33, 64, most):
+    alone = torch.cat([in_threads(1, cpu.linear_f32, x[i : i + 1], packed, bias) for i in range(most)])
+    for rows in (*range(1, 18), 25, 33, 64, most):
         ref = (x[:rows].double() @ w.double().T + (0 if bias is None else bias.double())).float()
-        got = in_threads(1, cpu.linear_f32, x[:rows], w, bias)
+        got = in_threads(1, cpu.linear_f32, x[:rows], packed, bias)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (rows, (got - ref).abs().max())
-        assert torch.equal(in_threads(THREADS, cpu.linear_f32, x[:rows], w, bias), got), rows
+        assert torch.equal(in_threads(THREADS, cpu.linear_f32, x[:rows], packed, bias), got), rows
         assert torch.equal(got, alone[:rows]), f"a row's result depends on the batch ({rows} rows)"
-        assert torch.equal(cpu.linear(x[:rows], w, bias, None), got)
-    assert torch.equal(in_threads(1, cpu.linear_f32, x[7:19], w, bias), alone[7:19])  # nor on its place in it
-    assert cpu.linear_f32(x[:2].bfloat16(), w.bfloat16(), None) is None
+        assert torch.equal(cpu.linear(x[:rows], None, bias, layer_weight), got)
+    assert torch.equal(in_threads(1, cpu.linear_f32, x[7:19], packed, bias), alone[7:19])  # nor on its place in it
+    assert cpu.linear_f32(x[:2].bfloat16(), packed, None) is None
+    # An input the kernel declines (not a matrix) still gets its answer, from the packed weight unpacked.
+    batched = cpu.linear(x[:6].reshape(2, 3, -1), None, bias, layer_weight)
+    assert torch.allclose(batched, alone[:6].reshape(2, 3, -1), rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_argmax_matches_torch():

@@ -1,177 +1,153 @@
-/* Float32 linear layers with AVX-512: y (m, n) = x (m, k) w^T (+ bias), w (n, k) row-major as torch keeps it, no
- * packing, any number of rows.
+/* Float32 linear layers with AVX-512: y (m, n) = x (m, k) w^T (+ bias), any number of rows, the weight packed once at
+ * load into panels of 32 output features: packed[p][kk][j] = w[32 p + j][kk], n padded with zero rows to a multiple
+ * of 32 (kernels/cpu.py pack_f32).
  *
- * One summation order for every output: lane l of a 16-lane accumulator takes the products at k = l, l + 16, ... in
- * increasing k, one fused multiply-add each; the lanes are then added by a fixed pairwise tree (l with l + 8, then
- * l + 4, l + 2, l + 1). Nothing in that order depends on m, on the row's place in its batch, on the block shape or
- * on the thread count, so a row's result is bit for bit the same alone or in any batch: a seeded request's tokens do
- * not depend on which requests share its steps, and a stream resumed on another replica continues as it would have.
- * MKL's sgemm is not batch-invariant (its rows differ between fewer and more than sixteen rows).
+ * One summation order for every output: y[i][j] = fma(x[i][k-1], w[j][k-1], ... fma(x[i][1], w[j][1], x[i][0] w[j][0]))
+ * in increasing k, one rounding per multiply-add, then + bias[j]. Nothing in that order depends on m, on the row's
+ * place in its batch, on the block shape or on the thread count, so a row's result is bit for bit the same alone or
+ * in any batch: a seeded request's tokens do not depend on which requests share its steps, and a stream resumed on
+ * another replica continues as it would have. MKL's sgemm is not batch-invariant (its rows differ between fewer and
+ * more than sixteen rows).
  *
- * Blocking: a block of NR consecutive weight rows (contiguous, so the hardware prefetcher follows) stays in L1 while
- * it meets every MR-row block of a chunk of x rows sized to stay in L2. For a decode batch the chunk is the whole
- * batch, so every weight row is read from memory once whatever m is; sgemm switches, from about four rows on, to a
- * path that costs up to twice as much per step (benchmarks/RESULTS.md).
- */
+ * The micro-kernel is an outer product: MR rows of x against one panel, one 16-lane accumulator per row and half
+ * panel, so every accumulator is one output's sequential chain and nothing is reduced across lanes. Each thread takes
+ * a share of the panels. A batch of at most MR rows (decode) streams each of its panels once from memory, asking for
+ * the weight ahead of use; a larger batch is cut into chunks of rows that stay in L2, packed into MR-row strips so the
+ * micro-kernel broadcasts from one sequential stream, and each panel meets every strip of a chunk while it stays in
+ * L2, the next panel requested meanwhile. The whole k runs in one pass: no partial sums are stored. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #include "parallel.h"
 
-/* Bytes of x a chunk may take: about half of a core's L2, the rest for the weight blocks streaming through. */
-#define X_CHUNK_BYTES (512 * 1024)
-/* Rows above which a batch is a prompt's: x streams from L2 rather than the weight from memory. */
-#define PROMPT_ROWS 16
-/* Bytes of weight rows a block may keep in L1 beside the x rows streaming through. */
-#define L1_WEIGHT_BYTES (32 * 1024)
-/* How far ahead, in weight blocks, a one-block batch asks for the weight. */
-#define PREFETCH_BLOCKS 2
+/* Output features per panel: two vectors. */
+#define NP 32
+/* Rows per micro-kernel: 2 MR accumulators, two weight vectors and a broadcast fill the 32 vector registers. */
+#define MR 12
+/* Bytes of x a chunk of rows may take: about a quarter of a core's L2, beside the panel streaming through it. */
+#define X_CHUNK_BYTES (288 * 1024)
+/* How far ahead, in k steps of one panel, a decode batch asks for the weight (the hardware prefetcher alone leaves
+ * memory idle between the short bursts of a few rows). */
+#define PREFETCH_STEPS 32
 /* Multiply-adds per extra thread below which one thread does the whole layer (waking one costs microseconds). */
 #define MIN_WORK_PER_THREAD (1 << 16)
 
-/* The 16 accumulators' lanes added by the pairwise tree, all 16 at once: lane l of the result is the sum of v[p(l)]
- * with p(l) = 4 (l % 4) + l / 4 (a 4 x 4 transpose). Every step adds lanes of one input only, so each result is
- * that input's tree sum whatever the other inputs hold. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16]) {
-    __m512 s[8], t[4], u[2];
-    for (int p = 0; p < 8; p++) /* lane j with j + 8: [v[2p] 8 lanes, v[2p + 1] 8 lanes] */
-        s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
-    for (int q = 0; q < 4; q++) /* j with j + 4: quarter r holds v[4q + r], 4 lanes */
-        t[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0x88),
-                             _mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0xDD));
-    for (int h = 0; h < 2; h++) /* j with j + 2: quarter r holds v[8h + r], v[8h + 4 + r], 2 lanes each */
-        u[h] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * h], t[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(t[2 * h], t[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* j with j + 1: quarter r holds v[r], v[4 + r], v[8 + r], v[12 + r] */
-    return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* out[i * width + j] = x row i . w row j for i < mr, j < nr <= width (mr * width <= 16); `prefetch` asks for the
- * weight block PREFETCH_BLOCKS ahead meanwhile (where each block meets one block of x, the block's compute is too short
- * for the hardware prefetcher to keep memory busy). mr, nr, width and prefetch are constants where this is inlined, so each call site is its own fully unrolled loop nest with its accumulators in registers. */
-static inline __attribute__((always_inline)) void dot_block(const float *x, int64_t x_stride, const float *w, int k,
-                                                            int mr, int nr, int width, int prefetch, float out[16]) {
-    __m512 acc[16];
-    for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
-    int kk = 0;
-    for (; kk + 16 <= k; kk += 16) {
-        __m512 wv[16];
-        if (prefetch) /* the same line of the weight block PREFETCH_BLOCKS ahead: a hint, it never faults */
-            for (int j = 0; j < nr; j++)
-                _mm_prefetch((const char *)(w + (int64_t)(PREFETCH_BLOCKS * width + j) * k + kk), _MM_HINT_T0);
-        for (int j = 0; j < nr; j++) wv[j] = _mm512_loadu_ps(w + (int64_t)j * k + kk);
+/* Rows [0, mr) of a strip against one panel (k steps of NP weights): the row-i value at step kk is a[i * as + kk * ak]
+ * (a row-major x: as = its stride, ak = 1; a packed strip: as = 1, ak = MR). Columns past n are masked off (m0, m1).
+ * `ahead` asks for the weight PREFETCH_STEPS steps ahead; `next`, when set, is `lines` cache lines of the next panel
+ * to ask L2 for, one every four steps. mr, ak and ahead are constants where this is inlined. */
+static inline __attribute__((always_inline)) void strip(const float *a, int64_t as, int64_t ak, const float *b, int k,
+                                                        const float *bias, float *y, int64_t ys, int mr,
+                                                        __mmask16 m0, __mmask16 m1, int ahead, const char *next,
+                                                        int lines) {
+    __m512 acc[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        if (ahead) { /* a hint: it never faults, past the end included */
+            _mm_prefetch((const char *)(b + (int64_t)(kk + PREFETCH_STEPS) * NP), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + (int64_t)(kk + PREFETCH_STEPS) * NP + 16), _MM_HINT_T0);
+        }
+        if ((kk & 3) == 0 && (kk >> 2) < lines) _mm_prefetch(next + (int64_t)(kk >> 2) * 64, _MM_HINT_T1);
+        const __m512 b0 = _mm512_loadu_ps(b + (int64_t)kk * NP), b1 = _mm512_loadu_ps(b + (int64_t)kk * NP + 16);
         for (int i = 0; i < mr; i++) {
-            const __m512 xv = _mm512_loadu_ps(x + (int64_t)i * x_stride + kk);
-            for (int j = 0; j < nr; j++) acc[i * width + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * width + j]);
+            const __m512 x = _mm512_set1_ps(a[i * as + kk * ak]);
+            acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
         }
     }
-    if (kk < k) { /* the last k % 16 columns: masked loads read zeros past the end */
-        const __mmask16 mask = (__mmask16)((1u << (k - kk)) - 1);
-        __m512 wv[16];
-        for (int j = 0; j < nr; j++) wv[j] = _mm512_maskz_loadu_ps(mask, w + (int64_t)j * k + kk);
-        for (int i = 0; i < mr; i++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (int64_t)i * x_stride + kk);
-            for (int j = 0; j < nr; j++) acc[i * width + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * width + j]);
-        }
+    const __m512 c0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 c1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < mr; i++) {
+        _mm512_mask_storeu_ps(y + i * ys, m0, bias ? _mm512_add_ps(acc[i][0], c0) : acc[i][0]);
+        _mm512_mask_storeu_ps(y + i * ys + 16, m1, bias ? _mm512_add_ps(acc[i][1], c1) : acc[i][1]);
     }
-    __m512 v[16]; /* in the order reduce16 transposes back */
-    for (int l = 0; l < 16; l++) v[4 * (l % 4) + l / 4] = acc[l];
-    _mm512_storeu_ps(out, reduce16(v));
 }
 
-static inline __attribute__((always_inline)) void store_block(const float out[16], const float *bias, float *y,
-                                                              int64_t y_stride, int mr, int nr, int width) {
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[(int64_t)i * y_stride + j] = out[i * width + j] + (bias ? bias[j] : 0.0f);
+/* strip() with mr a constant: each case is its own unrolled loop nest with its accumulators in registers. A packed
+ * strip (as == 0) is a prompt's; rows of x (as: their stride) are a decode batch's, which asks for its weight ahead. */
+#define STRIP_CASE(R)                                                                                                  \
+    case R:                                                                                                            \
+        if (as == 0) strip(a, 1, MR, b, k, bias, y, ys, R, m0, m1, 0, next, lines);                                    \
+        else strip(a, as, 1, b, k, bias, y, ys, R, m0, m1, 1, next, lines);                                            \
+        break;
+static void strip_rows(const float *a, int64_t as, const float *b, int k, const float *bias, float *y, int64_t ys,
+                       int mr, __mmask16 m0, __mmask16 m1, const char *next, int lines) {
+    switch (mr) {
+        STRIP_CASE(1) STRIP_CASE(2) STRIP_CASE(3) STRIP_CASE(4) STRIP_CASE(5) STRIP_CASE(6)
+        STRIP_CASE(7) STRIP_CASE(8) STRIP_CASE(9) STRIP_CASE(10) STRIP_CASE(11) STRIP_CASE(12)
+    }
 }
 
-/* Rows [0, m) of x against weight rows [lo, hi) in blocks of MR rows of x by NR weight rows (MR * NR == 16),
- * `chunk` rows of x at a time; a block short of rows or weight rows runs with fewer accumulators, never with padding
- * that would read past the tensors. MR and NR are constants where this is inlined. */
-static inline __attribute__((always_inline)) void columns(const float *x, int64_t x_stride, const float *w,
-                                                          const float *bias, float *y, int64_t y_stride, int m, int k,
-                                                          int lo, int hi, int chunk, int MR, int NR) {
-    float out[16];
+/* Rows [c0, c1) of x in MR-row strips, strip s at strips + s MR k: element (i, kk) at [kk MR + i]; a short last strip
+ * leaves its missing rows unwritten (the micro-kernel never reads them). */
+static void pack_rows(const float *x, int64_t x_stride, int k, int c0, int c1, float *strips) {
+    for (int i0 = c0; i0 < c1; i0 += MR) {
+        const int mr = c1 - i0 < MR ? c1 - i0 : MR;
+        float *dst = strips + (int64_t)(i0 - c0) * k;
+        for (int i = 0; i < mr; i++)
+            for (int kk = 0; kk < k; kk++) dst[(int64_t)kk * MR + i] = x[(int64_t)(i0 + i) * x_stride + kk];
+    }
+}
+
+/* Panels [lo, hi) for all m rows; `strips` (chunk * k floats) holds a chunk of packed rows when m > MR. */
+static void panels(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                   int64_t y_stride, int m, int n, int k, int lo, int hi, int chunk, float *strips) {
     for (int c0 = 0; c0 < m; c0 += chunk) {
         const int c1 = m - c0 < chunk ? m : c0 + chunk;
-        for (int n0 = lo; n0 < hi; n0 += NR) {
-            const int nr = hi - n0 < NR ? hi - n0 : NR;
-            const float *wb = w + (int64_t)n0 * k;
-            const float *bb = bias ? bias + n0 : 0;
-            for (int i0 = c0; i0 < c1; i0 += MR) {
+        if (strips) pack_rows(x, x_stride, k, c0, c1, strips);
+        const int calls = (c1 - c0 + MR - 1) / MR;
+        for (int p = lo; p < hi; p++) {
+            const int cols = n - p * NP < NP ? n - p * NP : NP;
+            const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+            const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+            const float *b = packed + (int64_t)p * k * NP;
+            /* The next panel, a share of its lines asked for by each strip, so it is in L2 when this one ends. */
+            const char *next = (const char *)(b + (int64_t)k * NP);
+            const int64_t lines = p + 1 < hi && calls > 1 ? (int64_t)k * NP / 16 : 0;
+            for (int i0 = c0, s = 0; i0 < c1; i0 += MR, s++) {
                 const int mr = c1 - i0 < MR ? c1 - i0 : MR;
-                const float *xb = x + (int64_t)i0 * x_stride;
-                float *yb = y + (int64_t)i0 * y_stride + n0;
-                if (nr == NR) { /* constant block shapes: each call below is its own unrolled loop nest */
-                    if (m <= MR) { /* the whole batch in one block: the weight streams from memory */
-                        if (MR >= 4 && mr == 4) dot_block(xb, x_stride, wb, k, 4, NR, NR, 1, out);
-                        else if (MR >= 3 && mr == 3) dot_block(xb, x_stride, wb, k, 3, NR, NR, 1, out);
-                        else if (MR >= 2 && mr == 2) dot_block(xb, x_stride, wb, k, 2, NR, NR, 1, out);
-                        else dot_block(xb, x_stride, wb, k, 1, NR, NR, 1, out);
-                    } else if (MR >= 4 && mr == 4) dot_block(xb, x_stride, wb, k, 4, NR, NR, 0, out);
-                    else if (MR >= 3 && mr == 3) dot_block(xb, x_stride, wb, k, 3, NR, NR, 0, out);
-                    else if (MR >= 2 && mr == 2) dot_block(xb, x_stride, wb, k, 2, NR, NR, 0, out);
-                    else dot_block(xb, x_stride, wb, k, 1, NR, NR, 0, out);
-                    store_block(out, bb, yb, y_stride, mr, NR, NR);
-                } else {
-                    for (int j = 0; j < nr; j++)
-                        for (int i = 0; i < mr; i++) {
-                            dot_block(xb + (int64_t)i * x_stride, x_stride, wb + (int64_t)j * k, k, 1, 1, 1, 0, out);
-                            store_block(out, bb ? bb + j : 0, yb + (int64_t)i * y_stride + j, y_stride, 1, 1, 1);
-                        }
-                }
+                const int64_t l0 = lines * s / calls, l1 = lines * (s + 1) / calls;
+                const float *a = strips ? strips + (int64_t)(i0 - c0) * k : x + (int64_t)i0 * x_stride;
+                strip_rows(a, strips ? 0 : x_stride, b, k, bias ? bias + p * NP : 0, y + (int64_t)i0 * y_stride + p * NP,
+                           y_stride, mr, m0, m1, next + l0 * 64, (int)(l1 - l0));
             }
         }
     }
 }
 
-/* Four rows by four weight rows: a decode batch reads each weight row once, and, at prompt sizes, weights too long for
- * eight rows of them to stay in L1. */
-static void columns_4x4(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
-                        int64_t y_stride, int m, int k, int lo, int hi, int chunk) {
-    columns(x, x_stride, w, bias, y, y_stride, m, k, lo, hi, chunk, 4, 4);
-}
-
-/* Two rows by eight weight rows: at prompt sizes x streams from L2, and this shape reads half as much of it per
- * multiply-add as 4 x 4. */
-static void columns_2x8(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
-                        int64_t y_stride, int m, int k, int lo, int hi, int chunk) {
-    columns(x, x_stride, w, bias, y, y_stride, m, k, lo, hi, chunk, 2, 8);
-}
-
 int linear_f32_available(void) { return 1; }
 
-int linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y, int64_t y_stride, int m,
-               int n, int k, int threads) {
-    if (m <= 0 || n <= 0 || k <= 0) return -1;
-    const int wide = m > PROMPT_ROWS && (int64_t)8 * k * (int64_t)sizeof(float) <= L1_WEIGHT_BYTES;
-    const int nr = wide ? 8 : 4;
-    int chunk = (int)(X_CHUNK_BYTES / ((int64_t)k * (int64_t)sizeof(float))) / 4 * 4;
-    if (chunk < 4) chunk = 4;
-    const int blocks = (n + nr - 1) / nr;
+int linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y, int64_t y_stride,
+               int m, int n, int k, int threads) {
+    if (m <= 0 || n <= 0 || k <= 0 || x_stride < 1) return -1;
+    int chunk = (int)(X_CHUNK_BYTES / ((int64_t)k * (int64_t)sizeof(float))) / MR * MR;
+    if (chunk < MR) chunk = MR;
+    if (chunk > m) chunk = m;
     threads = threads_for(threads, (int64_t)m * n * k, MIN_WORK_PER_THREAD);
-#pragma omp parallel num_threads(threads) if (threads > 1)
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
         int lo, hi;
-        share(blocks, thread_index(), thread_count(), &lo, &hi);
-        hi = nr * hi < n ? nr * hi : n;
-        if (nr * lo < hi) {
-            if (wide) columns_2x8(x, x_stride, w, bias, y, y_stride, m, k, nr * lo, hi, chunk);
-            else columns_4x4(x, x_stride, w, bias, y, y_stride, m, k, nr * lo, hi, chunk);
-        }
+        share((n + NP - 1) / NP, thread_index(), thread_count(), &lo, &hi);
+        /* whole strips: the last one of a chunk may be short of rows but is laid out MR wide */
+        const size_t bytes = (size_t)((chunk + MR - 1) / MR * MR) * k * sizeof(float);
+        float *strips = m > MR ? aligned_alloc(64, (bytes + 63) / 64 * 64) : 0;
+        if (m > MR && !strips) failed = 1;
+        else if (lo < hi) panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi, chunk, strips);
+        free(strips);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 #else
 int linear_f32_available(void) { return 0; }
-int linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y, int64_t y_stride, int m,
-               int n, int k, int threads) {
-    (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k, (void)threads;
+int linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y, int64_t y_stride,
+               int m, int n, int k, int threads) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k,
+        (void)threads;
     return -1;
 }
 #endif
