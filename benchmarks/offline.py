@@ -14,6 +14,8 @@ FastGen's or vLLM's, can serve a repeat from an earlier one, so servers may keep
 
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
+FastGen's KV pool is --kv-cache-gib (default 2 GiB, what benchmarks/out/vllm_start.sh gives vLLM): with less,
+W1's 64 sequences do not all fit and some are preempted and recomputed, work the peer does not do.
 Also reports model FLOP/s of a 512- and a 2048-token prefill (fresh prompts) against a large matmul's FLOP/s measured
 in the same run.
 
@@ -136,6 +138,13 @@ def main() -> None:
     p.add_argument("--hf-repeats", type=int, default=None, help="repeats for transformers (default --repeats)")
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=2.0,
+        help="FastGen's KV pool in GiB: the same as the peer's (benchmarks/out/vllm_start.sh gives vLLM "
+        "VLLM_CPU_KVCACHE_SPACE=2); a smaller pool preempts and recomputes sequences W1's 64 cannot all fit",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts (smoke runs)")
     p.add_argument("--vllm-url", default=None, help="also time a running vLLM OpenAI server on the same prompts")
@@ -146,7 +155,13 @@ def main() -> None:
     from fastgen.replica import pipeline
 
     dtype = getattr(torch, args.dtype)
-    pipe = pipeline("smollm2-135m", dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, progress=False)
+    pipe = pipeline(
+        "smollm2-135m",
+        dtype=args.dtype,
+        max_batch_tokens=args.max_batch_tokens,
+        kv_cache_memory=int(args.kv_cache_gib * 2**30),
+        progress=False,
+    )
     pipe([[1, 2, 3]], max_new_tokens=2)  # warm-up
     hf = None
     if not args.skip_hf:
@@ -213,7 +228,11 @@ def main() -> None:
             f"({model_flops / matmul_flops:.0%})"
         )
     results["meta"] = run_info("offline") | dict(
-        dtype=args.dtype, threads=args.threads, load_before=load, load_after=os.getloadavg()
+        dtype=args.dtype,
+        threads=args.threads,
+        kv_cache_gib=args.kv_cache_gib,
+        load_before=load,
+        load_after=os.getloadavg(),
     )
     print(json.dumps(results["meta"]))
     if args.json:

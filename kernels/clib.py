@@ -39,6 +39,7 @@ SOURCES = [
         "elementwise.c",
         "linear.c",
         "linear_f32.c",
+        "elementwise_f32.c",
     )
 ]
 HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
@@ -68,6 +69,39 @@ def entry(**params: type) -> dataclasses.Field:
     """A field of CLibrary: the C function of the field's name, taking `params` (C name -> ctypes type, in order)
     and returning int (0 on success, -1 where the kernel declines)."""
     return field(metadata={"params": params})
+
+
+# The elementwise kernels take the same parameters in every dtype.
+ADD_RMS_NORM = dict(
+    x=POINTER,
+    residual=POINTER,
+    weight=POINTER,
+    out=POINTER,
+    residual_out=POINTER,
+    rows=INT,
+    hidden=INT,
+    x_stride=INT64,
+    eps=FLOAT,
+    threads=INT,
+)
+SILU_MUL = dict(gate_up=POINTER, out=POINTER, rows=INT, inter=INT, in_stride=INT64, threads=INT)
+ROTARY_WRITE_KV = dict(
+    q=POINTER,
+    k=POINTER,
+    v=POINTER,
+    row_stride=INT64,
+    cos_sin=POINTER,
+    positions=POINTER,
+    slots=POINTER,
+    q_out=POINTER,
+    k_cache=POINTER,
+    v_cache=POINTER,
+    tokens=INT,
+    heads=INT,
+    kv_heads=INT,
+    head_dim=INT,
+    threads=INT,
+)
 
 
 @dataclass(frozen=True)
@@ -158,38 +192,9 @@ class CLibrary:
         threads=INT,
     )
     elementwise_available: Callable[[], int] = entry()
-    add_rms_norm_bf16: Callable[..., int] = entry(
-        x=POINTER,
-        residual=POINTER,
-        weight=POINTER,
-        out=POINTER,
-        residual_out=POINTER,
-        rows=INT,
-        hidden=INT,
-        x_stride=INT64,
-        eps=FLOAT,
-        threads=INT,
-    )
-    silu_mul_bf16: Callable[..., int] = entry(
-        gate_up=POINTER, out=POINTER, rows=INT, inter=INT, in_stride=INT64, threads=INT
-    )
-    rotary_write_kv_bf16: Callable[..., int] = entry(
-        q=POINTER,
-        k=POINTER,
-        v=POINTER,
-        row_stride=INT64,
-        cos_sin=POINTER,
-        positions=POINTER,
-        slots=POINTER,
-        q_out=POINTER,
-        k_cache=POINTER,
-        v_cache=POINTER,
-        tokens=INT,
-        heads=INT,
-        kv_heads=INT,
-        head_dim=INT,
-        threads=INT,
-    )
+    add_rms_norm_bf16: Callable[..., int] = entry(**ADD_RMS_NORM)
+    silu_mul_bf16: Callable[..., int] = entry(**SILU_MUL)
+    rotary_write_kv_bf16: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     argmax_bf16: Callable[..., int] = entry(x=POINTER, rows=INT, vocab=INT, stride=INT64, out=POINTER, threads=INT)
     linear_bf16: Callable[..., int] = entry(
         x=POINTER,
@@ -203,6 +208,10 @@ class CLibrary:
         k=INT,
         threads=INT,
     )
+    elementwise_f32_available: Callable[[], int] = entry()
+    add_rms_norm_f32: Callable[..., int] = entry(**ADD_RMS_NORM)
+    silu_mul_f32: Callable[..., int] = entry(**SILU_MUL)
+    rotary_write_kv_f32: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     linear_f32_available: Callable[[], int] = entry()
     linear_f32: Callable[..., int] = entry(
         x=POINTER,

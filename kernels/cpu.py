@@ -9,9 +9,9 @@
   over 16-query x 16-key tiles, float32 or bfloat16 in, reading the cache in place.
 - Prompt-chunk attention for bfloat16 on CPUs with AMX (csrc/prefill_attention.c): flash attention with both
   products on the matrix engine, reading the chunk's keys and values from the paged cache.
-- Elementwise work between the matrix multiplies for bfloat16 (csrc/elementwise.c): residual add + RMSNorm,
-  SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory instead of several; and greedy
-  sampling's argmax over the logits.
+- Elementwise work between the matrix multiplies (csrc/elementwise.c for bfloat16, csrc/elementwise_f32.c for
+  float32): residual add + RMSNorm, SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory
+  instead of several; and, for bfloat16, greedy sampling's argmax over the logits.
 - Linear layers (`pack_weight`, `linear`): weights packed once at load. bfloat16: for the AMX kernel (csrc/linear.c)
   where it runs, else in oneDNN's blocked layout. float32 with AVX-512: for a kernel whose every output sums in one
   order whatever the batch (csrc/linear_f32.c), so a request's logits do not depend on the requests beside it.
@@ -26,6 +26,7 @@ kernels/clib.py); without a compiler, or for shapes and dtypes a kernel does not
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -241,19 +242,42 @@ def _prefill_attention_amx(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """x is a bfloat16 CPU matrix whose rows are contiguous (a row stride of its own is fine)."""
-    return x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+def _rows(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """x is a CPU matrix of dtype whose rows are contiguous (a row stride of its own is fine)."""
+    return x.dtype == dtype and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """The fused elementwise kernels of one activation dtype (csrc/elementwise.c for bfloat16, csrc/elementwise_f32.c
+    for float32), all taking the same arguments whatever the dtype."""
+
+    dtype: torch.dtype
+    add_rms_norm: Callable[..., int]
+    silu_mul: Callable[..., int]
+    rotary_write_kv: Callable[..., int]
+
+
+@functools.cache
+def _elementwise_for(dtype: torch.dtype) -> Elementwise | None:
+    """The fused elementwise kernels for activations of dtype where they run on this CPU, else None (torch serves)."""
+    if dtype == torch.bfloat16 and _elementwise() is not None:
+        library = _elementwise()
+        return Elementwise(dtype, library.add_rms_norm_bf16, library.silu_mul_bf16, library.rotary_write_kv_bf16)
+    library = _get_library()
+    if dtype == torch.float32 and library is not None and library.elementwise_f32_available():
+        return Elementwise(dtype, library.add_rms_norm_f32, library.silu_mul_f32, library.rotary_write_kv_f32)
+    return None
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same contract as norm.rms_norm."""
-    library = _elementwise()
-    if library is None or not _rows(x) or weight.dtype != torch.bfloat16:
+    kernels = _elementwise_for(x.dtype)
+    if kernels is None or not _rows(x, kernels.dtype) or weight.dtype != kernels.dtype or not weight.is_contiguous():
         return rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
-    library.add_rms_norm_bf16(
+    kernels.add_rms_norm(
         x.data_ptr(),
         None,
         weight.data_ptr(),
@@ -272,17 +296,18 @@ def add_rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as norm.add_rms_norm."""
-    library = _elementwise()
+    kernels = _elementwise_for(x.dtype)
     if (
-        library is None
-        or not _rows(x)
-        or not (_rows(residual) and residual.is_contiguous())
-        or weight.dtype != torch.bfloat16
+        kernels is None
+        or not _rows(x, kernels.dtype)
+        or not (_rows(residual, kernels.dtype) and residual.is_contiguous())
+        or weight.dtype != kernels.dtype
+        or not weight.is_contiguous()
     ):
         return add_rms_norm(x, residual, weight, eps)
     out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
     rows, hidden = x.shape
-    library.add_rms_norm_bf16(
+    kernels.add_rms_norm(
         x.data_ptr(),
         residual.data_ptr(),
         weight.data_ptr(),
@@ -299,20 +324,18 @@ def add_rms_norm_cpu(
 
 def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     """Same contract as norm.silu_mul."""
-    library = _elementwise()
-    if library is None or not _rows(gate_up) or gate_up.shape[1] % 2:
+    kernels = _elementwise_for(gate_up.dtype)
+    if kernels is None or not _rows(gate_up, kernels.dtype) or gate_up.shape[1] % 2:
         return silu_mul(gate_up)
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    library.silu_mul_bf16(
-        gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads()
-    )
+    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
     return out
 
 
 def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
     """Same contract as rotary.rotary_write_kv, for q, k, v that are views into one fused qkv row per token."""
-    library = _elementwise()
+    kernels = _elementwise_for(q.dtype)
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     # One row stride for q, k and v (views of one fused projection); a single token's row stride is whatever torch
@@ -321,9 +344,9 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
     same_rows = tokens == 1 or q.stride(0) == k.stride(0) == v.stride(0)
     same_rows = same_rows and all(t.stride()[1:] == (head_dim, 1) for t in (q, k, v))
     if (
-        library is None
+        kernels is None
         or not same_rows
-        or not all(t.dtype == torch.bfloat16 for t in (q, k, v, k_cache, v_cache))
+        or not all(t.dtype == kernels.dtype and t.is_cpu for t in (q, k, v, k_cache, v_cache))
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or cos_sin.dtype != torch.float32
         or not cos_sin.is_contiguous()
@@ -333,7 +356,7 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
-    library.rotary_write_kv_bf16(
+    kernels.rotary_write_kv(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),

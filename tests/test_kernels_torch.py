@@ -306,6 +306,53 @@ def test_cpu_elementwise_kernels_match_torch(hidden, forbid):
         assert not caches[0].view(-1, kv_heads, head_dim)[untouched].any()  # nothing written outside the slots
 
 
+@pytest.mark.parametrize("hidden", [576, 40])  # 40: a masked tail of every row
+def test_cpu_elementwise_f32_kernels_match_torch(hidden, forbid):
+    """The fused float32 C kernels: rotary bit for bit torch's (and so Hugging Face's), into the cache slots torch
+    writes and nowhere else; the residual sum exact; the norm (its squares summed in another order) and SiLU (a
+    polynomial exponential) within a few float32 steps; rows with a stride of their own read correctly; several
+    threads give one thread's results bit for bit, and a row's result does not depend on the rows beside it."""
+    from fastgen.kernels import cpu, norm, rotary_write_kv
+    from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
+
+    if cpu._elementwise_for(torch.float32) is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512: the torch kernels serve there")
+    torch.manual_seed(hidden)
+    rows = 2000  # enough work that the kernels split it over threads
+    wide = torch.randn(rows, hidden * 3) * 3
+    x, r = wide[:, :hidden], torch.randn(rows, hidden)  # x: rows with a stride of 3 * hidden
+    w = torch.randn(hidden)
+    gate_up = wide[:, : 2 * hidden]
+    ref_out, ref_total = norm.add_rms_norm(x, r, w, 1e-5)
+    out, total = in_threads(1, cpu.add_rms_norm_cpu, x, r, w, 1e-5)
+    assert torch.equal(total, ref_total)
+    assert torch.allclose(out, ref_out, rtol=1e-6, atol=1e-6), (out - ref_out).abs().max()
+    assert torch.equal(in_threads(THREADS, cpu.add_rms_norm_cpu, x, r, w, 1e-5)[0], out)
+    assert torch.equal(in_threads(1, cpu.add_rms_norm_cpu, x[5:6], r[5:6], w, 1e-5)[0], out[5:6])
+    plain = in_threads(1, cpu.rms_norm_cpu, x, w, 1e-5)
+    assert torch.allclose(plain, norm.rms_norm(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+    assert torch.equal(in_threads(THREADS, cpu.rms_norm_cpu, x, w, 1e-5), plain)
+    silu = in_threads(1, cpu.silu_mul_cpu, gate_up)
+    assert torch.allclose(silu, norm.silu_mul(gate_up), rtol=1e-6, atol=1e-6), (
+        (silu - norm.silu_mul(gate_up)).abs().max()
+    )
+    assert torch.equal(in_threads(THREADS, cpu.silu_mul_cpu, gate_up), silu)
+
+    forbid(cpu, "rotary_write_kv")  # the reference below is imported separately
+    head_dim, heads, kv_heads = hidden // 4 * 2, 4, 2
+    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 4096)
+    for tokens, threads in ((600, 1), (600, THREADS), (1, 1)):  # one token: torch's views report other strides
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+        positions, slots = torch.randint(0, 4096, (tokens,)), torch.randperm(64 * 16)[:tokens]
+        caches = [torch.zeros(64, 16, kv_heads, head_dim) for _ in range(4)]
+        q_out = in_threads(threads, cpu.rotary_write_kv_cpu, q, k, v, cos_sin, positions, caches[0], caches[1], slots)
+        q_ref = rotary_write_kv(q, k, v, cos_sin, positions, caches[2], caches[3], slots)
+        assert torch.equal(q_out, q_ref)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("kv_heads, head_dim", [(1, 64), (3, 64), (2, 128)])
 def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim, forbid):

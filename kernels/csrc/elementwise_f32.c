@@ -1,0 +1,147 @@
+/* The elementwise work between the matrix multiplies, fused, for float32 activations on CPUs with AVX-512F: residual
+ * add + RMSNorm, SiLU(gate) * up, and rotary embedding with the KV cache write. Torch runs each as several passes
+ * over memory with a temporary per step; here every element is read once. Each row is computed by one thread in one
+ * order, so results depend neither on the batch nor on the thread count.
+ *
+ * Rotary embedding does torch's arithmetic exactly (x1 cos - x2 sin with both products rounded), so it matches the
+ * torch kernel, and Hugging Face, bit for bit. The norm sums its squares in an order of its own and SiLU's exponential
+ * is a polynomial: both within a few float32 rounding steps of torch's.
+ *
+ * The _round intrinsics keep each product rounded on its own: plain vector products may be contracted into fused
+ * multiply-adds by the compiler, which would round differently from torch. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "parallel.h"
+#include "vector_math.h"
+
+int elementwise_f32_available(void) { return 1; }
+
+/* Elements per extra thread below which a call stays on one thread (a decode batch's norms: waking a thread would
+ * cost more than it saves). */
+#define MIN_ELEMENTS_PER_THREAD 32768
+#define ROWS_IN_PARALLEL _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(static)")
+#define EXACT _MM_FROUND_CUR_DIRECTION
+
+static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+static inline __m512 load(const float *p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+
+static inline void store(float *p, __m512 x, int n) { _mm512_mask_storeu_ps(p, first(n), x); }
+
+/* out = weight * (s * (1 / sqrt(mean(s^2) + eps))) with s = x + residual, stored to residual_out; without a residual
+ * (NULL), s = x and nothing is stored. Rows of x have x_stride elements; the other tensors are contiguous. */
+int add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *residual_out,
+                     int rows, int hidden, int64_t x_stride, float eps, int threads) {
+    threads = threads_for(threads, (int64_t)rows * hidden, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
+    for (int r = 0; r < rows; r++) {
+        const float *s_row = x + r * x_stride; /* where s lies once the first pass is done */
+        __m512 squares = _mm512_setzero_ps();
+        if (residual) {
+            const float *xr = s_row, *rr = residual + (int64_t)r * hidden;
+            float *sr = residual_out + (int64_t)r * hidden;
+            for (int d = 0; d < hidden; d += 16) {
+                __m512 s = _mm512_add_ps(load(xr + d, hidden - d), load(rr + d, hidden - d));
+                store(sr + d, s, hidden - d);
+                squares = _mm512_fmadd_ps(s, s, squares);
+            }
+            s_row = sr;
+        } else {
+            for (int d = 0; d < hidden; d += 16) {
+                __m512 s = load(s_row + d, hidden - d);
+                squares = _mm512_fmadd_ps(s, s, squares);
+            }
+        }
+        __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / hidden + eps));
+        float *o = out + (int64_t)r * hidden;
+        for (int d = 0; d < hidden; d += 16) {
+            __m512 y = _mm512_mul_round_ps(load(s_row + d, hidden - d), inv, EXACT);
+            store(o + d, _mm512_mul_round_ps(load(weight + d, hidden - d), y, EXACT), hidden - d);
+        }
+    }
+    return 0;
+}
+
+/* out (rows, inter) = silu(gate) * up, gate and up the two halves of each gate_up row (rows of in_stride elements). */
+int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
+    for (int r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * in_stride, *up = gate + inter;
+        float *o = out + (int64_t)r * inter;
+        for (int d = 0; d < inter; d += 16) {
+            int n = inter - d;
+            __m512 g = load(gate + d, n);
+            /* sigmoid from e = exp(-|g|), which cannot overflow: 1/(1+e) for g >= 0, e/(1+e) below */
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            sig = _mm512_mask_mul_ps(sig, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), sig, e);
+            __m512 silu = _mm512_mul_round_ps(g, sig, EXACT);
+            store(o + d, _mm512_mul_round_ps(silu, load(up + d, n), EXACT), n);
+        }
+    }
+    return 0;
+}
+
+/* One head of one token rotated (rotate-half layout) as torch does it: out[i] = x1 cos - x2 sin, out[i + half] =
+ * x2 cos + x1 sin for i < half, every product rounded, with cos_sin = (cos[half], sin[half]). */
+static inline void rotate(const float *x, const float *cos_sin, int half, float *out) {
+    for (int i = 0; i < half; i += 16) {
+        int n = half - i;
+        __m512 c = load(cos_sin + i, n), s = load(cos_sin + half + i, n);
+        __m512 x1 = load(x + i, n), x2 = load(x + half + i, n);
+        store(out + i,
+              _mm512_sub_round_ps(_mm512_mul_round_ps(x1, c, EXACT), _mm512_mul_round_ps(x2, s, EXACT), EXACT), n);
+        store(out + half + i,
+              _mm512_add_round_ps(_mm512_mul_round_ps(x2, c, EXACT), _mm512_mul_round_ps(x1, s, EXACT), EXACT), n);
+    }
+}
+
+/* q (tokens, heads, head_dim) and k, v (tokens, kv_heads, head_dim), each with rows of row_stride elements (views into
+ * the fused qkv projection), heads contiguous within a row. Rotated q goes to q_out (contiguous); rotated k and v go
+ * to their cache slots, caches (slots, kv_heads, head_dim). */
+int rotary_write_kv_f32(const float *q, const float *k, const float *v, int64_t row_stride, const float *cos_sin,
+                        const int64_t *positions, const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
+                        int tokens, int heads, int kv_heads, int head_dim, int threads) {
+    const int half = head_dim / 2;
+    if (head_dim % 2) return -1;
+    threads = threads_for(threads, (int64_t)tokens * (heads + 2 * kv_heads) * head_dim, MIN_ELEMENTS_PER_THREAD);
+    ROWS_IN_PARALLEL
+    for (int t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * head_dim;
+        for (int h = 0; h < heads; h++)
+            rotate(q + t * row_stride + h * head_dim, cs, half, q_out + ((int64_t)t * heads + h) * head_dim);
+        float *kc = k_cache + slots[t] * kv_heads * head_dim, *vc = v_cache + slots[t] * kv_heads * head_dim;
+        for (int h = 0; h < kv_heads; h++) rotate(k + t * row_stride + h * head_dim, cs, half, kc + h * head_dim);
+        memcpy(vc, v + t * row_stride, sizeof(float) * kv_heads * head_dim);
+    }
+    return 0;
+}
+
+#else
+/* Without the instructions: every entry point exists (the loader binds them all) and declines. */
+int elementwise_f32_available(void) { return 0; }
+int add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *residual_out,
+                     int rows, int hidden, int64_t x_stride, float eps, int threads) {
+    (void)x, (void)residual, (void)weight, (void)out, (void)residual_out, (void)rows, (void)hidden, (void)x_stride;
+    (void)eps, (void)threads;
+    return -1;
+}
+int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {
+    (void)gate_up, (void)out, (void)rows, (void)inter, (void)in_stride, (void)threads;
+    return -1;
+}
+int rotary_write_kv_f32(const float *q, const float *k, const float *v, int64_t row_stride, const float *cos_sin,
+                        const int64_t *positions, const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
+                        int tokens, int heads, int kv_heads, int head_dim, int threads) {
+    (void)q, (void)k, (void)v, (void)row_stride, (void)cos_sin, (void)positions, (void)slots, (void)q_out;
+    (void)k_cache, (void)v_cache, (void)tokens, (void)heads, (void)kv_heads, (void)head_dim, (void)threads;
+    return -1;
+}
+#endif
