@@ -199,7 +199,7 @@ def test_cpu_attention_of_long_prompts_is_thread_count_independent(
 @pytest.mark.parametrize("group, head_dim", [(1, 32), (3, 64), (8, 128), (8, 32), (1, 128), (3, 128)])
 def test_cpu_prefill_attention_avx512_matches_dense(dtype, block_size, group, head_dim, c_attention, forbid):
     """The AVX-512 prompt-chunk kernel (csrc/prefill_attention_avx512.c) on mixed batches (decodes, then chunks of
-    1 to 300 rows around its 16-row and 16-key tiles, fresh or after a cached history): against dense float32
+    1 to 300 rows around its 16-key tiles and 64-row work units, fresh or after a cached history): against dense float32
     attention on one thread, and bit for bit equal on 2 and THREADS threads. Neither torch nor the rows-as-decodes
     fallback may serve (the AMX kernel does, for bfloat16, where there is AMX); slots no sequence owns hold NaN."""
     from fastgen.kernels import clib
@@ -210,9 +210,9 @@ def test_cpu_prefill_attention_avx512_matches_dense(dtype, block_size, group, he
     rng = random.Random(block_size * 1000 + group * 100 + head_dim)
     torch.manual_seed(block_size + group + head_dim)
     kv_heads = rng.choice([1, 2])
-    chunks = [1, 15, 16, 17, 100, 300]
+    chunks = [1, 15, 16, 17, 64, 65, 100, 300]
     rng.shuffle(chunks)
-    for part in (chunks[:3], chunks[3:]):
+    for part in (chunks[:4], chunks[4:]):
         decodes = [(rng.randrange(0, 200), 1) for _ in range(rng.randrange(0, 4))]
         seqs = decodes + [(rng.choice([0, rng.randrange(1, 200)]), c) for c in part]
         batch = make_paged_batch(

@@ -3,8 +3,8 @@
  * flash-attention style (online softmax over 16-key tiles). q and the caches are float32 or bfloat16; bfloat16 is
  * widened to float32 on load by a shift, so no AVX512-BF16 instruction is needed.
  *
- * A work unit is (sequence's chunk, 16-query tile, KV head): the tile's rows times the group's query heads, up to
- * 16 * group query vectors, against keys [0, position of the tile's last row]. Per 16-key tile:
+ * A work unit is (sequence's chunk, tile of PF_QROWS queries, KV head): the tile's rows times the group's query heads,
+ * up to PF_QROWS * group query vectors, against keys [0, position of the tile's last row]. Per 16-key tile:
  * - the tile's keys are converted to float32 and transposed into head_dim x 16 (scratch, L1), so the scores of one
  *   query vector are one zmm: sum over d of q[d] (broadcast) times row d of the transposed tile; 16 query vectors
  *   share each load of a transposed row;
@@ -30,6 +30,8 @@
 #define PF_MAX_HEAD_DIM 256
 #define PF_MAX_GROUP 16
 #define PF_TILE 16
+/* Query rows per work unit: each key tile, widened and transposed once per unit, serves all of them. */
+#define PF_QROWS 64
 #define PF_QBLOCK 16 /* query vectors sharing each load of a transposed key row; softmax_block needs 16 */
 
 #ifdef __AVX512F__
@@ -230,9 +232,9 @@ static inline __attribute__((always_inline)) void accumulate4(float *o, const fl
 DEFINE_UNIT(f32, float)
 DEFINE_UNIT(bf16, uint16_t)
 
-/* 16-query tiles of sequence i's chunk. */
+/* Query tiles (PF_QROWS rows) of sequence i's chunk. */
 static inline int query_tiles(const int32_t *query_start, int i) {
-    return (query_start[i + 1] - query_start[i] + PF_TILE - 1) / PF_TILE;
+    return (query_start[i + 1] - query_start[i] + PF_QROWS - 1) / PF_QROWS;
 }
 
 /* Work below which one more thread is not worth waking: query vectors x keys x head_dim multiply-adds. */
@@ -266,7 +268,7 @@ static inline int query_tiles(const int32_t *query_start, int i) {
         }                                                                                                           \
         threads = threads_for(threads, work * heads * head_dim, PF_MIN_WORK_PER_THREAD);                           \
         threads = threads > total ? (int)total : threads;                                                           \
-        const int nq = (PF_TILE * group + PF_QBLOCK - 1) / PF_QBLOCK * PF_QBLOCK;                                   \
+        const int nq = (PF_QROWS * group + PF_QBLOCK - 1) / PF_QBLOCK * PF_QBLOCK;                                   \
         const int64_t row = (int64_t)heads * head_dim;                                                              \
         int status = 0;                                                                                             \
         _Pragma("omp parallel num_threads(threads) if (threads > 1) reduction(| : status)")                        \
@@ -284,8 +286,8 @@ static inline int query_tiles(const int32_t *query_start, int i) {
                     const int64_t local = u - first_unit[i];                                                        \
                     const int qtiles = query_tiles(query_start, i);                                                 \
                     const int h = (int)(local / qtiles), tile = (int)(local % qtiles);                              \
-                    const int chunk = query_start[i + 1] - query_start[i], i0 = tile * PF_TILE;                     \
-                    const int rows = chunk - i0 < PF_TILE ? chunk - i0 : PF_TILE;                                   \
+                    const int chunk = query_start[i + 1] - query_start[i], i0 = tile * PF_QROWS;                     \
+                    const int rows = chunk - i0 < PF_QROWS ? chunk - i0 : PF_QROWS;                                   \
                     const CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim,           \
                                          (int64_t)h * head_dim, block_size};                                        \
                     const int64_t at = ((int64_t)query_start[i] + i0) * row;                                        \
