@@ -14,7 +14,8 @@ FastGen's or vLLM's, can serve a repeat from an earlier one, so servers may keep
 
 W1: 64 requests, prompt lengths uniform in 128-512, 128 generated tokens.
 W2: 16 requests of 1,024 prompt tokens, 64 generated tokens.
-FastGen's KV pool is --kv-cache-gib (default 2 GiB, what benchmarks/out/vllm_start.sh gives vLLM): with less,
+FastGen's token budget per step is --max-batch-tokens (default 2048, vLLM's own default). FastGen's KV pool is
+--kv-cache-gib (default 2 GiB, what benchmarks/out/vllm_start.sh gives vLLM): with less,
 W1's 64 sequences do not all fit and some are preempted and recomputed, work the peer does not do.
 Also reports model FLOP/s of a 512- and a 2048-token prefill (fresh prompts) against a large matmul's FLOP/s measured
 in the same run.
@@ -110,7 +111,11 @@ def prefill_flops(pipe, dtype, length: int) -> tuple[float, float]:
     """(model FLOP/s of one prefill of `length` tokens, FLOP/s of a 4096^2 x 512 matmul) in the same dtype. The
     model's FLOPs count the linear layers (the LM head for one row), not attention."""
     engine = pipe.engine
-    params = sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
+    from fastgen.replica.parallel import ParallelLinear, ParallelLMHead
+
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, ParallelLinear)]
+    # Counted from the layers' shapes: a packed layer holds no plain weight.
+    params = sum(m.out_features * m.in_features for m in layers if not isinstance(m, ParallelLMHead))
     params += engine.model_config.vocab_size * engine.model_config.hidden_size / length  # one LM-head row
     vocab = engine.model_config.vocab_size
     times = []
@@ -137,7 +142,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-repeats", type=int, default=None, help="repeats for transformers (default --repeats)")
     p.add_argument("--workloads", default="W1,W2")
-    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="FastGen's token budget per forward pass: the same as vLLM's (its V1 engine's default "
+        "max_num_batched_tokens, 2048)",
+    )
     p.add_argument(
         "--kv-cache-gib",
         type=float,

@@ -63,6 +63,7 @@ class ParallelLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels: Kernels) -> None:
         super().__init__()
         self.weight = weight
+        self.out_features, self.in_features = weight.shape  # this rank's shard; kept when the weight is dropped
         self.bias = bias
         self.kernels = kernels
         self.packed = None
