@@ -242,6 +242,7 @@ def main() -> None:
         dtype=args.dtype,
         threads=args.threads,
         kv_cache_gib=args.kv_cache_gib,
+        max_batch_tokens=args.max_batch_tokens,
         load_before=load,
         load_after=os.getloadavg(),
     )
