@@ -1,18 +1,19 @@
 /* Prompt-chunk attention with AVX-512F, float32 compute, for CPUs without the matrix engine (AMX): the queries of
  * every prompt chunk of a batch against their sequences' cached keys and values (the chunks' own included), causal,
- * flash-attention style (online softmax over 16-key tiles). q and the caches are float32 or bfloat16; bfloat16 is
- * widened to float32 on load by a shift, so no AVX512-BF16 instruction is needed.
+ * flash-attention style (online softmax over tiles of PF_KEYS keys). q and the caches are float32 or bfloat16;
+ * bfloat16 is widened to float32 on load by a shift, so no AVX512-BF16 instruction is needed.
  *
  * A work unit is (sequence's chunk, tile of PF_QROWS queries, KV head): the tile's rows times the group's query heads,
- * up to PF_QROWS * group query vectors, against keys [0, position of the tile's last row]. Per 16-key tile:
- * - the tile's keys are converted to float32 and transposed into head_dim x 16 (scratch, L1), so the scores of one
- *   query vector are one zmm: sum over d of q[d] (broadcast) times row d of the transposed tile; 16 query vectors
- *   share each load of a transposed row;
- * - causal mask, online softmax (running max and sum per query vector; the output is rescaled when the max grows),
- *   16 query vectors at a time: their maxima from one transpose, their rescaling factors from one vector exp;
- * - out += p v, with the value rows (converted to float32 once per tile) as they lie in the cache.
- * Rows whose position lies before the key tile are skipped. Keys past a row's position get probability 0 exactly;
- * key slots past the tile's last key are zero, so no cache slot a sequence does not own is read.
+ * the unit's query vectors, against keys [0, position of the tile's last row]. Per key tile:
+ * - the tile's keys are converted to float32 and transposed into head_dim x PF_KEYS, its values converted as they lie
+ *   (scratch), once for all the unit's query vectors;
+ * - scores as a matrix product: PF_QV query vectors at a time against the whole tile, each vector's PF_KEYS scores in
+ *   four registers, each load of a transposed key row shared by the PF_QV vectors;
+ * - causal mask, online softmax per query vector (running max and sum; the output is rescaled when the max grows);
+ * - out = alpha out + p v as a matrix product: PF_QV query vectors at a time, each value load shared by them.
+ * Query vectors whose row lies before the key tile are skipped (they would see no key of it, which leaves their sums
+ * exactly as they are). Keys past a row's position get probability 0 exactly; key slots past the tile's last key are
+ * zero, so no cache slot a sequence does not own is read.
  *
  * Work units are dealt to threads round-robin; each unit (so each output row) is computed by one thread, key tiles
  * in order: results do not depend on the thread count. Returns 0, or -1 for shapes it does not take (head_dim not a
@@ -29,10 +30,10 @@
 
 #define PF_MAX_HEAD_DIM 256
 #define PF_MAX_GROUP 16
-#define PF_TILE 16
 /* Query rows per work unit: each key tile, widened and transposed once per unit, serves all of them. */
 #define PF_QROWS 64
-#define PF_QBLOCK 16 /* query vectors sharing each load of a transposed key row; softmax_block needs 16 */
+#define PF_KEYS 64 /* keys per tile: four vectors of scores per query vector */
+#define PF_QV 6    /* query vectors per micro-kernel: 6 x 4 accumulators */
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -81,85 +82,92 @@ static inline void transpose16(__m512 r[16]) {
 
 /* Scratch of one thread. */
 typedef struct {
-    float *q;       /* (nq, head_dim): the unit's query vectors, scaled; nq = 16 * group rounded up to PF_QBLOCK */
-    float *o;       /* (nq, head_dim): unnormalised outputs */
-    float *kt;      /* (head_dim, 16): the key tile transposed */
-    float *v;       /* (16, head_dim): the value tile */
-    float *m, *l;   /* (nq), (nq, 16): running max, and partial running sums */
+    float *q;     /* (nq, head_dim): the unit's query vectors, scaled, vector v = row * group + head in group */
+    float *o;     /* (nq, head_dim): unnormalised outputs */
+    float *s;     /* (nq, PF_KEYS): one key tile's scores, then its probabilities */
+    float *kt;    /* (head_dim, PF_KEYS): the key tile transposed */
+    float *v;     /* (PF_KEYS, head_dim): the value tile */
+    float *m, *l; /* (nq) each: running max and running sum */
+    float *alpha; /* (nq): this tile's rescaling factor of each query vector's output */
 } Scratch;
 
-/* Scores of a block of PF_QBLOCK query vectors against the transposed key tile; q: the block as (head_dim,
- * PF_QBLOCK), so every broadcast is at a fixed offset from one pointer. */
-static inline __attribute__((always_inline)) void scores_block(const float *q, const float *kt, int head_dim,
-                                                               __m512 s[PF_QBLOCK]) {
-    for (int b = 0; b < PF_QBLOCK; b++) s[b] = _mm512_setzero_ps();
+/* Scores of mr query vectors (rows of q, head_dim apart) against the transposed key tile, into rows of s: an outer
+ * product, PF_KEYS keys (four vectors) per query vector in registers, each key load shared by the mr vectors. */
+static inline __attribute__((always_inline)) void scores_rows(const float *q, const float *kt, int head_dim, float *s,
+                                                              int mr) {
+    __m512 acc[PF_QV][4];
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
     for (int d = 0; d < head_dim; d++) {
-        const __m512 k = _mm512_load_ps(kt + 16 * d);
-        for (int b = 0; b < PF_QBLOCK; b++) s[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[d * PF_QBLOCK + b]), k, s[b]);
+        __m512 k[4];
+        for (int c = 0; c < 4; c++) k[c] = _mm512_load_ps(kt + d * PF_KEYS + 16 * c);
+        for (int i = 0; i < mr; i++) {
+            const __m512 x = _mm512_set1_ps(q[i * head_dim + d]);
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_ps(x, k[c], acc[i][c]);
+        }
     }
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(s + i * PF_KEYS + 16 * c, acc[i][c]);
 }
 
-/* Online softmax of one block of PF_QBLOCK (= 16) query vectors over one key tile: query vector b sees the tile's
- * first valid[b] keys (none where valid[b] <= 0). m: the block's running maxima (16), l: its running sums, one
- * vector of partial sums per query vector (16 x 16), reduced only at the end. Out: probs[b] (zero past the valid
- * keys) and alpha[b], the factor the block's outputs are rescaled by. The maxima of all 16 query vectors come from
- * one transpose, so the rescaling factors are one vector exp. */
-static inline __attribute__((always_inline)) void softmax_block(const __m512 s[PF_QBLOCK], const int *valid, float *m,
-                                                                float *l, float probs[PF_QBLOCK][PF_TILE],
-                                                                float *alpha) {
-    __m512 t[16];
-    __mmask16 keep[PF_QBLOCK];
-    for (int b = 0; b < PF_QBLOCK; b++) {
-        const int n = valid[b] < 0 ? 0 : valid[b];
-        keep[b] = (__mmask16)((1u << n) - 1);
-        t[b] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep[b], s[b]);
-    }
-    transpose16(t);
-    __m512 top = t[0];
-    for (int j = 1; j < 16; j++) top = _mm512_max_ps(top, t[j]);
-    const __m512 m_old = _mm512_loadu_ps(m), m_new = _mm512_max_ps(m_old, top);
-    /* a query vector that has seen no key yet keeps m = -inf; 0 stands in for it, so no -inf - -inf */
-    const __m512 shift = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                            _mm512_setzero_ps());
-    const __m512 a = exp_nonpositive(_mm512_sub_ps(m_old, shift));
-    _mm512_storeu_ps(m, m_new);
-    _mm512_storeu_ps(alpha, a);
-    float shifts[16];
-    _mm512_storeu_ps(shifts, shift);
-    for (int b = 0; b < PF_QBLOCK; b++) {
-        const __m512 p = _mm512_maskz_mov_ps(keep[b], exp_nonpositive(_mm512_sub_ps(s[b], _mm512_set1_ps(shifts[b]))));
-        _mm512_store_ps(probs[b], p);
-        _mm512_storeu_ps(l + 16 * b, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * b), _mm512_set1_ps(alpha[b]), p));
-    }
-}
-
-/* For 4 query vectors b: o[b] (head_dim) = alpha[b] * o[b] + sum_j p[b][j] v[j], j < n; 4 x 64 dims at a time in
- * registers, each value load shared by the 4. */
-static inline __attribute__((always_inline)) void accumulate4(float *o, const float p[4][PF_TILE], const float *alpha,
-                                                              int n, const float *v, int head_dim) {
-    for (int c0 = 0; c0 < head_dim; c0 += 64) {
-        const int chunks = (head_dim - c0) / 16 < 4 ? (head_dim - c0) / 16 : 4;
-        __m512 acc[4][4];
-        for (int b = 0; b < 4; b++) {
-            const __m512 a = _mm512_set1_ps(alpha[b]);
-            for (int c = 0; c < 4; c++)
-                acc[b][c] = c < chunks ? _mm512_mul_ps(_mm512_load_ps(o + b * head_dim + c0 + 16 * c), a)
-                                       : _mm512_setzero_ps();
+/* o (mr rows, head_dim apart) = alpha * o + p v over the tile's first n keys, `chunks` vectors of dims at a time: an
+ * outer product, each value load shared by the mr query vectors. */
+static inline __attribute__((always_inline)) void update_rows(float *o, const float *p, const float *alpha, int n,
+                                                              const float *v, int head_dim, int mr, int chunks) {
+    for (int c0 = 0; c0 < head_dim; c0 += 16 * chunks) {
+        __m512 acc[PF_QV][4];
+        for (int i = 0; i < mr; i++) {
+            const __m512 a = _mm512_set1_ps(alpha[i]);
+            for (int c = 0; c < chunks; c++) acc[i][c] = _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + c0 + 16 * c), a);
         }
         for (int j = 0; j < n; j++) {
-            const float *vj = v + j * head_dim + c0;
             __m512 vv[4];
-            for (int c = 0; c < 4; c++) vv[c] = c < chunks ? _mm512_load_ps(vj + 16 * c) : _mm512_setzero_ps();
-            for (int b = 0; b < 4; b++) {
-                const __m512 pj = _mm512_set1_ps(p[b][j]);
-                for (int c = 0; c < 4; c++)
-                    if (c < chunks) acc[b][c] = _mm512_fmadd_ps(pj, vv[c], acc[b][c]);
+            for (int c = 0; c < chunks; c++) vv[c] = _mm512_load_ps(v + j * head_dim + c0 + 16 * c);
+            for (int i = 0; i < mr; i++) {
+                const __m512 pj = _mm512_set1_ps(p[i * PF_KEYS + j]);
+                for (int c = 0; c < chunks; c++) acc[i][c] = _mm512_fmadd_ps(pj, vv[c], acc[i][c]);
             }
         }
-        for (int b = 0; b < 4; b++)
-            for (int c = 0; c < 4; c++)
-                if (c < chunks) _mm512_store_ps(o + b * head_dim + c0 + 16 * c, acc[b][c]);
+        for (int i = 0; i < mr; i++)
+            for (int c = 0; c < chunks; c++) _mm512_store_ps(o + i * head_dim + c0 + 16 * c, acc[i][c]);
     }
+}
+
+/* The two micro-kernels with mr (and the dims per pass) constants: each case its own unrolled loop nest. */
+#define PF_CASE(R)                                                                                                     \
+    case R:                                                                                                            \
+        if (scores) scores_rows(q, kt, head_dim, s, R);                                                                \
+        else if (head_dim % 64 == 0) update_rows(o, s, alpha, n, v, head_dim, R, 4);                                   \
+        else update_rows(o, s, alpha, n, v, head_dim, R, 1);                                                           \
+        break;
+static void micro(int scores, const float *q, const float *kt, float *s, float *o, const float *alpha, int n,
+                  const float *v, int head_dim, int mr) {
+    switch (mr) { PF_CASE(1) PF_CASE(2) PF_CASE(3) PF_CASE(4) PF_CASE(5) PF_CASE(6) }
+}
+
+/* Online softmax of query vector v's scores over the tile's first `valid` keys (1 <= valid <= PF_KEYS), in place:
+ * s becomes the probabilities (0 past the valid keys), m and l the running max and sum, *alpha the factor the
+ * vector's earlier output is rescaled by. */
+static inline void softmax_row(float *s, int valid, float *m, float *l, float *alpha) {
+    __m512 x[4];
+    __mmask16 keep[4];
+    for (int c = 0; c < 4; c++) {
+        const int left = valid - 16 * c;
+        keep[c] = left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        x[c] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), keep[c], s + 16 * c);
+    }
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+    const float m_new = *m > top ? *m : top; /* finite: the tile holds at least one valid key */
+    const __m512 shift = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        const __m512 p = _mm512_maskz_mov_ps(keep[c], exp_nonpositive(_mm512_sub_ps(x[c], shift)));
+        _mm512_store_ps(s + 16 * c, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    *alpha = expf(*m - m_new); /* 0 for the first keys a vector sees (m = -inf) */
+    *l = *l * *alpha + _mm512_reduce_add_ps(sum);
+    *m = m_new;
 }
 
 #define DEFINE_UNIT(NAME, T)                                                                                      \
@@ -168,64 +176,56 @@ static inline __attribute__((always_inline)) void accumulate4(float *o, const fl
     static void unit_##NAME(const T *q, T *out, const T *k_cache, const T *v_cache, const CacheWalk *w,           \
                             int first_pos, int rows, int heads, int group, int h, int head_dim, float scale,      \
                             const Scratch *x) {                                                                   \
-        const int nq = (rows * group + PF_QBLOCK - 1) / PF_QBLOCK * PF_QBLOCK, last_pos = first_pos + rows - 1;   \
+        const int nq = rows * group, last_pos = first_pos + rows - 1;                                             \
         const int64_t row = (int64_t)heads * head_dim;                                                            \
         const __m512 scaled = _mm512_set1_ps(scale);                                                              \
-        memset(x->q, 0, sizeof(float) * nq * head_dim);                                                           \
-        for (int r = 0; r < rows; r++) /* query vector v = r * group + g, in blocks of (head_dim, PF_QBLOCK) */  \
+        for (int r = 0; r < rows; r++)                                                                            \
             for (int g = 0; g < group; g++) {                                                                     \
-                const int v = r * group + g;                                                                      \
                 const T *src = q + r * row + (int64_t)(h * group + g) * head_dim;                                 \
-                float *dst = x->q + (int64_t)(v / PF_QBLOCK) * head_dim * PF_QBLOCK + v % PF_QBLOCK;              \
-                float f[16];                                                                                      \
-                for (int d0 = 0; d0 < head_dim; d0 += 16) {                                                       \
-                    _mm512_storeu_ps(f, _mm512_mul_ps(load16_##NAME(src + d0), scaled));                          \
-                    for (int d = 0; d < 16; d++) dst[(d0 + d) * PF_QBLOCK] = f[d];                                \
-                }                                                                                                 \
+                float *dst = x->q + (int64_t)(r * group + g) * head_dim;                                          \
+                for (int d = 0; d < head_dim; d += 16) _mm512_store_ps(dst + d, _mm512_mul_ps(load16_##NAME(src + d), scaled)); \
             }                                                                                                     \
         memset(x->o, 0, sizeof(float) * nq * head_dim);                                                           \
-        for (int v = 0; v < nq; v++) x->m[v] = -INFINITY;                                                         \
-        memset(x->l, 0, sizeof(float) * 16 * nq);                                                                 \
-        for (int t0 = 0; t0 <= last_pos; t0 += PF_TILE) {                                                         \
-            const int n = last_pos + 1 - t0 < PF_TILE ? last_pos + 1 - t0 : PF_TILE;                              \
-            int64_t at[PF_TILE];                                                                                  \
-            for (int j = 0; j < n; j++) at[j] = token_offset(w, t0 + j);                                          \
-            for (int d0 = 0; d0 < head_dim; d0 += 16) { /* keys -> kt, values -> v, as float32 */                 \
-                __m512 k[16];                                                                                     \
-                for (int j = 0; j < PF_TILE; j++) {                                                               \
-                    if (j < n) {                                                                                  \
-                        k[j] = load16_##NAME(k_cache + at[j] + d0);                                               \
-                        _mm512_store_ps(x->v + j * head_dim + d0, load16_##NAME(v_cache + at[j] + d0));           \
-                    } else {                                                                                      \
-                        k[j] = _mm512_setzero_ps();                                                               \
-                        _mm512_store_ps(x->v + j * head_dim + d0, k[j]);                                          \
+        for (int v = 0; v < nq; v++) x->m[v] = -INFINITY, x->l[v] = 0.f;                                          \
+        for (int t0 = 0; t0 <= last_pos; t0 += PF_KEYS) {                                                         \
+            const int n = last_pos + 1 - t0 < PF_KEYS ? last_pos + 1 - t0 : PF_KEYS;                              \
+            for (int j0 = 0; j0 < PF_KEYS; j0 += 16) { /* keys -> kt, values -> v, as float32; zeros past n */    \
+                int64_t at[16];                                                                                   \
+                for (int j = 0; j < 16; j++) at[j] = j0 + j < n ? token_offset(w, t0 + j0 + j) : -1;              \
+                for (int d0 = 0; d0 < head_dim; d0 += 16) {                                                       \
+                    __m512 k[16];                                                                                 \
+                    for (int j = 0; j < 16; j++) {                                                                \
+                        const __m512 vv = at[j] < 0 ? _mm512_setzero_ps() : load16_##NAME(v_cache + at[j] + d0); \
+                        k[j] = at[j] < 0 ? _mm512_setzero_ps() : load16_##NAME(k_cache + at[j] + d0);             \
+                        _mm512_store_ps(x->v + (j0 + j) * head_dim + d0, vv);                                     \
                     }                                                                                             \
+                    transpose16(k);                                                                               \
+                    for (int d = 0; d < 16; d++) _mm512_store_ps(x->kt + (d0 + d) * PF_KEYS + j0, k[d]);          \
                 }                                                                                                 \
-                transpose16(k);                                                                                   \
-                for (int d = 0; d < 16; d++) _mm512_store_ps(x->kt + 16 * (d0 + d), k[d]);                        \
             }                                                                                                     \
-            for (int v0 = 0; v0 < nq; v0 += PF_QBLOCK) {                                                          \
-                if (first_pos + (v0 + PF_QBLOCK - 1) / group < t0) continue; /* all rows of the block precede it */ \
-                __m512 s[PF_QBLOCK];                                                                              \
-                scores_block(x->q + (int64_t)v0 * head_dim, x->kt, head_dim, s);                                  \
-                float probs[PF_QBLOCK][PF_TILE] __attribute__((aligned(64))), alpha[PF_QBLOCK];                   \
-                int valid[PF_QBLOCK]; /* keys of the tile each query vector sees */                               \
-                for (int b = 0; b < PF_QBLOCK; b++) {                                                             \
-                    const int r = (v0 + b) / group;                                                               \
-                    valid[b] = r >= rows ? 0 : first_pos + r - t0 + 1 < n ? first_pos + r - t0 + 1 : n;           \
-                }                                                                                                 \
-                softmax_block(s, valid, x->m + v0, x->l + (int64_t)16 * v0, probs, alpha);                        \
-                for (int b = 0; b < PF_QBLOCK; b += 4)                                                            \
-                    accumulate4(x->o + (int64_t)(v0 + b) * head_dim, probs + b, alpha + b, n, x->v, head_dim);    \
+            /* rows before the tile see none of its keys: their vectors are skipped (exactly as if attended) */   \
+            const int v0 = (t0 > first_pos ? t0 - first_pos : 0) * group;                                         \
+            for (int v = v0; v < nq; v += PF_QV) {                                                                \
+                const int mr = nq - v < PF_QV ? nq - v : PF_QV;                                                   \
+                micro(1, x->q + (int64_t)v * head_dim, x->kt, x->s + (int64_t)v * PF_KEYS, 0, 0, 0, 0, head_dim, mr); \
+            }                                                                                                     \
+            for (int v = v0; v < nq; v++) {                                                                       \
+                const int seen = first_pos + v / group - t0 + 1;                                                  \
+                softmax_row(x->s + (int64_t)v * PF_KEYS, seen < n ? seen : n, x->m + v, x->l + v, x->alpha + v); \
+            }                                                                                                     \
+            for (int v = v0; v < nq; v += PF_QV) {                                                                \
+                const int mr = nq - v < PF_QV ? nq - v : PF_QV;                                                   \
+                micro(0, 0, 0, x->s + (int64_t)v * PF_KEYS, x->o + (int64_t)v * head_dim, x->alpha + v, n, x->v,   \
+                      head_dim, mr);                                                                              \
             }                                                                                                     \
         }                                                                                                         \
         for (int r = 0; r < rows; r++)                                                                            \
             for (int g = 0; g < group; g++) {                                                                     \
                 const int v = r * group + g;                                                                      \
-                const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(x->l + 16 * v)));    \
+                const __m512 inv = _mm512_set1_ps(1.f / x->l[v]);                                                 \
                 T *dst = out + r * row + (int64_t)(h * group + g) * head_dim;                                     \
                 for (int d = 0; d < head_dim; d += 16)                                                            \
-                    store16_##NAME(dst + d, _mm512_mul_ps(_mm512_loadu_ps(x->o + (int64_t)v * head_dim + d), inv)); \
+                    store16_##NAME(dst + d, _mm512_mul_ps(_mm512_load_ps(x->o + (int64_t)v * head_dim + d), inv)); \
             }                                                                                                     \
     }
 
@@ -268,7 +268,7 @@ static inline int query_tiles(const int32_t *query_start, int i) {
         }                                                                                                           \
         threads = threads_for(threads, work * heads * head_dim, PF_MIN_WORK_PER_THREAD);                           \
         threads = threads > total ? (int)total : threads;                                                           \
-        const int nq = (PF_QROWS * group + PF_QBLOCK - 1) / PF_QBLOCK * PF_QBLOCK;                                   \
+        const int nq = PF_QROWS * group;                                                                            \
         const int64_t row = (int64_t)heads * head_dim;                                                              \
         int status = 0;                                                                                             \
         _Pragma("omp parallel num_threads(threads) if (threads > 1) reduction(| : status)")                        \
@@ -276,10 +276,11 @@ static inline int query_tiles(const int32_t *query_start, int i) {
             const int part = thread_index(), parts = thread_count();                                                \
             Scratch x = {aligned_alloc(64, sizeof(float) * nq * head_dim),                                          \
                          aligned_alloc(64, sizeof(float) * nq * head_dim),                                          \
-                         aligned_alloc(64, sizeof(float) * PF_TILE * head_dim),                                     \
-                         aligned_alloc(64, sizeof(float) * PF_TILE * head_dim), malloc(sizeof(float) * nq),         \
-                         malloc(sizeof(float) * 16 * nq)};                                                          \
-            if (x.q && x.o && x.kt && x.v && x.m && x.l) {                                                          \
+                         aligned_alloc(64, sizeof(float) * nq * PF_KEYS),                                           \
+                         aligned_alloc(64, sizeof(float) * PF_KEYS * head_dim),                                     \
+                         aligned_alloc(64, sizeof(float) * PF_KEYS * head_dim), malloc(sizeof(float) * nq),         \
+                         malloc(sizeof(float) * nq), malloc(sizeof(float) * nq)};                                   \
+            if (x.q && x.o && x.s && x.kt && x.v && x.m && x.l && x.alpha) {                                                          \
                 int i = 0;                                                                                          \
                 for (int64_t u = part; u < total; u += parts) {                                                     \
                     while (u >= first_unit[i + 1]) i++;                                                             \
@@ -298,6 +299,8 @@ static inline int query_tiles(const int32_t *query_start, int i) {
                 status = -1;                                                                                        \
             }                                                                                                       \
             free(x.q);                                                                                              \
+            free(x.s);                                                                                              \
+            free(x.alpha);                                                                                          \
             free(x.o);                                                                                              \
             free(x.kt);                                                                                             \
             free(x.v);                                                                                              \
