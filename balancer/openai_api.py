@@ -57,7 +57,7 @@ log = logging.getLogger("fastgen.balancer.http")
 API_KEY_ENV = "FASTGEN_API_KEY"
 MAX_BODY_BYTES = 64 << 20  # long token-id prompts; the same limit as gRPC messages
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-CLIENT_LEFT = "fastgen.client_left"  # request key: the client disconnected mid-stream
+CLIENT_LEFT = web.RequestKey("fastgen.client_left", bool)  # the client disconnected mid-stream
 CLIENT_CLOSED_STATUS = 499  # what the metrics record for a request the client abandoned (nginx's code)
 
 PARSERS = {CHAT: parse_chat, COMPLETION: parse_completion}
