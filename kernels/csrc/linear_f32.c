@@ -12,9 +12,10 @@
  * The micro-kernel is an outer product: MR rows of x against one panel, one 16-lane accumulator per row and half
  * panel, so every accumulator is one output's sequential chain and nothing is reduced across lanes. Each thread takes
  * a share of the panels. A batch of at most MR rows (decode) streams each of its panels once from memory, asking for
- * the weight ahead of use; a larger batch is cut into chunks of rows that stay in L2, packed into MR-row strips so the
- * micro-kernel broadcasts from one sequential stream, and each panel meets every strip of a chunk while it stays in
- * L2, the next panel requested meanwhile. The whole k runs in one pass: no partial sums are stored. */
+ * the weight ahead of use (two panels side by side for the smallest batches); a larger batch is cut into chunks of
+ * rows that stay in L2, packed into MR-row strips so the micro-kernel broadcasts from one sequential stream, and each
+ * panel meets every strip of a chunk while it stays in L2, the next panel requested meanwhile. The whole k runs in
+ * one pass: no partial sums are stored. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -29,6 +30,8 @@
 #define MR 12
 /* Bytes of x a chunk of rows may take: about a quarter of a core's L2, beside the panel streaming through it. */
 #define X_CHUNK_BYTES (288 * 1024)
+/* Rows up to which a decode batch streams two panels at once. */
+#define PAIR_ROWS 4
 /* How far ahead, in k steps of one panel, a decode batch asks for the weight (the hardware prefetcher alone leaves
  * memory idle between the short bursts of a few rows). */
 #define PREFETCH_STEPS 32
@@ -81,6 +84,43 @@ static void strip_rows(const float *a, int64_t as, const float *b, int k, const 
     }
 }
 
+/* A decode batch of at most PAIR_ROWS rows (of stride as) against two adjacent full panels at once: two weight
+ * streams in flight instead of one, which a batch this small needs to keep memory busy. Each output's chain is
+ * strip()'s, so results are the same bit for bit. mr is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void strip_pair(const float *a, int64_t as, const float *b, int k,
+                                                             const float *bias, float *y, int64_t ys, int mr) {
+    __m512 acc[PAIR_ROWS][4];
+    const float *b2 = b + (int64_t)k * NP;
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        for (int c = 0; c < 2; c++) {
+            _mm_prefetch((const char *)(b + (int64_t)(kk + PREFETCH_STEPS) * NP + 16 * c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b2 + (int64_t)(kk + PREFETCH_STEPS) * NP + 16 * c), _MM_HINT_T0);
+        }
+        const __m512 w[4] = {_mm512_loadu_ps(b + (int64_t)kk * NP), _mm512_loadu_ps(b + (int64_t)kk * NP + 16),
+                             _mm512_loadu_ps(b2 + (int64_t)kk * NP), _mm512_loadu_ps(b2 + (int64_t)kk * NP + 16)};
+        for (int i = 0; i < mr; i++) {
+            const __m512 x = _mm512_set1_ps(a[i * as + kk]);
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_ps(x, w[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(y + i * ys + 16 * c,
+                             bias ? _mm512_add_ps(acc[i][c], _mm512_loadu_ps(bias + 16 * c)) : acc[i][c]);
+}
+
+static void pair_rows(const float *a, int64_t as, const float *b, int k, const float *bias, float *y, int64_t ys,
+                      int mr) {
+    switch (mr) {
+    case 1: strip_pair(a, as, b, k, bias, y, ys, 1); break;
+    case 2: strip_pair(a, as, b, k, bias, y, ys, 2); break;
+    case 3: strip_pair(a, as, b, k, bias, y, ys, 3); break;
+    default: strip_pair(a, as, b, k, bias, y, ys, 4); break;
+    }
+}
+
 /* Rows [c0, c1) of x in MR-row strips, strip s at strips + s MR k: element (i, kk) at [kk MR + i]; a short last strip
  * leaves its missing rows unwritten (the micro-kernel never reads them). */
 static void pack_rows(const float *x, int64_t x_stride, int k, int c0, int c1, float *strips) {
@@ -100,6 +140,12 @@ static void panels(const float *x, int64_t x_stride, const float *packed, const 
         if (strips) pack_rows(x, x_stride, k, c0, c1, strips);
         const int calls = (c1 - c0 + MR - 1) / MR;
         for (int p = lo; p < hi; p++) {
+            if (!strips && m <= PAIR_ROWS && p + 1 < hi && n - (p + 1) * NP >= NP) {
+                pair_rows(x, x_stride, packed + (int64_t)p * k * NP, k, bias ? bias + p * NP : 0, y + p * NP, y_stride,
+                          m);
+                p++;
+                continue;
+            }
             const int cols = n - p * NP < NP ? n - p * NP : NP;
             const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
             const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
@@ -111,8 +157,8 @@ static void panels(const float *x, int64_t x_stride, const float *packed, const 
                 const int mr = c1 - i0 < MR ? c1 - i0 : MR;
                 const int64_t l0 = lines * s / calls, l1 = lines * (s + 1) / calls;
                 const float *a = strips ? strips + (int64_t)(i0 - c0) * k : x + (int64_t)i0 * x_stride;
-                strip_rows(a, strips ? 0 : x_stride, b, k, bias ? bias + p * NP : 0, y + (int64_t)i0 * y_stride + p * NP,
-                           y_stride, mr, m0, m1, next + l0 * 64, (int)(l1 - l0));
+                strip_rows(a, strips ? 0 : x_stride, b, k, bias ? bias + p * NP : 0,
+                           y + (int64_t)i0 * y_stride + p * NP, y_stride, mr, m0, m1, next + l0 * 64, (int)(l1 - l0));
             }
         }
     }

@@ -118,7 +118,8 @@ static inline __attribute__((always_inline)) void update_rows(float *o, const fl
         __m512 acc[PF_QV][4];
         for (int i = 0; i < mr; i++) {
             const __m512 a = _mm512_set1_ps(alpha[i]);
-            for (int c = 0; c < chunks; c++) acc[i][c] = _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + c0 + 16 * c), a);
+            for (int c = 0; c < chunks; c++)
+                acc[i][c] = _mm512_mul_ps(_mm512_load_ps(o + i * head_dim + c0 + 16 * c), a);
         }
         for (int j = 0; j < n; j++) {
             __m512 vv[4];
@@ -183,7 +184,8 @@ static inline void softmax_row(float *s, int valid, float *m, float *l, float *a
             for (int g = 0; g < group; g++) {                                                                     \
                 const T *src = q + r * row + (int64_t)(h * group + g) * head_dim;                                 \
                 float *dst = x->q + (int64_t)(r * group + g) * head_dim;                                          \
-                for (int d = 0; d < head_dim; d += 16) _mm512_store_ps(dst + d, _mm512_mul_ps(load16_##NAME(src + d), scaled)); \
+                for (int d = 0; d < head_dim; d += 16)                                                            \
+                    _mm512_store_ps(dst + d, _mm512_mul_ps(load16_##NAME(src + d), scaled));                      \
             }                                                                                                     \
         memset(x->o, 0, sizeof(float) * nq * head_dim);                                                           \
         for (int v = 0; v < nq; v++) x->m[v] = -INFINITY, x->l[v] = 0.f;                                          \
@@ -280,7 +282,7 @@ static inline int query_tiles(const int32_t *query_start, int i) {
                          aligned_alloc(64, sizeof(float) * PF_KEYS * head_dim),                                     \
                          aligned_alloc(64, sizeof(float) * PF_KEYS * head_dim), malloc(sizeof(float) * nq),         \
                          malloc(sizeof(float) * nq), malloc(sizeof(float) * nq)};                                   \
-            if (x.q && x.o && x.s && x.kt && x.v && x.m && x.l && x.alpha) {                                                          \
+            if (x.q && x.o && x.s && x.kt && x.v && x.m && x.l && x.alpha) {                                        \
                 int i = 0;                                                                                          \
                 for (int64_t u = part; u < total; u += parts) {                                                     \
                     while (u >= first_unit[i + 1]) i++;                                                             \
