@@ -17,6 +17,7 @@ from .block_allocator import BlockAllocator
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine
+from .host_memory import keep_freed_memory
 from .kv_cache import allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
 from .model_runner import ModelRunner
 from .models.llama import LlamaModel, ModelConfig
@@ -62,6 +63,8 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     folder = weights.resolve_model(config.model, config.load_format)
     model_config = ModelConfig.from_hf(weights.load_hf_config(folder))
     kernels = select_kernels(config.kernels, device)
+    if device.type == "cpu":
+        keep_freed_memory()
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

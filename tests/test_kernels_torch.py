@@ -417,8 +417,8 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
         assert torch.allclose(cpu.linear(x, w, bias, onednn).float(), ref, rtol=1e-2, atol=1e-2), rows
 
 
-# 37, 5, 3, 18: a last panel short of 32 features (masked); 576 x 300 rows crosses the kernel's chunk of rows; 1030: a
-# chunk of fewer rows than a strip's multiple
+# 37, 5, 3, 18: a last panel short of 32 features (masked); 960: more panels than one group; 1030: two k blocks, the
+# partial sums kept in the output between them
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 50), (5, 16), (3, 7), (18, 1030)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cpu_linear_f32_matches_float64_and_is_batch_invariant(out_features, in_features, with_bias):

@@ -12,12 +12,12 @@
  * The micro-kernel is an outer product: MR rows of x against one panel, one 16-lane accumulator per row and half
  * panel, so every accumulator is one output's sequential chain and nothing is reduced across lanes. Each thread takes
  * a share of the panels. A batch of at most MR rows (decode) streams each of its panels once from memory, asking for
- * the weight ahead of use (two panels side by side for the smallest batches); a larger batch is cut into chunks of
- * rows that stay in L2, packed into MR-row strips so the micro-kernel broadcasts from one sequential stream, and each
- * panel meets every strip of a chunk while it stays in L2, the next panel requested meanwhile. The whole k runs in
- * one pass: no partial sums are stored. */
+ * the weight ahead of use (two panels side by side for the smallest batches). A larger batch runs as BLIS does: k in
+ * blocks of at most KC, and per block the thread's panels in groups of NB that stay in L2 while every MR-row strip of
+ * x meets them, the strip's KC columns staying in L1 across the group. Each weight is read from memory once per
+ * layer, x is read in place (no packing), and an output's partial sum goes to y between k blocks and comes back
+ * unchanged, so the chain is the same as in one pass. */
 #include <stdint.h>
-#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,35 +28,37 @@
 #define NP 32
 /* Rows per micro-kernel: 2 MR accumulators, two weight vectors and a broadcast fill the 32 vector registers. */
 #define MR 12
-/* Bytes of x a chunk of rows may take: about a quarter of a core's L2, beside the panel streaming through it. */
-#define X_CHUNK_BYTES (288 * 1024)
+/* Most k steps per block: a strip's share of x (MR KC floats) stays in L1 beside the weight streaming through. */
+#define KC 576
+/* Panels per group: NB KC 32 floats of weight stay in L2 while every strip of the batch meets them. */
+#define NB 8
+/* How far ahead, in k steps, a prompt's strip asks L1 for the weight it streams from L2. */
+#define L2_AHEAD 8
 /* Rows up to which a decode batch streams two panels at once. */
 #define PAIR_ROWS 4
-/* How far ahead, in k steps of one panel, a decode batch asks for the weight (the hardware prefetcher alone leaves
- * memory idle between the short bursts of a few rows). */
-#define PREFETCH_STEPS 32
+/* How far ahead, in k steps of one panel, a decode batch asks for the weight it streams from memory (the hardware
+ * prefetcher alone leaves memory idle between the short bursts of a few rows). */
+#define MEMORY_AHEAD 32
 /* Multiply-adds per extra thread below which one thread does the whole layer (waking one costs microseconds). */
 #define MIN_WORK_PER_THREAD (1 << 16)
 
-/* Rows [0, mr) of a strip against one panel (k steps of NP weights): the row-i value at step kk is a[i * as + kk * ak]
- * (a row-major x: as = its stride, ak = 1; a packed strip: as = 1, ak = MR). Columns past n are masked off (m0, m1).
- * `ahead` asks for the weight PREFETCH_STEPS steps ahead; `next`, when set, is `lines` cache lines of the next panel
- * to ask L2 for, one every four steps. mr, ak and ahead are constants where this is inlined. */
-static inline __attribute__((always_inline)) void strip(const float *a, int64_t as, int64_t ak, const float *b, int k,
-                                                        const float *bias, float *y, int64_t ys, int mr,
-                                                        __mmask16 m0, __mmask16 m1, int ahead, const char *next,
-                                                        int lines) {
+/* Rows [0, mr) of x (row i at a + i as) against k steps of one panel (b): y = the sums so far (none when `first`)
+ * plus these steps, plus bias when given (the last block). Columns past n are masked off (m0, m1). The weight is
+ * asked for `ahead` steps before use. mr and ahead are constants where this is inlined. */
+static inline __attribute__((always_inline)) void strip(const float *a, int64_t as, const float *b, int k, float *y,
+                                                        int64_t ys, int mr, __mmask16 m0, __mmask16 m1, int first,
+                                                        const float *bias, int ahead) {
     __m512 acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int kk = 0; kk < k; kk++) {
-        if (ahead) { /* a hint: it never faults, past the end included */
-            _mm_prefetch((const char *)(b + (int64_t)(kk + PREFETCH_STEPS) * NP), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + (int64_t)(kk + PREFETCH_STEPS) * NP + 16), _MM_HINT_T0);
-        }
-        if ((kk & 3) == 0 && (kk >> 2) < lines) _mm_prefetch(next + (int64_t)(kk >> 2) * 64, _MM_HINT_T1);
+    for (int i = 0; i < mr; i++) {
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + i * ys);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + i * ys + 16);
+    }
+    for (int kk = 0; kk < k; kk++) { /* the prefetches are hints: they never fault, past the end included */
+        _mm_prefetch((const char *)(b + (int64_t)(kk + ahead) * NP), _MM_HINT_T0);
+        _mm_prefetch((const char *)(b + (int64_t)(kk + ahead) * NP + 16), _MM_HINT_T0);
         const __m512 b0 = _mm512_loadu_ps(b + (int64_t)kk * NP), b1 = _mm512_loadu_ps(b + (int64_t)kk * NP + 16);
         for (int i = 0; i < mr; i++) {
-            const __m512 x = _mm512_set1_ps(a[i * as + kk * ak]);
+            const __m512 x = _mm512_set1_ps(a[i * as + kk]);
             acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
         }
@@ -69,15 +71,15 @@ static inline __attribute__((always_inline)) void strip(const float *a, int64_t 
     }
 }
 
-/* strip() with mr a constant: each case is its own unrolled loop nest with its accumulators in registers. A packed
- * strip (as == 0) is a prompt's; rows of x (as: their stride) are a decode batch's, which asks for its weight ahead. */
+/* strip() with mr a constant: each case is its own unrolled loop nest with its accumulators in registers. The first
+ * strip to meet a weight streams it from memory; the others find it in L2. */
 #define STRIP_CASE(R)                                                                                                  \
     case R:                                                                                                            \
-        if (as == 0) strip(a, 1, MR, b, k, bias, y, ys, R, m0, m1, 0, next, lines);                                    \
-        else strip(a, as, 1, b, k, bias, y, ys, R, m0, m1, 1, next, lines);                                            \
+        if (from_memory) strip(a, as, b, k, y, ys, R, m0, m1, first, bias, MEMORY_AHEAD);                              \
+        else strip(a, as, b, k, y, ys, R, m0, m1, first, bias, L2_AHEAD);                                              \
         break;
-static void strip_rows(const float *a, int64_t as, const float *b, int k, const float *bias, float *y, int64_t ys,
-                       int mr, __mmask16 m0, __mmask16 m1, const char *next, int lines) {
+static void strip_rows(const float *a, int64_t as, const float *b, int k, float *y, int64_t ys, int mr, __mmask16 m0,
+                       __mmask16 m1, int first, const float *bias, int from_memory) {
     switch (mr) {
         STRIP_CASE(1) STRIP_CASE(2) STRIP_CASE(3) STRIP_CASE(4) STRIP_CASE(5) STRIP_CASE(6)
         STRIP_CASE(7) STRIP_CASE(8) STRIP_CASE(9) STRIP_CASE(10) STRIP_CASE(11) STRIP_CASE(12)
@@ -95,8 +97,8 @@ static inline __attribute__((always_inline)) void strip_pair(const float *a, int
         for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
     for (int kk = 0; kk < k; kk++) {
         for (int c = 0; c < 2; c++) {
-            _mm_prefetch((const char *)(b + (int64_t)(kk + PREFETCH_STEPS) * NP + 16 * c), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b2 + (int64_t)(kk + PREFETCH_STEPS) * NP + 16 * c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + (int64_t)(kk + MEMORY_AHEAD) * NP + 16 * c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b2 + (int64_t)(kk + MEMORY_AHEAD) * NP + 16 * c), _MM_HINT_T0);
         }
         const __m512 w[4] = {_mm512_loadu_ps(b + (int64_t)kk * NP), _mm512_loadu_ps(b + (int64_t)kk * NP + 16),
                              _mm512_loadu_ps(b2 + (int64_t)kk * NP), _mm512_loadu_ps(b2 + (int64_t)kk * NP + 16)};
@@ -121,44 +123,46 @@ static void pair_rows(const float *a, int64_t as, const float *b, int k, const f
     }
 }
 
-/* Rows [c0, c1) of x in MR-row strips, strip s at strips + s MR k: element (i, kk) at [kk MR + i]; a short last strip
- * leaves its missing rows unwritten (the micro-kernel never reads them). */
-static void pack_rows(const float *x, int64_t x_stride, int k, int c0, int c1, float *strips) {
-    for (int i0 = c0; i0 < c1; i0 += MR) {
-        const int mr = c1 - i0 < MR ? c1 - i0 : MR;
-        float *dst = strips + (int64_t)(i0 - c0) * k;
-        for (int i = 0; i < mr; i++)
-            for (int kk = 0; kk < k; kk++) dst[(int64_t)kk * MR + i] = x[(int64_t)(i0 + i) * x_stride + kk];
+static inline void panel_masks(int n, int p, __mmask16 *m0, __mmask16 *m1) {
+    const int cols = n - p * NP < NP ? n - p * NP : NP;
+    *m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    *m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+}
+
+/* A decode batch (m <= MR) against panels [lo, hi), each streamed once from memory, two at a time where it helps. */
+static void decode_panels(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                          int64_t y_stride, int m, int n, int k, int lo, int hi) {
+    for (int p = lo; p < hi; p++) {
+        const float *b = packed + (int64_t)p * k * NP, *bp = bias ? bias + p * NP : 0;
+        if (m <= PAIR_ROWS && p + 1 < hi && n - (p + 1) * NP >= NP) {
+            pair_rows(x, x_stride, b, k, bp, y + p * NP, y_stride, m);
+            p++;
+            continue;
+        }
+        __mmask16 m0, m1;
+        panel_masks(n, p, &m0, &m1);
+        strip_rows(x, x_stride, b, k, y + p * NP, y_stride, m, m0, m1, 1, bp, 1);
     }
 }
 
-/* Panels [lo, hi) for all m rows; `strips` (chunk * k floats) holds a chunk of packed rows when m > MR. */
-static void panels(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
-                   int64_t y_stride, int m, int n, int k, int lo, int hi, int chunk, float *strips) {
-    for (int c0 = 0; c0 < m; c0 += chunk) {
-        const int c1 = m - c0 < chunk ? m : c0 + chunk;
-        if (strips) pack_rows(x, x_stride, k, c0, c1, strips);
-        const int calls = (c1 - c0 + MR - 1) / MR;
-        for (int p = lo; p < hi; p++) {
-            if (!strips && m <= PAIR_ROWS && p + 1 < hi && n - (p + 1) * NP >= NP) {
-                pair_rows(x, x_stride, packed + (int64_t)p * k * NP, k, bias ? bias + p * NP : 0, y + p * NP, y_stride,
-                          m);
-                p++;
-                continue;
-            }
-            const int cols = n - p * NP < NP ? n - p * NP : NP;
-            const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-            const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-            const float *b = packed + (int64_t)p * k * NP;
-            /* The next panel, a share of its lines asked for by each strip, so it is in L2 when this one ends. */
-            const char *next = (const char *)(b + (int64_t)k * NP);
-            const int64_t lines = p + 1 < hi && calls > 1 ? (int64_t)k * NP / 16 : 0;
-            for (int i0 = c0, s = 0; i0 < c1; i0 += MR, s++) {
-                const int mr = c1 - i0 < MR ? c1 - i0 : MR;
-                const int64_t l0 = lines * s / calls, l1 = lines * (s + 1) / calls;
-                const float *a = strips ? strips + (int64_t)(i0 - c0) * k : x + (int64_t)i0 * x_stride;
-                strip_rows(a, strips ? 0 : x_stride, b, k, bias ? bias + p * NP : 0,
-                           y + (int64_t)i0 * y_stride + p * NP, y_stride, mr, m0, m1, next + l0 * 64, (int)(l1 - l0));
+/* Any batch against panels [lo, hi): k blocks, then groups of NB panels, then MR-row strips, then the group's panels.
+ * The first strip to meet a group streams it from memory. */
+static void blocked_panels(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                           int64_t y_stride, int m, int n, int k, int lo, int hi) {
+    const int blocks = (k + KC - 1) / KC, kc = (k + blocks - 1) / blocks; /* equal blocks */
+    for (int k0 = 0; k0 < k; k0 += kc) {
+        const int steps = k - k0 < kc ? k - k0 : kc, first = k0 == 0, last = k0 + steps == k;
+        for (int g = lo; g < hi; g += NB) {
+            const int g1 = hi - g < NB ? hi : g + NB;
+            for (int i0 = 0; i0 < m; i0 += MR) {
+                const int mr = m - i0 < MR ? m - i0 : MR;
+                for (int p = g; p < g1; p++) {
+                    __mmask16 m0, m1;
+                    panel_masks(n, p, &m0, &m1);
+                    strip_rows(x + (int64_t)i0 * x_stride + k0, x_stride, packed + ((int64_t)p * k + k0) * NP, steps,
+                               y + (int64_t)i0 * y_stride + p * NP, y_stride, mr, m0, m1, first,
+                               last && bias ? bias + p * NP : 0, i0 == 0);
+                }
             }
         }
     }
@@ -169,23 +173,15 @@ int linear_f32_available(void) { return 1; }
 int linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y, int64_t y_stride,
                int m, int n, int k, int threads) {
     if (m <= 0 || n <= 0 || k <= 0 || x_stride < 1) return -1;
-    int chunk = (int)(X_CHUNK_BYTES / ((int64_t)k * (int64_t)sizeof(float))) / MR * MR;
-    if (chunk < MR) chunk = MR;
-    if (chunk > m) chunk = m;
     threads = threads_for(threads, (int64_t)m * n * k, MIN_WORK_PER_THREAD);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+#pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int lo, hi;
         share((n + NP - 1) / NP, thread_index(), thread_count(), &lo, &hi);
-        /* whole strips: the last one of a chunk may be short of rows but is laid out MR wide */
-        const size_t bytes = (size_t)((chunk + MR - 1) / MR * MR) * k * sizeof(float);
-        float *strips = m > MR ? aligned_alloc(64, (bytes + 63) / 64 * 64) : 0;
-        if (m > MR && !strips) failed = 1;
-        else if (lo < hi) panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi, chunk, strips);
-        free(strips);
+        if (m <= MR) decode_panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi);
+        else blocked_panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi);
     }
-    return failed ? -1 : 0;
+    return 0;
 }
 
 #else
