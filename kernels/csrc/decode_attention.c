@@ -14,7 +14,8 @@
  * - values: each 32-element chunk of a value row splits into its even and odd elements as float32 by one shift
  *   and one mask, and every query head of the group accumulates both halves in registers; outputs are put back
  *   in order once per sequence.
- * float32 (and bf16 without AVX512-BF16) with AVX-512 converts each 16-token tile to float32 once into a scratch
+ * float32 with AVX-512 reads the cache in place, each value vector loaded once for every query head of its group;
+ * bf16 without AVX512-BF16 converts each 16-token tile to float32 once into a scratch
  * that stays in L1 and reduces the same way. Softmax runs on whole score rows with a vectorised exp. Elsewhere a
  * portable loop (one token at a time, online softmax) serves.
  */
@@ -38,6 +39,8 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 #define TILE 16
+/* Query heads of one KV group that share each value vector loaded (float32). */
+#define GROUP_CHUNK 4
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -387,7 +390,7 @@ static void bf16_in_place(const uint16_t *q, const uint16_t *k_cache, const uint
 #define HAVE_AVX512_BF16 0
 #endif
 
-/* ---- float32 (and bfloat16 without AVX512-BF16): 16-token tiles converted to float32 once. ---- */
+/* ---- bfloat16 without AVX512-BF16: 16-token tiles converted to float32 once. ---- */
 
 /* Rows t0..t0+n-1 (n <= 16) of one sequence's cache, every KV head (row = kv_heads * head_dim elements), into
  * tile (TILE, row) float32; missing rows are zero. */
@@ -400,15 +403,6 @@ static inline void load_tile_bf16(const uint16_t *cache, const CacheWalk *w, int
             __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
             _mm512_store_ps(tile + j * row + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
         }
-    }
-    if (n < TILE) memset(tile + n * row, 0, sizeof(float) * (TILE - n) * row);
-}
-
-static inline void load_tile_f32(const float *cache, const CacheWalk *w, int t0, int n, int row, float *tile,
-                                 Prefetcher *pf) {
-    for (int j = 0; j < n; j++) {
-        memcpy(tile + j * row, cache + token_offset(w, t0 + j), sizeof(float) * row);
-        prefetch_row(pf);
     }
     if (n < TILE) memset(tile + n * row, 0, sizeof(float) * (TILE - n) * row);
 }
@@ -464,7 +458,95 @@ static inline void load_tile_f32(const float *cache, const CacheWalk *w, int t0,
     }
 
 DEFINE_AVX512(bf16, uint16_t)
-DEFINE_AVX512(f32, float)
+
+/* ---- float32: the cache read in place. ---- */
+
+/* Where tokens t0..t0+n-1 (n <= 16) of one sequence lie; rows past len repeat the first, whose scores the softmax
+ * masks out. */
+static inline void tile_rows_f32(const float *cache, const CacheWalk *w, int t0, int n, const float *rows[TILE],
+                                 Prefetcher *pf) {
+    for (int j = 0; j < n; j++) {
+        rows[j] = cache + token_offset(w, t0 + j);
+        prefetch_row(pf);
+    }
+    for (int j = n; j < TILE; j++) rows[j] = rows[0];
+}
+
+/* out (G heads of one KV group, rows head_dim apart) += p v over a tile of n tokens, p the first head's softmax
+ * numerators (the others stride apart): each value vector is loaded once for the G heads, and each head sums its
+ * even and its odd tokens in two chains, as the tiled path does. G is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void values_f32(const float *const rows[TILE], int n, int off,
+                                                             int head_dim, const float *p, int stride, float *o,
+                                                             int G) {
+    for (int d = 0; d < head_dim; d += 16) {
+        __m512 even[GROUP_CHUNK], odd[GROUP_CHUNK];
+        for (int h = 0; h < G; h++) {
+            even[h] = _mm512_loadu_ps(o + h * head_dim + d);
+            odd[h] = _mm512_setzero_ps();
+        }
+        for (int j = 0; j < n - 1; j += 2) {
+            const __m512 va = _mm512_loadu_ps(rows[j] + off + d), vb = _mm512_loadu_ps(rows[j + 1] + off + d);
+            for (int h = 0; h < G; h++) {
+                even[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + j]), va, even[h]);
+                odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + j + 1]), vb, odd[h]);
+            }
+        }
+        if (n & 1) {
+            const __m512 va = _mm512_loadu_ps(rows[n - 1] + off + d);
+            for (int h = 0; h < G; h++) even[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * stride + n - 1]), va, even[h]);
+        }
+        for (int h = 0; h < G; h++) _mm512_storeu_ps(o + h * head_dim + d, _mm512_add_ps(even[h], odd[h]));
+    }
+}
+
+/* DEFINE_AVX512's contract for float32, reading each 16-token tile where it lies instead of copying it (tile is
+ * unused): a copy cost as much as the arithmetic, and the rows are float32 already. Same products, same sums. */
+static void f32_avx512(const float *q, const float *k_cache, const float *v_cache, const CacheWalk *w, int len,
+                       int kv_heads, int head_dim, int group, float *scores, int stride, float *tile, float *out,
+                       Prefetcher *pf) {
+    (void)tile;
+    const int heads = kv_heads * group;
+    const float *rows[TILE];
+    for (int t0 = 0; t0 < len; t0 += TILE) { /* scores = q k^T */
+        tile_rows_f32(k_cache, w, t0, len - t0 < TILE ? len - t0 : TILE, rows, pf);
+        for (int h = 0; h < heads; h++) {
+            const int off = h / group * head_dim;
+            const float *qh = q + h * head_dim;
+            __m512 acc[TILE];
+            for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_ps();
+            for (int d = 0; d < head_dim; d += 16) {
+                __m512 qv = _mm512_loadu_ps(qh + d);
+                for (int j = 0; j < TILE; j++)
+                    acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[j] + off + d), acc[j]);
+            }
+            _mm512_storeu_ps(scores + h * stride + t0, sum16(acc));
+        }
+    }
+    float inv_sum[MAX_HEADS];
+    softmax_rows(scores, heads, stride, len, inv_sum);
+    memset(out, 0, sizeof(float) * heads * head_dim);
+    for (int t0 = 0; t0 < len; t0 += TILE) { /* out = p v, up to GROUP_CHUNK heads of a group at a time */
+        const int n = len - t0 < TILE ? len - t0 : TILE;
+        tile_rows_f32(v_cache, w, t0, n, rows, pf);
+        for (int h = 0, chunk; h < heads; h += chunk) { /* a group's last chunk may be short */
+            chunk = group - h % group < GROUP_CHUNK ? group - h % group : GROUP_CHUNK;
+            const float *p = scores + h * stride + t0;
+            const int off = h / group * head_dim;
+            float *o = out + h * head_dim;
+            switch (chunk) {
+            case 1: values_f32(rows, n, off, head_dim, p, stride, o, 1); break;
+            case 2: values_f32(rows, n, off, head_dim, p, stride, o, 2); break;
+            case 3: values_f32(rows, n, off, head_dim, p, stride, o, 3); break;
+            default: values_f32(rows, n, off, head_dim, p, stride, o, 4); break;
+            }
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        for (int d = 0; d < head_dim; d += 16)
+            _mm512_storeu_ps(out + h * head_dim + d, _mm512_mul_ps(_mm512_loadu_ps(out + h * head_dim + d), inv));
+    }
+}
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
