@@ -11,14 +11,16 @@
  *   four registers, each load of a transposed key row shared by the PF_QV vectors;
  * - causal mask, online softmax per query vector (running max and sum; the output is rescaled when the max grows);
  * - out = alpha out + p v as a matrix product: PF_QV query vectors at a time, each value load shared by them.
- * Query vectors whose row lies before the key tile are skipped (they would see no key of it, which leaves their sums
- * exactly as they are). Keys past a row's position get probability 0 exactly; key slots past the tile's last key are
- * zero, so no cache slot a sequence does not own is read.
+ * PF_QV query vectors at a time go through all three steps, so their scores are still in L1 when their softmax and
+ * their update read them. Query vectors whose row lies before the key tile are skipped (they would see no key of
+ * it, which leaves their sums exactly as they are). Keys past a row's position get probability 0 exactly; key slots
+ * past the tile's last key are zero, so no cache slot a sequence does not own is read.
  *
- * Work units are dealt to threads round-robin; each unit (so each output row) is computed by one thread, key tiles
- * in order: results do not depend on the thread count. Returns 0, or -1 for shapes it does not take (head_dim not a
- * multiple of 16 or above 256, group above 16, a chunk longer than its sequence, no AVX-512F, no memory); the caller
- * then attends each row as a decode.
+ * Work units are handed out in order to whichever thread is free (units differ in cost: a causal tile's keys grow
+ * with its position, so dealing them round-robin left one thread the costlier half); each unit (so each output row)
+ * is computed by one thread, key tiles in order: results do not depend on the thread count or on which thread.
+ * Returns 0, or -1 for shapes it does not take (head_dim not a multiple of 16 or above 256, group above 16, a chunk
+ * longer than its sequence, no AVX-512F, no memory); the caller then attends each row as a decode.
  */
 #include <math.h>
 #include <stdint.h>
@@ -166,7 +168,8 @@ static inline void softmax_row(float *s, int valid, float *m, float *l, float *a
         _mm512_store_ps(s + 16 * c, p);
         sum = _mm512_add_ps(sum, p);
     }
-    *alpha = expf(*m - m_new); /* 0 for the first keys a vector sees (m = -inf) */
+    /* 0 for the first keys a vector sees (m = -inf); exactly 1, without the call, while the max holds */
+    *alpha = *m == m_new ? 1.f : expf(*m - m_new);
     *l = *l * *alpha + _mm512_reduce_add_ps(sum);
     *m = m_new;
 }
@@ -210,13 +213,10 @@ static inline void softmax_row(float *s, int valid, float *m, float *l, float *a
             for (int v = v0; v < nq; v += PF_QV) {                                                                \
                 const int mr = nq - v < PF_QV ? nq - v : PF_QV;                                                   \
                 micro(1, x->q + (int64_t)v * head_dim, x->kt, x->s + (int64_t)v * PF_KEYS, 0, 0, 0, 0, head_dim, mr); \
-            }                                                                                                     \
-            for (int v = v0; v < nq; v++) {                                                                       \
-                const int seen = first_pos + v / group - t0 + 1;                                                  \
-                softmax_row(x->s + (int64_t)v * PF_KEYS, seen < n ? seen : n, x->m + v, x->l + v, x->alpha + v); \
-            }                                                                                                     \
-            for (int v = v0; v < nq; v += PF_QV) {                                                                \
-                const int mr = nq - v < PF_QV ? nq - v : PF_QV;                                                   \
+                for (int u = v; u < v + mr; u++) {                                                                \
+                    const int seen = first_pos + u / group - t0 + 1;                                              \
+                    softmax_row(x->s + (int64_t)u * PF_KEYS, seen < n ? seen : n, x->m + u, x->l + u, x->alpha + u); \
+                }                                                                                                 \
                 micro(0, 0, 0, x->s + (int64_t)v * PF_KEYS, x->o + (int64_t)v * head_dim, x->alpha + v, n, x->v,   \
                       head_dim, mr);                                                                              \
             }                                                                                                     \
@@ -275,30 +275,32 @@ static inline int query_tiles(const int32_t *query_start, int i) {
         int status = 0;                                                                                             \
         _Pragma("omp parallel num_threads(threads) if (threads > 1) reduction(| : status)")                        \
         {                                                                                                           \
-            const int part = thread_index(), parts = thread_count();                                                \
             Scratch x = {aligned_alloc(64, sizeof(float) * nq * head_dim),                                          \
                          aligned_alloc(64, sizeof(float) * nq * head_dim),                                          \
                          aligned_alloc(64, sizeof(float) * nq * PF_KEYS),                                           \
                          aligned_alloc(64, sizeof(float) * PF_KEYS * head_dim),                                     \
                          aligned_alloc(64, sizeof(float) * PF_KEYS * head_dim), malloc(sizeof(float) * nq),         \
                          malloc(sizeof(float) * nq), malloc(sizeof(float) * nq)};                                   \
-            if (x.q && x.o && x.s && x.kt && x.v && x.m && x.l && x.alpha) {                                        \
-                int i = 0;                                                                                          \
-                for (int64_t u = part; u < total; u += parts) {                                                     \
-                    while (u >= first_unit[i + 1]) i++;                                                             \
-                    const int64_t local = u - first_unit[i];                                                        \
-                    const int qtiles = query_tiles(query_start, i);                                                 \
-                    const int h = (int)(local / qtiles), tile = (int)(local % qtiles);                              \
-                    const int chunk = query_start[i + 1] - query_start[i], i0 = tile * PF_QROWS;                     \
-                    const int rows = chunk - i0 < PF_QROWS ? chunk - i0 : PF_QROWS;                                   \
-                    const CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim,           \
-                                         (int64_t)h * head_dim, block_size};                                        \
-                    const int64_t at = ((int64_t)query_start[i] + i0) * row;                                        \
-                    unit_##NAME(q + at, out + at, k_cache, v_cache, &w, seq_lens[i] - chunk + i0, rows, heads,      \
-                                group, h, head_dim, scale, &x);                                                     \
-                }                                                                                                   \
-            } else {                                                                                                \
-                status = -1;                                                                                        \
+            /* every thread takes part in the loop (a worksharing loop must be met by all); one without scratch \
+             * computes nothing and the call fails, so the caller attends the rows another way */                 \
+            const int ok = x.q && x.o && x.s && x.kt && x.v && x.m && x.l && x.alpha;                               \
+            status |= !ok;                                                                                          \
+            int i = 0;                                                                                              \
+            _Pragma("omp for schedule(dynamic, 1)")                                                                 \
+            for (int64_t u = 0; u < total; u++) {                                                                  \
+                if (!ok) continue;                                                                                  \
+                if (u < first_unit[i]) i = 0;                                                                       \
+                while (u >= first_unit[i + 1]) i++;                                                                 \
+                const int64_t local = u - first_unit[i];                                                            \
+                const int qtiles = query_tiles(query_start, i);                                                     \
+                const int h = (int)(local / qtiles), tile = (int)(local % qtiles);                                  \
+                const int chunk = query_start[i + 1] - query_start[i], i0 = tile * PF_QROWS;                        \
+                const int rows = chunk - i0 < PF_QROWS ? chunk - i0 : PF_QROWS;                                     \
+                const CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim,               \
+                                     (int64_t)h * head_dim, block_size};                                            \
+                const int64_t at = ((int64_t)query_start[i] + i0) * row;                                            \
+                unit_##NAME(q + at, out + at, k_cache, v_cache, &w, seq_lens[i] - chunk + i0, rows, heads,          \
+                            group, h, head_dim, scale, &x);                                                         \
             }                                                                                                       \
             free(x.q);                                                                                              \
             free(x.s);                                                                                              \
