@@ -433,11 +433,13 @@ def finish_reason(reason: int) -> str | None:
     return FINISH_REASONS.get(reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the replicas' prefix caches held."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -448,7 +450,8 @@ def choices_of(response: fastgen_pb2.GenerateResponse) -> Sequence:
 
 def response_usage(responses: Sequence[fastgen_pb2.GenerateResponse]) -> dict:
     completion = sum(c.generated_tokens for r in responses for c in choices_of(r))
-    return usage(sum(r.prompt_tokens for r in responses), completion)
+    cached = sum(r.cached_prompt_tokens for r in responses)
+    return usage(sum(r.prompt_tokens for r in responses), completion, cached)
 
 
 def _logprob(value: float) -> float:
@@ -531,15 +534,17 @@ class StreamUsage:
     """Token counts of a stream, from the last chunk of every choice."""
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # by prompt
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # by prompt
     completion_tokens: int = 0
 
     def add(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> None:
         if chunk.finish_reason:
             self.prompt_tokens[prompt] = chunk.prompt_tokens
+            self.cached_tokens[prompt] = chunk.cached_prompt_tokens
             self.completion_tokens += chunk.generated_tokens
 
     def total(self) -> dict:
-        return usage(sum(self.prompt_tokens.values()), self.completion_tokens)
+        return usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
 
 
 @dataclass

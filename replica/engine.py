@@ -358,6 +358,7 @@ class Engine:
             new_logprobs=logprobs[len(logprobs) - len(new_tokens) :],
             logprobs=list(logprobs),
             prompt_text=c.req.prompt_text,
+            cached_prompt_tokens=c.req.completions[0].seq.num_cached_prompt_tokens,  # the request's: its prompt's
         )
 
     def _unborn(self, req: _Request, index: int, now: float) -> RequestOutput:

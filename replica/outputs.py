@@ -47,6 +47,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new_token_ids, when asked for
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids, when asked for
     prompt_text: str = ""  # the prompt as text, when echo was asked for
+    cached_prompt_tokens: int = 0  # of prompt_tokens, how many the prefix cache held when the request was admitted
 
     @property
     def finished(self) -> bool:

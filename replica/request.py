@@ -171,6 +171,9 @@ class Sequence:
     # recomputed sequence finds its own blocks if they are still cached.
     block_hashes: list[bytes] = field(default_factory=list)
     slo: Slo | None = None  # the request's own service level (the slo scheduler); None: the deployment's
+    # Prompt tokens its first admission found in the prefix cache (the API's cached_tokens); a recompute after a
+    # preemption finding its own blocks again does not count.
+    num_cached_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

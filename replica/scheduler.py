@@ -254,6 +254,8 @@ class Scheduler:
             return
         self.allocator.share(seq.block_table, hits)
         seq.num_computed = len(hits) * self.allocator.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = min(seq.num_computed, seq.num_prompt_tokens)
         self._prefix.queries += seq.num_tokens
         self._prefix.hits += seq.num_computed
 

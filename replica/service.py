@@ -351,6 +351,7 @@ def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> p
         token_ids=first.token_ids,
         finish_reason=FINISH_REASONS[first.finish_reason],
         prompt_tokens=first.prompt_tokens,
+        cached_prompt_tokens=first.cached_prompt_tokens,
         generated_tokens=first.generated_tokens,
         replica=replica,
         logprobs=logprobs_to_proto(first.logprobs),
@@ -385,6 +386,7 @@ def chunk_from(request_id: str, out: RequestOutput, replica: str, first: bool) -
     if out.finished:
         chunk.finish_reason = FINISH_REASONS[out.finish_reason]
         chunk.prompt_tokens = out.prompt_tokens
+        chunk.cached_prompt_tokens = out.cached_prompt_tokens
         chunk.generated_tokens = out.generated_tokens
     return chunk
 

@@ -128,6 +128,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when logprobs was asked for
     choices: list[Choice] = field(default_factory=list)  # every completion when n > 1, else empty
     prompt_text: str = ""  # the prompt's text when echo was asked for
+    cached_prompt_tokens: int = 0  # of prompt_tokens, how many the replica's prefix cache held at admission
 
     def completions(self) -> list[Choice]:
         """Every completion in index order, whatever n was (for n = 1, the one this result holds)."""
@@ -148,6 +149,7 @@ class GenerationChunk:
     index: int = 0  # which completion this continues (n > 1); the stream ends after every index's last chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids when logprobs was asked for
     prompt_text: str = ""  # the prompt's text, on the first chunk only, when echo was asked for
+    cached_prompt_tokens: int = 0  # set on the last chunk: of prompt_tokens, how many the prefix cache held
 
 
 @dataclass
@@ -263,6 +265,7 @@ def to_result(resp: fastgen_pb2.GenerateResponse) -> GenerationResult:
             for c in resp.choices
         ],
         prompt_text=resp.prompt_text,
+        cached_prompt_tokens=resp.cached_prompt_tokens,
     )
 
 
@@ -278,6 +281,7 @@ def to_chunk(chunk: fastgen_pb2.GenerateChunk) -> GenerationChunk:
         index=chunk.index,
         logprobs=to_logprobs(chunk.logprobs),
         prompt_text=chunk.prompt_text,
+        cached_prompt_tokens=chunk.cached_prompt_tokens,
     )
 
 

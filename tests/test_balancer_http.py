@@ -90,7 +90,12 @@ def test_chat_completion_has_openais_shape():
                     "finish_reason": "length",
                 }
             ]
-            assert body["usage"] == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
+            assert body["usage"] == {
+                "prompt_tokens": 0,
+                "completion_tokens": 2,
+                "total_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             assert http.requests("/v1/chat/completions", 200) == 1
 
     run(main())

@@ -152,6 +152,28 @@ def test_greedy_text_over_http_equals_grpc(served):
     assert ids.usage.prompt_tokens == 3
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(served):
+    client = served.sync()
+    prompt = "A prompt seen twice: " + " ".join(f"item{i}" for i in range(60))
+    first = client.completions.create(model=served.model, prompt=prompt, max_tokens=2, **GREEDY)
+    again = list(
+        client.completions.create(
+            model=served.model,
+            prompt=prompt,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )[-1]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    with Client(served.balancer, timeout=60, api_key=KEY) as grpc_client:
+        result = grpc_client.generate(prompt, max_new_tokens=2, temperature=0)
+    assert result.cached_prompt_tokens == again.usage.prompt_tokens_details.cached_tokens
+
+
 def test_async_chat_stream_with_usage(served):
     async def main():
         client = served.asynchronous()

@@ -244,7 +244,12 @@ def test_chat_reply_with_n_choices_logprobs_and_usage():
         ]
     }
     assert reply["choices"][1]["logprobs"] == {"content": []}
-    assert reply["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+    assert reply["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 4,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completion_reply_with_logprobs_echo_and_several_prompts():
@@ -253,7 +258,9 @@ def test_completion_reply_with_logprobs_echo_and_several_prompts():
     first = pb.GenerateResponse(
         text=" xz", prompt_tokens=2, generated_tokens=2, finish_reason=pb.FINISH_REASON_STOP, logprobs=lps
     )
-    second = pb.GenerateResponse(text="", prompt_tokens=3, generated_tokens=0, finish_reason=pb.FINISH_REASON_LENGTH)
+    second = pb.GenerateResponse(
+        text="", prompt_tokens=3, cached_prompt_tokens=2, generated_tokens=0, finish_reason=pb.FINISH_REASON_LENGTH
+    )
     reply = op.completion_response(META, api, [first, second])
     assert reply["object"] == "text_completion" and [c["index"] for c in reply["choices"]] == [0, 1]
     assert reply["choices"][0]["logprobs"] == {
@@ -262,7 +269,12 @@ def test_completion_reply_with_logprobs_echo_and_several_prompts():
         "top_logprobs": [{" y": pytest.approx(-0.1), " x": -0.25}, {"z": op.MIN_LOGPROB}],
         "text_offset": [0, 2],
     }
-    assert reply["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert reply["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},  # the prompts' sum
+    }
     json.dumps(reply, allow_nan=False)
     echoed = op.completion_response(META, completion(echo=True), [pb.GenerateResponse(text=" there", prompt_text="Hi")])
     assert echoed["choices"][0]["text"] == "Hi there" and echoed["choices"][0]["logprobs"] is None
@@ -289,8 +301,9 @@ def test_chat_stream_with_two_interleaved_choices_and_usage():
     s = op.STREAMS[op.CHAT](META, api)
     events = s.events(0, chunk(1, "B"))
     events += s.events(0, chunk(0, "A"))
-    events += s.events(0, chunk(0, "", pb.FINISH_REASON_EOS, prompt_tokens=4, generated_tokens=2))
-    events += s.events(0, chunk(1, "!", pb.FINISH_REASON_LENGTH, prompt_tokens=4, generated_tokens=3))
+    ends = dict(prompt_tokens=4, cached_prompt_tokens=3)  # each choice's last chunk repeats its prompt's counts
+    events += s.events(0, chunk(0, "", pb.FINISH_REASON_EOS, generated_tokens=2, **ends))
+    events += s.events(0, chunk(1, "!", pb.FINISH_REASON_LENGTH, generated_tokens=3, **ends))
     events += s.events(0, chunk(1))  # nothing new: no event
     assert {(e["id"], e["created"], e["model"], e["object"]) for e in events} == {
         ("cmpl-1", 1700000000, "m", "chat.completion.chunk")
@@ -311,7 +324,12 @@ def test_chat_stream_with_two_interleaved_choices_and_usage():
         "created": 1700000000,
         "model": "m",
         "choices": [],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9},
+        "usage": {
+            "prompt_tokens": 4,
+            "completion_tokens": 5,
+            "total_tokens": 9,
+            "prompt_tokens_details": {"cached_tokens": 3},
+        },
     }
 
 

@@ -116,6 +116,7 @@ def test_a_repeated_prompt_starts_after_its_cached_full_blocks(prompt_len, cache
     assert s.start == cached and s.token_ids == again.token_ids[cached:] and s.sample
     stats = sched.prefix_stats()
     assert (stats.queries, stats.hits) == (prompt_len, cached)
+    assert (first.num_cached_prompt_tokens, again.num_cached_prompt_tokens) == (0, cached)
 
 
 @pytest.mark.parametrize("policy", ["splitfuse", "prefill_first", "static"])
@@ -167,6 +168,7 @@ def test_a_preempted_sequence_re_hits_its_own_blocks():
     sched.finish(old)
     (s,) = sched.schedule().seqs
     assert s.seq_id == 1 and s.start == (new.num_tokens - 1) // 4 * 4
+    assert new.num_cached_prompt_tokens == 0  # its own blocks, found again after a preemption, are no cache hit
 
 
 # ---- invariants under random workloads ------------------------------------------------------------------------
@@ -381,6 +383,30 @@ def test_the_second_request_prefills_only_what_is_not_cached(tiny_model_dir):
     assert second[0].num_prefill_tokens == len(b) - len(SYSTEM)
     assert (second[0].prefix_cache_queries, second[0].prefix_cache_hits) == (len(b), len(SYSTEM))
     assert second[-1].prefix_cache_blocks > 0
+
+
+def test_outputs_report_the_prompt_tokens_the_cache_held(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, True)
+    waves = [
+        {"a": (SYSTEM + [1], GREEDY)},
+        {"b": (SYSTEM + [2, 3], SamplingParams(max_new_tokens=3, temperature=1.0, seed=1, n=2))},
+        {"c": (SYSTEM[:3], GREEDY)},
+    ]
+    cached = {}
+    for wave in waves:
+        for rid, (prompt, params) in wave.items():
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step().outputs:
+                if out.finished:
+                    cached[out.request_id, out.index] = (out.cached_prompt_tokens, out.prompt_tokens)
+    # every completion of b reports its request's count; c's prompt is shorter than a block
+    assert cached == {
+        ("a", 0): (0, len(SYSTEM) + 1),
+        ("b", 0): (len(SYSTEM), len(SYSTEM) + 2),
+        ("b", 1): (len(SYSTEM), len(SYSTEM) + 2),
+        ("c", 0): (0, 3),
+    }
 
 
 def test_cache_salt_isolates_and_the_switch_turns_caching_off(tiny_model_dir):
