@@ -65,6 +65,7 @@ def test_the_dashboard_shows_what_operators_act_on():
         "Token-budget fill",
         "Traffic per replica",
         "Replica health",
+        "Replica membership",
         "Retries",
         "Routed to a cached prefix",
         "Cache event streams",

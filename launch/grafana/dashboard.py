@@ -287,6 +287,16 @@ BALANCER = (
         (Query(f"max by (replica) (fastgen_balancer_replica_healthy{{{UPSTREAM}}})", "{{replica}}"),),
     ),
     Panel(
+        "Replica membership",
+        "Replicas the balancer balances over, by where it learned of them (--replica, --replicas-file, "
+        "--replicas-dns), and failed lookups per second (membership then stays as it was).",
+        "short",
+        (
+            Query(f"sum by (source) (fastgen_balancer_discovered_replicas{{{DEPLOYMENT}}})", "{{source}}"),
+            Query(rate("fastgen_balancer_discovery_errors_total", DEPLOYMENT, "source"), "{{source}} errors/s"),
+        ),
+    ),
+    Panel(
         "Scrape targets up",
         "1 while Prometheus can scrape the process's /metrics.",
         "short",
