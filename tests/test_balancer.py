@@ -102,13 +102,21 @@ def test_round_robin_alternates_replicas_exactly(client):
 
 
 def test_least_loaded_avoids_the_replica_busy_with_our_long_request(ll_balancer):
+    # A pick counts only if the long request was still in flight after it (once ended it stays ended): on a host slow
+    # enough that the long request ends first, the premise would silently be false and the picks rightly even.
     with Client(ll_balancer.address, timeout=60) as c:
         long_stream = c.stream_chunks("a long story", **LONG)
         busy = next(long_stream).replica
+        served = []
         try:
-            served = [c.generate([5, 6, 7], **SHORT).replica for _ in range(8)]
+            for _ in range(8):
+                picked = c.generate([5, 6, 7], **SHORT).replica
+                if not next(r for r in c.status().replicas if r.replica == busy).in_flight:
+                    break
+                served.append(picked)
         finally:
             long_stream.close()  # cancels it
+    assert len(served) >= 4, f"the long request ended after {len(served)} short ones"
     assert set(served) == {"r1" if busy == "r0" else "r0"}
 
 
