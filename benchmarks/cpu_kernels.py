@@ -13,7 +13,10 @@
    torch's CPU attention, whose results depend on the thread count.
 4. Linear layers, float32: every linear layer of SmolLM2-135M at 1 to 2048 rows (the LM head up to 64, the most rows
    a step samples), the batch-invariant AVX-512 kernel on its packed weights (kernels/csrc/linear_f32.c) against
-   torch's F.linear (MKL's sgemm) on the plain ones, weights not in cache; also the FLOP/s at each size.
+   torch's F.linear (MKL's sgemm) on the plain ones, weights not in cache; also the FLOP/s at each size. The
+   MLP's gate/up layer counts with its SiLU(gate) * up: sgemm then the C silu_mul, against the fused kernel.
+5. The gate/up layers alone, float32: the linear kernel then the C silu_mul (two passes, the (rows, 2 intermediate)
+   products through memory) against the fused kernel (kernels/csrc/linear_f32.c linear_f32_silu_mul).
 The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
@@ -36,6 +39,19 @@ def median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def paired_s(first, second, repeats: int) -> tuple[float, float, float]:
+    """Both timed in turn, the order alternating: their median times and the median of each pair's ratio
+    (first / second), which a host whose speed drifts between the two affects least."""
+    first(), second()  # warm-up
+    a, b = [], []
+    for i in range(repeats):
+        for fn, times in ((first, a), (second, b)) if i % 2 == 0 else ((second, b), (first, a)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
 def linear_table(repeats: int) -> list[str]:
@@ -87,12 +103,17 @@ def linear_f32_table(repeats: int) -> list[str]:
         flops = sum(2 * m * w.shape[0] * w.shape[1] for _, w in chosen)
 
         def sgemm(xs=xs, chosen=chosen):
-            for _, w in chosen:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            for p, w in chosen:
+                y = torch.nn.functional.linear(xs[w.shape[1]], w)
+                if p.gated:
+                    cpu.silu_mul_cpu(y)
 
         def ours(xs=xs, chosen=chosen):
             for p, _ in chosen:
-                cpu.linear_f32(xs[p.in_features], p, None)
+                if p.gated:
+                    cpu.linear_f32_silu_mul(xs[p.in_features], p)
+                else:
+                    cpu.linear_f32(xs[p.in_features], p, None)
 
         reps = repeats if m <= 512 else max(1, repeats // 2)
         a, b = median_s(sgemm, reps), median_s(ours, reps)
@@ -176,20 +197,50 @@ def prompt_attention_table(repeats: int) -> list[str]:
     return rows
 
 
+def gate_up_f32_table(repeats: int) -> list[str]:
+    from fastgen.replica import pipeline
+    from fastgen.replica.parallel import GateUpParallelLinear
+
+    model = pipeline("smollm2-135m", dtype="float32", progress=False).engine.runner.model
+    gated = [m.packed.f32 for m in model.modules() if isinstance(m, GateUpParallelLinear)]
+    if any(p is None or not p.gated for p in gated):
+        return ["(the float32 linear kernel does not run on this machine)"]
+    plain = [cpu.pack_f32(p.unpacked()) for p in gated]
+    rows = [
+        "| rows | linear_f32 + silu_mul ms | fused ms | fused / two passes speed (median of pairs) | fused GFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
+    for m in (1, 4, 16, 64, 512, 2048):
+        x = torch.randn(m, gated[0].in_features)
+        flops = sum(2 * m * p.out_features * p.in_features for p in gated)
+
+        def two_passes(x=x):
+            for p in plain:
+                cpu.silu_mul_cpu(cpu.linear_f32(x, p, None))
+
+        def fused(x=x):
+            for p in gated:
+                cpu.linear_f32_silu_mul(x, p)
+
+        a, b, ratio = paired_s(two_passes, fused, repeats)
+        rows.append(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {ratio:.2f}x | {flops / b / 1e9:.0f} |")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-only", action="store_true", help="only the prompt-attention table")
-    p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear table")
+    p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear tables")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.prompt_only:
         tables = [prompt_attention_table]
     elif args.linear_f32_only:
-        tables = [linear_f32_table]
+        tables = [linear_f32_table, gate_up_f32_table]
     else:
-        tables = [linear_table, attention_table, prompt_attention_table, linear_f32_table]
+        tables = [linear_table, attention_table, prompt_attention_table, linear_f32_table, gate_up_f32_table]
     print("\n\n".join("\n".join(table(args.repeats)) for table in tables))
 
 

@@ -225,6 +225,9 @@ class CLibrary:
         k=INT,
         threads=INT,
     )
+    linear_f32_silu_mul: Callable[..., int] = entry(
+        x=POINTER, x_stride=INT64, packed=POINTER, h=POINTER, h_stride=INT64, m=INT, inter=INT, k=INT, threads=INT
+    )
 
     @classmethod
     def bind(cls, library: ctypes.CDLL) -> CLibrary:

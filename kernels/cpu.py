@@ -14,7 +14,9 @@
   instead of several; and, for bfloat16, greedy sampling's argmax over the logits.
 - Linear layers (`pack_weight`, `linear`): weights packed once at load. bfloat16: for the AMX kernel (csrc/linear.c)
   where it runs, else in oneDNN's blocked layout. float32 with AVX-512: for a kernel whose every output sums in one
-  order whatever the batch (csrc/linear_f32.c), so a request's logits do not depend on the requests beside it.
+  order whatever the batch (csrc/linear_f32.c), so a request's logits do not depend on the requests beside it; the
+  MLP's gate and up projections packed side by side, so the same kernel applies SiLU(gate) * up as it stores its
+  outputs (`pack_gate_up`, `linear_silu_mul`) and the (tokens, 2 intermediate) products never go to memory.
 
 Every kernel splits its work over the process's torch threads (torch.get_num_threads()) through OpenMP, on the same
 thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Each output is computed by one
@@ -440,15 +442,23 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
 @dataclass(frozen=True)
 class PackedF32:
     """A float32 weight (out_features, in_features) in csrc/linear_f32.c's panel order, packed once at load: panel p,
-    column c, lane j holds w[32 p + j][c]; out_features padded to 32 with zero rows."""
+    column c, lane j holds w[32 p + j][c]; out_features padded to 32 with zero rows. A gate/up weight (gate rows,
+    then as many up rows) packed `gated` pairs them instead: lanes j < 16 hold gate row 16 p + j, lanes 16 + j the
+    same up row, each half padded to 16."""
 
-    panels: torch.Tensor  # (out_features / 32 rounded up, in_features, 32)
+    panels: torch.Tensor  # (panels, in_features, 32)
     out_features: int
     in_features: int
+    gated: bool = False
 
     def unpacked(self) -> torch.Tensor:
         """The weight (out_features, in_features) again, for the rare input the kernel does not take."""
-        return self.panels.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
+        rows = self.panels.permute(0, 2, 1)  # (panels, 32, in_features)
+        if not self.gated:
+            return rows.reshape(-1, self.in_features)[: self.out_features]
+        inter = self.out_features // 2
+        gate, up = (half.reshape(-1, self.in_features)[:inter] for half in rows.split(16, dim=1))
+        return torch.cat([gate, up])
 
 
 def pack_f32(weight: torch.Tensor) -> PackedF32 | None:
@@ -462,15 +472,59 @@ def pack_f32(weight: torch.Tensor) -> PackedF32 | None:
     return PackedF32(panels, out_features, in_features)
 
 
+def pack_f32_gate_up(weight: torch.Tensor) -> PackedF32 | None:
+    """A gate/up weight (2 intermediate, in_features) packed for linear_f32_silu_mul, or None where the float32
+    kernel does not run."""
+    if _linear_f32() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    out_features, in_features = weight.shape
+    if out_features % 2:
+        return None
+    gate, up = (F.pad(half, (0, 0, 0, -half.shape[0] % 16)) for half in weight.detach().chunk(2))
+    pairs = torch.stack([gate.view(-1, 16, in_features), up.view(-1, 16, in_features)], dim=1)  # (panels, 2, 16, in)
+    panels = pairs.flatten(1, 2).permute(0, 2, 1).contiguous()  # (panels, in_features, 32)
+    return PackedF32(panels, out_features, in_features, gated=True)
+
+
+def _takes(x: torch.Tensor, packed: PackedF32) -> bool:
+    """Whether the float32 kernels take x as it is (else the caller computes with torch)."""
+    return (
+        x.dtype == torch.float32
+        and x.is_cpu
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and x.stride(1) == 1
+        and x.shape[1] == packed.in_features
+    )
+
+
+def linear_f32_silu_mul(x: torch.Tensor, packed: PackedF32) -> torch.Tensor | None:
+    """SiLU(x Wg^T) * (x Wu^T) (rows, intermediate) from a gated pack (csrc/linear_f32.c), bit for bit linear_f32
+    followed by silu_mul_cpu, or None where the kernel does not take the tensors."""
+    if not (packed.gated and _takes(x, packed)):
+        return None
+    rows, inter = x.shape[0], packed.out_features // 2
+    h = torch.empty((rows, inter), dtype=torch.float32)
+    status = _linear_f32().linear_f32_silu_mul(
+        x.data_ptr(),
+        x.stride(0),
+        packed.panels.data_ptr(),
+        h.data_ptr(),
+        inter,
+        rows,
+        inter,
+        packed.in_features,
+        torch.get_num_threads(),
+    )
+    return h if status == 0 else None
+
+
 def linear_f32(x: torch.Tensor, packed: PackedF32, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x (rows, in_features) W^T + bias in float32 (csrc/linear_f32.c), each row's result the same in any batch and
     on any thread count, or None where the kernel does not take the tensors."""
     if (
-        not (x.dtype == torch.float32 and x.is_cpu)
-        or x.dim() != 2
-        or x.shape[0] == 0
-        or x.stride(1) != 1
-        or x.shape[1] != packed.in_features
+        packed.gated
+        or not _takes(x, packed)
         or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
     ):
         return None
@@ -552,6 +606,23 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def pack_gate_up(weight: torch.Tensor) -> PackedWeight | None:
+    """The MLP's gate/up weight (gate rows, then up rows) packed once: for the float32 kernel, gate and up side by
+    side so that it applies SiLU(gate) * up itself; otherwise as any other weight."""
+    gated = pack_f32_gate_up(weight)
+    return PackedWeight(f32=gated) if gated is not None else pack_weight(weight)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+    """SiLU(x Wg^T) * (x Wu^T) for the gate/up weight [Wg; Wu] (weight may be None: packed.holds_weight)."""
+    if packed is not None and packed.f32 is not None and packed.f32.gated:
+        h = linear_f32_silu_mul(x, packed.f32)
+        if h is not None:
+            return h
+        return silu_mul_cpu(F.linear(x, packed.f32.unpacked() if weight is None else weight))
+    return silu_mul_cpu(linear(x, weight, None, packed))
+
+
 CPU_KERNELS = Kernels(
     name="cpu",
     rotary_write_kv=rotary_write_kv_cpu,
@@ -561,5 +632,7 @@ CPU_KERNELS = Kernels(
     silu_mul=silu_mul_cpu,
     pack_linear=pack_weight,
     linear=linear,
+    pack_gate_up=pack_gate_up,
+    linear_silu_mul=linear_silu_mul,
     argmax=argmax_rows,
 )

@@ -41,11 +41,21 @@ class Kernels:
     pack_linear: Callable[[torch.Tensor], Packed | None]
     # (x, weight or None (packed.holds_weight), bias or None, packed or None) -> x W^T + bias
     linear: Callable[..., torch.Tensor]
+    # The MLP's gate/up weight [Wg; Wu] (2 intermediate, hidden) packed once, in a form linear_silu_mul may read
+    # fused; None where the plain weight serves.
+    pack_gate_up: Callable[[torch.Tensor], Packed | None]
+    # (x, weight or None (packed.holds_weight), packed or None) -> SiLU(x Wg^T) * (x Wu^T), (tokens, intermediate)
+    linear_silu_mul: Callable[..., torch.Tensor]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
     # size), so a CUDA graph captured once replays it correctly for any batch of that size.
     graph_safe: bool = False
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: None = None) -> torch.Tensor:
+    """SiLU(gate) * up from the gate/up projection, as two passes: the product, then silu_mul."""
+    return silu_mul(linear(x, weight, None, packed))
 
 
 TORCH_KERNELS = Kernels(
@@ -57,5 +67,7 @@ TORCH_KERNELS = Kernels(
     silu_mul=silu_mul,
     pack_linear=no_packing,
     linear=linear,
+    pack_gate_up=no_packing,
+    linear_silu_mul=linear_silu_mul,
     argmax=argmax,
 )

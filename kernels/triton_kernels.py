@@ -441,7 +441,8 @@ def add_rms_norm(
     return _launch_rms_norm(x, residual, weight, eps)
 
 
-# Linear layers and the argmax are torch's (cuBLAS and a max over the logits serve on CUDA).
+# Linear layers (the gate/up one's SiLU * up too) and the argmax are torch's (cuBLAS and a max over the logits
+# serve on CUDA).
 TRITON_KERNELS = Kernels(
     name="triton",
     rotary_write_kv=rotary_write_kv,
@@ -451,6 +452,8 @@ TRITON_KERNELS = Kernels(
     silu_mul=silu_mul,
     pack_linear=TORCH_KERNELS.pack_linear,
     linear=TORCH_KERNELS.linear,
+    pack_gate_up=TORCH_KERNELS.pack_gate_up,
+    linear_silu_mul=TORCH_KERNELS.linear_silu_mul,
     argmax=TORCH_KERNELS.argmax,
     graph_safe=True,
 )

@@ -102,6 +102,23 @@ class ColumnParallelLinear(ParallelLinear):
         return self.project(x, self.bias)
 
 
+class GateUpParallelLinear(ColumnParallelLinear):
+    """The MLP's gate and up projections as one column-parallel layer that returns SiLU(gate) * up: each rank holds
+    its shard of both (gate rows, then up rows) and computes its own slice of the intermediate activation, so the
+    product of both never needs to be kept; the kernels may pack the two side by side and fuse the activation."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = TORCH_KERNELS) -> None:
+        super().__init__(hidden, [intermediate, intermediate], False, tp, kernels)
+
+    def pack(self) -> None:
+        self.packed = self.kernels.pack_gate_up(self.weight)
+        if self.packed is not None and self.packed.holds_weight:
+            self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear_silu_mul(x, self.weight, self.packed)  # (tokens, intermediate / tp)
+
+
 class QKVParallelLinear(ParallelLinear):
     """Fused q, k, v projection split by heads; no communication. With fewer KV heads than ranks, KV heads are
     replicated: rank r keeps KV head r * kv_heads // tp, the one its query heads attend to."""

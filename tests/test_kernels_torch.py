@@ -453,6 +453,40 @@ def test_cpu_linear_f32_matches_float64_and_is_batch_invariant(out_features, in_
     assert torch.allclose(batched, alone[:6].reshape(2, 3, -1), rtol=1e-5, atol=1e-5)
 
 
+# 1536 x 576: SmolLM2's MLP (more panels than one group); 20: a last panel short of 16 features (masked); 9 x 1030:
+# two k blocks, the partial sums kept in a scratch between them
+@pytest.mark.parametrize("intermediate, in_features", [(1536, 576), (20, 50), (9, 1030)])
+def test_cpu_linear_silu_mul_f32_is_the_linear_kernel_then_silu_mul(intermediate, in_features):
+    """The fused gate/up kernel (gate and up packed side by side, SiLU(gate) * up applied as it stores) gives the
+    unfused path's result bit for bit: the linear kernel on the same weight, then the elementwise silu_mul, at every
+    decode row count, prompt counts, one thread or several; so it keeps the batch invariance and the exactness of
+    both. The layers' float32 path is this kernel, and a row view or an input it declines still gets the answer."""
+    from fastgen.kernels import cpu
+
+    torch.manual_seed(intermediate + in_features)
+    w = torch.randn(2 * intermediate, in_features) / in_features**0.5  # gate rows, then up rows
+    gated, plain = cpu.pack_f32_gate_up(w), cpu.pack_f32(w)
+    if gated is None or cpu._elementwise_for(torch.float32) is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512: torch serves there")
+    assert torch.equal(gated.unpacked(), w)
+    layer_weight = cpu.pack_gate_up(w)
+    assert layer_weight.f32.gated and torch.equal(layer_weight.f32.panels, gated.panels) and layer_weight.holds_weight
+    most = 100
+    x = torch.randn(most, in_features + 32)[:, 16 : 16 + in_features]
+    for rows in (*range(1, 14), 25, most):
+        unfused = in_threads(1, lambda part: cpu.silu_mul_cpu(cpu.linear_f32(part, plain, None)), x[:rows])
+        for threads in (1, THREADS):
+            got = in_threads(threads, cpu.linear_f32_silu_mul, x[:rows], gated)
+            assert torch.equal(got, unfused), (rows, threads, (got - unfused).abs().max())
+        assert torch.equal(cpu.linear_silu_mul(x[:rows], None, layer_weight), unfused)
+    ref = torch.nn.functional.silu(x @ w[:intermediate].T) * (x @ w[intermediate:].T)
+    assert torch.allclose(cpu.linear_silu_mul(x, None, layer_weight), ref, rtol=1e-4, atol=1e-5)
+    assert cpu.linear_f32(x, gated, None) is None  # a gated pack is not a plain weight
+    assert cpu.linear_f32_silu_mul(x, plain) is None
+    batched = cpu.linear_silu_mul(x[:6].reshape(2, 3, -1), None, layer_weight)  # declined: torch on the unpacked
+    assert torch.allclose(batched, ref[:6].reshape(2, 3, -1), rtol=1e-4, atol=1e-5)
+
+
 def test_cpu_argmax_matches_torch():
     """Greedy sampling's C argmax against torch's max over bf16 rows: ties (the first index wins), -inf rows, vocab
     sizes around its 16-wide vectors, rows that are views into wider ones."""

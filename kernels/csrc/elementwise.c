@@ -79,7 +79,6 @@ int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_
 /* out (rows, inter) = bf16(silu(gate)) * up, gate and up the two halves of each gate_up row (rows of
  * in_stride elements). */
 int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {
-    const __m512 one = _mm512_set1_ps(1.f);
     threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);
     ROWS_IN_PARALLEL
     for (int r = 0; r < rows; r++) {
@@ -87,12 +86,7 @@ int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, i
         uint16_t *o = out + (int64_t)r * inter;
         for (int d = 0; d < inter; d += 16) {
             int n = inter - d;
-            __m512 g = load_bf16(gate + d, n);
-            /* sigmoid from e = exp(-|g|), which cannot overflow: 1/(1+e) for g >= 0, e/(1+e) below */
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            sig = _mm512_mask_mul_ps(sig, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), sig, e);
-            __m512 silu = round_bf16(_mm512_mul_ps(g, sig));
+            __m512 silu = round_bf16(silu_ps(load_bf16(gate + d, n)));
             store_bf16(o + d, _mm512_mul_ps(silu, load_bf16(up + d, n)), n);
         }
     }

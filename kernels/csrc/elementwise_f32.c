@@ -69,7 +69,6 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
 
 /* out (rows, inter) = silu(gate) * up, gate and up the two halves of each gate_up row (rows of in_stride elements). */
 int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {
-    const __m512 one = _mm512_set1_ps(1.f);
     threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);
     ROWS_IN_PARALLEL
     for (int r = 0; r < rows; r++) {
@@ -77,13 +76,7 @@ int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t 
         float *o = out + (int64_t)r * inter;
         for (int d = 0; d < inter; d += 16) {
             int n = inter - d;
-            __m512 g = load(gate + d, n);
-            /* sigmoid from e = exp(-|g|), which cannot overflow: 1/(1+e) for g >= 0, e/(1+e) below */
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
-            sig = _mm512_mask_mul_ps(sig, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), sig, e);
-            __m512 silu = _mm512_mul_round_ps(g, sig, EXACT);
-            store(o + d, _mm512_mul_round_ps(silu, load(up + d, n), EXACT), n);
+            store(o + d, _mm512_mul_round_ps(silu_ps(load(gate + d, n)), load(up + d, n), EXACT), n);
         }
     }
     return 0;

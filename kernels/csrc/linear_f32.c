@@ -18,11 +18,13 @@
  * layer, x is read in place (no packing), and an output's partial sum goes to y between k blocks and comes back
  * unchanged, so the chain is the same as in one pass. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #include "parallel.h"
+#include "vector_math.h"
 
 /* Output features per panel: two vectors. */
 #define NP 32
@@ -41,13 +43,16 @@
 #define MEMORY_AHEAD 32
 /* Multiply-adds per extra thread below which one thread does the whole layer (waking one costs microseconds). */
 #define MIN_WORK_PER_THREAD (1 << 16)
+/* A product rounded on its own, never contracted into a multiply-add: silu(gate) * up as elementwise_f32.c has it. */
+#define EXACT _MM_FROUND_CUR_DIRECTION
 
 /* Rows [0, mr) of x (row i at a + i as) against k steps of one panel (b): y = the sums so far (none when `first`)
  * plus these steps, plus bias when given (the last block). Columns past n are masked off (m0, m1). The weight is
- * asked for `ahead` steps before use. mr and ahead are constants where this is inlined. */
+ * asked for `ahead` steps before use. mr and ahead are constants where this is inlined. A gated panel's last block
+ * stores silu(gate) * up (its two halves) to h instead of its sums to y. */
 static inline __attribute__((always_inline)) void strip(const float *a, int64_t as, const float *b, int k, float *y,
                                                         int64_t ys, int mr, __mmask16 m0, __mmask16 m1, int first,
-                                                        const float *bias, int ahead) {
+                                                        const float *bias, int ahead, float *h, int64_t hs) {
     __m512 acc[MR][2];
     for (int i = 0; i < mr; i++) {
         acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + i * ys);
@@ -63,6 +68,11 @@ static inline __attribute__((always_inline)) void strip(const float *a, int64_t 
             acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
         }
     }
+    if (h) {
+        for (int i = 0; i < mr; i++)
+            _mm512_mask_storeu_ps(h + i * hs, m0, _mm512_mul_round_ps(silu_ps(acc[i][0]), acc[i][1], EXACT));
+        return;
+    }
     const __m512 c0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 c1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
     for (int i = 0; i < mr; i++) {
@@ -75,11 +85,11 @@ static inline __attribute__((always_inline)) void strip(const float *a, int64_t 
  * strip to meet a weight streams it from memory; the others find it in L2. */
 #define STRIP_CASE(R)                                                                                                  \
     case R:                                                                                                            \
-        if (from_memory) strip(a, as, b, k, y, ys, R, m0, m1, first, bias, MEMORY_AHEAD);                              \
-        else strip(a, as, b, k, y, ys, R, m0, m1, first, bias, L2_AHEAD);                                              \
+        if (from_memory) strip(a, as, b, k, y, ys, R, m0, m1, first, bias, MEMORY_AHEAD, h, hs);                       \
+        else strip(a, as, b, k, y, ys, R, m0, m1, first, bias, L2_AHEAD, h, hs);                                       \
         break;
 static void strip_rows(const float *a, int64_t as, const float *b, int k, float *y, int64_t ys, int mr, __mmask16 m0,
-                       __mmask16 m1, int first, const float *bias, int from_memory) {
+                       __mmask16 m1, int first, const float *bias, int from_memory, float *h, int64_t hs) {
     switch (mr) {
         STRIP_CASE(1) STRIP_CASE(2) STRIP_CASE(3) STRIP_CASE(4) STRIP_CASE(5) STRIP_CASE(6)
         STRIP_CASE(7) STRIP_CASE(8) STRIP_CASE(9) STRIP_CASE(10) STRIP_CASE(11) STRIP_CASE(12)
@@ -88,9 +98,11 @@ static void strip_rows(const float *a, int64_t as, const float *b, int k, float 
 
 /* A decode batch of at most PAIR_ROWS rows (of stride as) against two adjacent full panels at once: two weight
  * streams in flight instead of one, which a batch this small needs to keep memory busy. Each output's chain is
- * strip()'s, so results are the same bit for bit. mr is a constant where this is inlined. */
+ * strip()'s, so results are the same bit for bit. mr is a constant where this is inlined. Gated panels store
+ * silu(gate) * up to h instead of their sums to y. */
 static inline __attribute__((always_inline)) void strip_pair(const float *a, int64_t as, const float *b, int k,
-                                                             const float *bias, float *y, int64_t ys, int mr) {
+                                                             const float *bias, float *y, int64_t ys, int mr, float *h,
+                                                             int64_t hs) {
     __m512 acc[PAIR_ROWS][4];
     const float *b2 = b + (int64_t)k * NP;
     for (int i = 0; i < mr; i++)
@@ -107,6 +119,13 @@ static inline __attribute__((always_inline)) void strip_pair(const float *a, int
             for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_ps(x, w[c], acc[i][c]);
         }
     }
+    if (h) {
+        for (int i = 0; i < mr; i++)
+            for (int c = 0; c < 2; c++)
+                _mm512_storeu_ps(h + i * hs + 16 * c,
+                                 _mm512_mul_round_ps(silu_ps(acc[i][2 * c]), acc[i][2 * c + 1], EXACT));
+        return;
+    }
     for (int i = 0; i < mr; i++)
         for (int c = 0; c < 4; c++)
             _mm512_storeu_ps(y + i * ys + 16 * c,
@@ -114,54 +133,63 @@ static inline __attribute__((always_inline)) void strip_pair(const float *a, int
 }
 
 static void pair_rows(const float *a, int64_t as, const float *b, int k, const float *bias, float *y, int64_t ys,
-                      int mr) {
+                      int mr, float *h, int64_t hs) {
     switch (mr) {
-    case 1: strip_pair(a, as, b, k, bias, y, ys, 1); break;
-    case 2: strip_pair(a, as, b, k, bias, y, ys, 2); break;
-    case 3: strip_pair(a, as, b, k, bias, y, ys, 3); break;
-    default: strip_pair(a, as, b, k, bias, y, ys, 4); break;
+    case 1: strip_pair(a, as, b, k, bias, y, ys, 1, h, hs); break;
+    case 2: strip_pair(a, as, b, k, bias, y, ys, 2, h, hs); break;
+    case 3: strip_pair(a, as, b, k, bias, y, ys, 3, h, hs); break;
+    default: strip_pair(a, as, b, k, bias, y, ys, 4, h, hs); break;
     }
 }
 
-static inline void panel_masks(int n, int p, __mmask16 *m0, __mmask16 *m1) {
-    const int cols = n - p * NP < NP ? n - p * NP : NP;
+/* The outputs panel p covers, up to n: 32 columns of y, or, gated, 16 columns of h (gate and up in its halves). */
+static inline int panel_width(int gated) { return gated ? NP / 2 : NP; }
+
+static inline void panel_masks(int n, int p, int gated, __mmask16 *m0, __mmask16 *m1) {
+    const int width = panel_width(gated), cols = n - p * width < width ? n - p * width : width;
     *m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    *m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    *m1 = gated ? *m0 : cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
 }
 
-/* A decode batch (m <= MR) against panels [lo, hi), each streamed once from memory, two at a time where it helps. */
+/* A decode batch (m <= MR) against panels [lo, hi), each streamed once from memory, two at a time where it helps.
+ * Gated (h given): silu(gate) * up to h, y unused. */
 static void decode_panels(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
-                          int64_t y_stride, int m, int n, int k, int lo, int hi) {
+                          int64_t y_stride, int m, int n, int k, int lo, int hi, float *h, int64_t h_stride) {
+    const int width = panel_width(h != 0);
     for (int p = lo; p < hi; p++) {
         const float *b = packed + (int64_t)p * k * NP, *bp = bias ? bias + p * NP : 0;
-        if (m <= PAIR_ROWS && p + 1 < hi && n - (p + 1) * NP >= NP) {
-            pair_rows(x, x_stride, b, k, bp, y + p * NP, y_stride, m);
+        float *yp = h ? 0 : y + p * NP, *hp = h ? h + p * width : 0;
+        if (m <= PAIR_ROWS && p + 1 < hi && n - (p + 1) * width >= width) {
+            pair_rows(x, x_stride, b, k, bp, yp, y_stride, m, hp, h_stride);
             p++;
             continue;
         }
         __mmask16 m0, m1;
-        panel_masks(n, p, &m0, &m1);
-        strip_rows(x, x_stride, b, k, y + p * NP, y_stride, m, m0, m1, 1, bp, 1);
+        panel_masks(n, p, h != 0, &m0, &m1);
+        strip_rows(x, x_stride, b, k, yp, y_stride, m, m0, m1, 1, bp, 1, hp, h_stride);
     }
 }
 
-/* Any batch against panels [lo, hi): k blocks, then groups of NB panels, then MR-row strips, then the group's panels.
- * The first strip to meet a group streams it from memory. */
+/* Any batch against panels [lo, hi): groups of NB panels, then k blocks, then MR-row strips, then the group's panels.
+ * The first strip to meet a group's block streams it from memory. Gated (h given), the sums between k blocks go to
+ * y, a scratch holding one group's panels side by side (NB NP columns), and the last block writes h. */
 static void blocked_panels(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
-                           int64_t y_stride, int m, int n, int k, int lo, int hi) {
+                           int64_t y_stride, int m, int n, int k, int lo, int hi, float *h, int64_t h_stride) {
     const int blocks = (k + KC - 1) / KC, kc = (k + blocks - 1) / blocks; /* equal blocks */
-    for (int k0 = 0; k0 < k; k0 += kc) {
-        const int steps = k - k0 < kc ? k - k0 : kc, first = k0 == 0, last = k0 + steps == k;
-        for (int g = lo; g < hi; g += NB) {
-            const int g1 = hi - g < NB ? hi : g + NB;
+    const int width = panel_width(h != 0);
+    for (int g = lo; g < hi; g += NB) {
+        const int g1 = hi - g < NB ? hi : g + NB;
+        for (int k0 = 0; k0 < k; k0 += kc) {
+            const int steps = k - k0 < kc ? k - k0 : kc, first = k0 == 0, last = k0 + steps == k;
             for (int i0 = 0; i0 < m; i0 += MR) {
                 const int mr = m - i0 < MR ? m - i0 : MR;
                 for (int p = g; p < g1; p++) {
                     __mmask16 m0, m1;
-                    panel_masks(n, p, &m0, &m1);
+                    panel_masks(n, p, h != 0, &m0, &m1);
+                    float *sums = !y ? 0 : y + (int64_t)i0 * y_stride + (h ? p - g : p) * NP;
                     strip_rows(x + (int64_t)i0 * x_stride + k0, x_stride, packed + ((int64_t)p * k + k0) * NP, steps,
-                               y + (int64_t)i0 * y_stride + p * NP, y_stride, mr, m0, m1, first,
-                               last && bias ? bias + p * NP : 0, i0 == 0);
+                               sums, y_stride, mr, m0, m1, first, last && bias ? bias + p * NP : 0, i0 == 0,
+                               last && h ? h + (int64_t)i0 * h_stride + p * width : 0, h_stride);
                 }
             }
         }
@@ -178,14 +206,44 @@ int linear_f32(const float *x, int64_t x_stride, const float *packed, const floa
     {
         int lo, hi;
         share((n + NP - 1) / NP, thread_index(), thread_count(), &lo, &hi);
-        if (m <= MR) decode_panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi);
-        else blocked_panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi);
+        if (m <= MR) decode_panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi, 0, 0);
+        else blocked_panels(x, x_stride, packed, bias, y, y_stride, m, n, k, lo, hi, 0, 0);
     }
     return 0;
 }
 
+/* h (m, inter) = silu(x Wg^T) * (x Wu^T) for a gate and an up projection packed side by side: panel p holds gate
+ * features 16 p + j in its first 16 lanes and the same up features in its last 16 (kernels/cpu.py pack_f32_gate_up),
+ * inter padded with zero rows to a multiple of 16. Each gate and up output is summed in linear_f32's order and
+ * silu(gate) * up is elementwise_f32's silu_mul, so h is theirs bit for bit, without the (m, 2 inter) products ever
+ * going to memory. Returns -1 on bad arguments or when scratch memory cannot be had. */
+int linear_f32_silu_mul(const float *x, int64_t x_stride, const float *packed, float *h, int64_t h_stride, int m,
+                        int inter, int k, int threads) {
+    if (m <= 0 || inter <= 0 || k <= 0 || x_stride < 1 || h_stride < inter) return -1;
+    /* Sums between k blocks need a scratch (a group's panels for every row); one block needs none. */
+    const int scratch = m > MR && k > KC;
+    int failed = 0;
+    threads = threads_for(threads, (int64_t)m * 2 * inter * k, MIN_WORK_PER_THREAD);
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        int lo, hi;
+        share((inter + NP / 2 - 1) / (NP / 2), thread_index(), thread_count(), &lo, &hi);
+        float *sums = scratch ? aligned_alloc(64, sizeof(float) * m * NB * NP) : 0;
+        if (scratch && !sums) failed = 1;
+        else if (m <= MR) decode_panels(x, x_stride, packed, 0, 0, 0, m, inter, k, lo, hi, h, h_stride);
+        else blocked_panels(x, x_stride, packed, 0, sums, NB * NP, m, inter, k, lo, hi, h, h_stride);
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
 #else
 int linear_f32_available(void) { return 0; }
+int linear_f32_silu_mul(const float *x, int64_t x_stride, const float *packed, float *h, int64_t h_stride, int m,
+                        int inter, int k, int threads) {
+    (void)x, (void)x_stride, (void)packed, (void)h, (void)h_stride, (void)m, (void)inter, (void)k, (void)threads;
+    return -1;
+}
 int linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y, int64_t y_stride,
                int m, int n, int k, int threads) {
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k,

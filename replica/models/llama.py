@@ -12,7 +12,7 @@ from torch import nn
 
 from ...kernels import AttentionMetadata, Kernels, rope_cos_sin, rope_inv_freq
 from ..parallel import (
-    ColumnParallelLinear,
+    GateUpParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -128,13 +128,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp, kernels)
+        self.gate_up_proj = GateUpParallelLinear(cfg.hidden_size, cfg.intermediate_size, tp, kernels)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, kernels)
-        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (tokens, 2 * intermediate / tp): gate, then up
-        return self.down_proj(self.kernels.silu_mul(gate_up))  # (tokens, hidden)
+        h = self.gate_up_proj(x)  # (tokens, intermediate / tp): SiLU(gate) * up
+        return self.down_proj(h)  # (tokens, hidden)
 
 
 class DecoderLayer(nn.Module):
