@@ -500,7 +500,7 @@ static inline __attribute__((always_inline)) void values_f32(const float *const 
 }
 
 /* DEFINE_AVX512's contract for float32, reading each 16-token tile where it lies instead of copying it (tile is
- * unused): a copy cost as much as the arithmetic, and the rows are float32 already. Same products, same sums. */
+ * NULL): a copy cost as much as the arithmetic, and the rows are float32 already. Same products, same sums. */
 static void f32_avx512(const float *q, const float *k_cache, const float *v_cache, const CacheWalk *w, int len,
                        int kv_heads, int head_dim, int group, float *scores, int stride, float *tile, float *out,
                        Prefetcher *pf) {
@@ -581,8 +581,9 @@ static int max_len(const int32_t *seq_lens, int seqs) {
 #define AVX512_CALL(NAME) (void)0
 #endif
 
-/* Sequences [first, last) through a float32 tile (AVX-512) or the portable loop. */
-#define DEFINE_TILED(NAME, T, TO_F32, FROM_F32)                                                                \
+/* Sequences [first, last) through the AVX-512 path or the portable loop; COPIES_TILE: the AVX-512 path converts
+ * each tile into a float32 scratch (bfloat16), else it reads the cache in place and needs none (float32). */
+#define DEFINE_TILED(NAME, T, TO_F32, FROM_F32, COPIES_TILE)                                                   \
     static int tiled_##NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,             \
                             const int32_t *seq_lens, T *out, int first, int last, int heads, int kv_heads,      \
                             int head_dim, int block_size, int table_width, float scale) {                       \
@@ -593,11 +594,11 @@ static int max_len(const int32_t *seq_lens, int seqs) {
         size_t tile_bytes = sizeof(float) * TILE * kv_heads * head_dim;                                        \
         if (vector) {                                                                                           \
             scores = malloc(sizeof(float) * (size_t)heads * stride);                                           \
-            tile = aligned_alloc(64, (tile_bytes + 63) / 64 * 64);                                              \
+            if (COPIES_TILE) tile = aligned_alloc(64, (tile_bytes + 63) / 64 * 64);                            \
         }                                                                                                       \
         qf = malloc(sizeof(float) * heads * head_dim);                                                          \
         of = malloc(sizeof(float) * heads * head_dim);                                                          \
-        int status = (vector && (!scores || !tile)) || !qf || !of ? -1 : 0;                                    \
+        int status = (vector && (!scores || (COPIES_TILE && !tile))) || !qf || !of ? -1 : 0;                   \
         PREFETCHER_INIT(T);                                                                                     \
         for (int i = first; i < last && status == 0; i++) {                                                     \
             const T *qi = q + (int64_t)i * heads * head_dim;                                                    \
@@ -628,8 +629,8 @@ static int max_len(const int32_t *seq_lens, int seqs) {
     }
 
 #define IDENTITY(x) (x)
-DEFINE_TILED(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_TILED(f32, float, IDENTITY, IDENTITY)
+DEFINE_TILED(bf16, uint16_t, bf16_to_f32, f32_to_bf16, 1)
+DEFINE_TILED(f32, float, IDENTITY, IDENTITY, 0)
 
 #if HAVE_AVX512_BF16
 /* Sequences [first, last) read in place; the matrix engine computes the scores where the shapes let it. */
