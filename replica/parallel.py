@@ -69,9 +69,13 @@ class ParallelLinear(nn.Module):
         self.packed = None
 
     def pack(self) -> None:
-        self.packed = self.kernels.pack_linear(self.weight)
+        self.packed = self.packed_form(self.weight)
         if self.packed is not None and self.packed.holds_weight:
             self.weight = None  # two copies of every weight would double the model's memory
+
+    def packed_form(self, weight: torch.Tensor):
+        """The weight in the form this layer's kernel reads (None: the plain weight serves)."""
+        return self.kernels.pack_linear(weight)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) on this rank's shard."""
@@ -110,10 +114,8 @@ class GateUpParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__(hidden, [intermediate, intermediate], False, tp, kernels)
 
-    def pack(self) -> None:
-        self.packed = self.kernels.pack_gate_up(self.weight)
-        if self.packed is not None and self.packed.holds_weight:
-            self.weight = None
+    def packed_form(self, weight: torch.Tensor):
+        return self.kernels.pack_gate_up(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear_silu_mul(x, self.weight, self.packed)  # (tokens, intermediate / tp)
