@@ -198,6 +198,12 @@ def n_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_tp2_forks_copy_the_kv_on_every_rank(tiny_model_dir, tmp_path):
+    from fastgen.kernels import cpu
+
+    # The completions and their twins run in different batches, and the tiny model's next-token distribution is
+    # nearly flat: a last-bit difference in the logits moves a seeded draw to the neighbouring token.
+    if cpu.pack_f32(torch.ones(8, 8)) is None:
+        pytest.skip("no C compiler, or a CPU without the batch-invariant float32 kernel: sgemm serves float32 there")
     out = tmp_path / "tokens.json"
     run_ranks(n_rank, str(tiny_model_dir), str(out), timeout=150)
     result = json.loads(out.read_text())

@@ -19,7 +19,7 @@ def test_offline_benchmark_smoke(tmp_path):
         "-m",
         "fastgen.benchmarks.offline",
         "--dtype",
-        "bfloat16",
+        "float32",
         "--threads",
         "1",
         "--repeats",
