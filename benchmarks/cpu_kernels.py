@@ -12,7 +12,7 @@
    kernels/csrc/prefill_attention_avx512.c) against every row through the C decode kernel (the fallback) and
    torch's CPU attention, whose results depend on the thread count.
 4. Linear layers, float32: every linear layer of SmolLM2-135M at 1 to 2048 rows (the LM head up to 64, the most rows
-   a step samples), the batch-invariant AVX-512 kernel on its packed weights (kernels/csrc/linear_f32.c) against
+   a step samples), the batch-invariant AVX-512/AVX2 kernel on its packed weights (kernels/csrc/linear_f32.c) against
    torch's F.linear (MKL's sgemm) on the plain ones, weights not in cache; also the FLOP/s at each size. The
    MLP's gate/up layer counts with its SiLU(gate) * up: sgemm then the C silu_mul, against the fused kernel.
 5. The gate/up layers alone, float32: the linear kernel then the C silu_mul (two passes, the (rows, 2 intermediate)
@@ -204,7 +204,7 @@ def gate_up_f32_table(repeats: int) -> list[str]:
     model = pipeline("smollm2-135m", dtype="float32", progress=False).engine.runner.model
     gated = [m.packed.f32 for m in model.modules() if isinstance(m, GateUpParallelLinear)]
     if any(p is None or not p.gated for p in gated):
-        return ["(the float32 linear kernel does not run on this machine)"]
+        return ["(the fused gate/up kernel does not run on this machine: it is built for AVX-512 only)"]
     plain = [cpu.pack_f32(p.unpacked()) for p in gated]
     rows = [
         "| rows | linear_f32 + silu_mul ms | fused ms | fused / two passes speed (median of pairs) | fused GFLOP/s |",

@@ -225,6 +225,7 @@ class CLibrary:
         k=INT,
         threads=INT,
     )
+    linear_f32_silu_mul_available: Callable[[], int] = entry()
     linear_f32_silu_mul: Callable[..., int] = entry(
         x=POINTER, x_stride=INT64, packed=POINTER, h=POINTER, h_stride=INT64, m=INT, inter=INT, k=INT, threads=INT
     )

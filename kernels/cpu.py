@@ -13,10 +13,11 @@
   float32): residual add + RMSNorm, SiLU(gate) * up, rotary embedding + KV cache write, each one pass over memory
   instead of several; and, for bfloat16, greedy sampling's argmax over the logits.
 - Linear layers (`pack_weight`, `linear`): weights packed once at load. bfloat16: for the AMX kernel (csrc/linear.c)
-  where it runs, else in oneDNN's blocked layout. float32 with AVX-512: for a kernel whose every output sums in one
-  order whatever the batch (csrc/linear_f32.c), so a request's logits do not depend on the requests beside it; the
-  MLP's gate and up projections packed side by side, so the same kernel applies SiLU(gate) * up as it stores its
-  outputs (`pack_gate_up`, `linear_silu_mul`) and the (tokens, 2 intermediate) products never go to memory.
+  where it runs, else in oneDNN's blocked layout. float32 with AVX-512 or AVX2: for a kernel whose every output sums
+  in one order whatever the batch (csrc/linear_f32.c), so a request's logits do not depend on the requests beside it;
+  with AVX-512, the MLP's gate and up projections packed side by side, so the same kernel applies SiLU(gate) * up as
+  it stores its outputs (`pack_gate_up`, `linear_silu_mul`) and the (tokens, 2 intermediate) products never go to
+  memory.
 
 Every kernel splits its work over the process's torch threads (torch.get_num_threads()) through OpenMP, on the same
 thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Each output is computed by one
@@ -61,9 +62,17 @@ def _elementwise() -> clib.CLibrary | None:
 
 @functools.cache
 def _linear_f32() -> clib.CLibrary | None:
-    """The library where its float32 linear kernel runs on this CPU (AVX-512), else None."""
+    """The library where its float32 linear kernel runs on this CPU (AVX-512, or AVX2 with FMA), else None."""
     library = _get_library()
     return library if library is not None and library.linear_f32_available() else None
+
+
+@functools.cache
+def _linear_f32_gated() -> clib.CLibrary | None:
+    """The library where its float32 linear kernel also stores SiLU(gate) * up (AVX-512, as the float32 silu_mul it
+    must equal), else None."""
+    library = _linear_f32()
+    return library if library is not None and library.linear_f32_silu_mul_available() else None
 
 
 @functools.cache
@@ -462,7 +471,7 @@ class PackedF32:
 
 
 def pack_f32(weight: torch.Tensor) -> PackedF32 | None:
-    """The weight in the float32 kernel's panel order, or None where that kernel does not run (no AVX-512, not a
+    """The weight in the float32 kernel's panel order, or None where that kernel does not run (no AVX-512 or AVX2, not a
     float32 CPU matrix)."""
     if _linear_f32() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
@@ -474,8 +483,8 @@ def pack_f32(weight: torch.Tensor) -> PackedF32 | None:
 
 def pack_f32_gate_up(weight: torch.Tensor) -> PackedF32 | None:
     """A gate/up weight (2 intermediate, in_features) packed for linear_f32_silu_mul, or None where the float32
-    kernel does not run."""
-    if _linear_f32() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+    kernel does not store SiLU(gate) * up on this CPU."""
+    if _linear_f32_gated() is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     out_features, in_features = weight.shape
     if out_features % 2:
@@ -564,7 +573,7 @@ class PackedWeight:
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The weight packed once for a CPU kernel, or None where packing does not apply.
 
-    Float32 goes to the batch-invariant kernel where it runs (AVX-512): a row's result does not depend on the rows
+    Float32 goes to the batch-invariant kernel where it runs (AVX-512, AVX2): a row's result does not depend on the rows
     around it, which sgemm's does. It keeps up with sgemm at prompt sizes and is faster for decode batches, whose
     weight it streams once for all rows (python -m fastgen.benchmarks.cpu_kernels --linear-f32-only).
 

@@ -432,7 +432,7 @@ def test_cpu_linear_f32_matches_float64_and_is_batch_invariant(out_features, in_
     bias = torch.randn(out_features) if with_bias else None
     packed = cpu.pack_f32(w)
     if packed is None:
-        pytest.skip("no C compiler, or a CPU without AVX-512: sgemm serves there")
+        pytest.skip("no C compiler, or a CPU without AVX-512 or AVX2: sgemm serves there")
     assert torch.equal(packed.unpacked(), w)
     layer_weight = cpu.pack_weight(w)
     assert layer_weight.f32 is not None and layer_weight.holds_weight
@@ -451,6 +451,43 @@ def test_cpu_linear_f32_matches_float64_and_is_batch_invariant(out_features, in_
     # An input the kernel declines (not a matrix) still gets its answer, from the packed weight unpacked.
     batched = cpu.linear(x[:6].reshape(2, 3, -1), None, bias, layer_weight)
     assert torch.allclose(batched, alone[:6].reshape(2, 3, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linear_f32_avx2_build_gives_the_native_builds_bits(tmp_path):
+    """csrc/linear_f32.c built for AVX2 (AVX-512 turned off, as on an AMD Zen 3 or an older Xeon) sums every output in
+    the native build's order: the same bits at decode and prompt row counts, masked last panels, two k blocks, on
+    one thread or several. On an AVX-512 CPU this is the AVX2 path's only test; on an AVX2 CPU both builds are it."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from fastgen.kernels import clib, cpu
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or cpu.pack_f32(torch.ones(8, 8)) is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512 or AVX2: sgemm serves there")
+    built = tmp_path / "linear_f32_avx2.so"
+    command = [compiler, *clib.FLAGS, "-mno-avx512f", *clib.OPENMP, "-o", str(built), str(clib.CSRC / "linear_f32.c")]
+    subprocess.run(command, check=True, capture_output=True)
+    avx2 = ctypes.CDLL(str(built))
+    if not avx2.linear_f32_available():
+        pytest.skip("a CPU without AVX2 and FMA")
+    assert avx2.linear_f32_silu_mul_available() == 0  # gate/up fused on AVX-512 only
+    avx2.linear_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    avx2.linear_f32.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    for out_features, in_features in [(960, 576), (37, 50), (18, 1030)]:
+        torch.manual_seed(out_features)
+        w = torch.randn(out_features, in_features) / in_features**0.5
+        bias = torch.randn(out_features)
+        packed = cpu.pack_f32(w)
+        x = torch.randn(40, in_features + 16)[:, 8 : 8 + in_features]
+        for rows in (1, 2, 3, 4, 7, 13, 40):
+            native = in_threads(1, cpu.linear_f32, x[:rows], packed, bias)
+            for threads in (1, THREADS):
+                y = torch.empty(rows, out_features)
+                args = (x.data_ptr(), x.stride(0), packed.panels.data_ptr(), bias.data_ptr(), y.data_ptr())
+                status = avx2.linear_f32(*args, out_features, rows, out_features, in_features, threads)
+                assert status == 0 and torch.equal(y, native), (out_features, in_features, rows, threads)
 
 
 # 1536 x 576: SmolLM2's MLP (more panels than one group); 20: a last panel short of 16 features (masked); 9 x 1030:

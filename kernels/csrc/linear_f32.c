@@ -1,6 +1,6 @@
-/* Float32 linear layers with AVX-512: y (m, n) = x (m, k) w^T (+ bias), any number of rows, the weight packed once at
- * load into panels of 32 output features: packed[p][kk][j] = w[32 p + j][kk], n padded with zero rows to a multiple
- * of 32 (kernels/cpu.py pack_f32).
+/* Float32 linear layers with AVX-512, or AVX2 with FMA: y (m, n) = x (m, k) w^T (+ bias), any number of rows, the
+ * weight packed once at load into panels of 32 output features: packed[p][kk][j] = w[32 p + j][kk], n padded with
+ * zero rows to a multiple of 32 (kernels/cpu.py pack_f32).
  *
  * One summation order for every output: y[i][j] = fma(x[i][k-1], w[j][k-1], ... fma(x[i][1], w[j][1], x[i][0] w[j][0]))
  * in increasing k, one rounding per multiply-add, then + bias[j]. Nothing in that order depends on m, on the row's
@@ -16,28 +16,80 @@
  * blocks of at most KC, and per block the thread's panels in groups of NB that stay in L2 while every MR-row strip of
  * x meets them, the strip's KC columns staying in L1 across the group. Each weight is read from memory once per
  * layer, x is read in place (no packing), and an output's partial sum goes to y between k blocks and comes back
- * unchanged, so the chain is the same as in one pass. */
+ * unchanged, so the chain is the same as in one pass.
+ *
+ * The code is written once over a 16-lane vector (v16): one AVX-512 register, or two AVX2 registers. Every output's
+ * chain is the same on both, so the two builds agree bit for bit; only the register budget differs (MR, PAIR_ROWS,
+ * NB). SiLU(gate) * up on store (the gated panels) is built with AVX-512 only, where elementwise_f32.c's silu_mul,
+ * which it must equal, runs too; elsewhere linear_f32_silu_mul_available() says no and the MLP takes two passes. */
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 #include "parallel.h"
+
+#if defined(__AVX512F__)
 #include "vector_math.h"
 
-/* Output features per panel: two vectors. */
-#define NP 32
+#define GATED 1
 /* Rows per micro-kernel: 2 MR accumulators, two weight vectors and a broadcast fill the 32 vector registers. */
 #define MR 12
-/* Most k steps per block: a strip's share of x (MR KC floats) stays in L1 beside the weight streaming through. */
-#define KC 576
-/* Panels per group: NB KC 32 floats of weight stay in L2 while every strip of the batch meets them. */
-#define NB 8
-/* How far ahead, in k steps, a prompt's strip asks L1 for the weight it streams from L2. */
-#define L2_AHEAD 8
 /* Rows up to which a decode batch streams two panels at once. */
 #define PAIR_ROWS 4
+/* Panels per group: NB KC 32 floats of weight stay in L2 while every strip of the batch meets them. */
+#define NB 8
+
+typedef __m512 v16;
+typedef __mmask16 m16;
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v16_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline v16 v16_load_masked(m16 m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void v16_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline void v16_store_masked(float *p, m16 m, v16 v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline v16 v16_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+#else
+#define GATED 0
+/* 4 MR accumulators, a broadcast and the weight fill the 16 vector registers. */
+#define MR 3
+#define PAIR_ROWS 1
+/* Half of AVX-512's: AVX2 CPUs have L2s of 256 KiB to 1 MiB. */
+#define NB 4
+
+typedef struct {
+    __m256 lo, hi;
+} v16;
+typedef unsigned m16;
+/* Lanes [8 half, 8 half + 8) of a 16-bit mask as an AVX2 mask: masked-off lanes are neither read nor written. */
+static inline __m256i lanes(m16 m, int half) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(m >> (8 * half))), bit), bit);
+}
+static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 v16_set1(float x) { return (v16){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline v16 v16_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline v16 v16_load_masked(m16 m, const float *p) {
+    return (v16){_mm256_maskload_ps(p, lanes(m, 0)), _mm256_maskload_ps(p + 8, lanes(m, 1))};
+}
+static inline void v16_store(float *p, v16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline void v16_store_masked(float *p, m16 m, v16 v) {
+    _mm256_maskstore_ps(p, lanes(m, 0), v.lo), _mm256_maskstore_ps(p + 8, lanes(m, 1), v.hi);
+}
+static inline v16 v16_fmadd(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline v16 v16_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+#endif
+
+/* Output features per panel: two 16-lane vectors. */
+#define NP 32
+/* Most k steps per block: a strip's share of x (MR KC floats) stays in L1 beside the weight streaming through. */
+#define KC 576
+/* How far ahead, in k steps, a prompt's strip asks L1 for the weight it streams from L2. */
+#define L2_AHEAD 8
 /* How far ahead, in k steps of one panel, a decode batch asks for the weight it streams from memory (the hardware
  * prefetcher alone leaves memory idle between the short bursts of a few rows). */
 #define MEMORY_AHEAD 32
@@ -51,33 +103,37 @@
  * asked for `ahead` steps before use. mr and ahead are constants where this is inlined. A gated panel's last block
  * stores silu(gate) * up (its two halves) to h instead of its sums to y. */
 static inline __attribute__((always_inline)) void strip(const float *a, int64_t as, const float *b, int k, float *y,
-                                                        int64_t ys, int mr, __mmask16 m0, __mmask16 m1, int first,
+                                                        int64_t ys, int mr, m16 m0, m16 m1, int first,
                                                         const float *bias, int ahead, float *h, int64_t hs) {
-    __m512 acc[MR][2];
+    v16 acc[12][2]; /* the largest MR: mr, a constant, decides how many rows live in registers */
     for (int i = 0; i < mr; i++) {
-        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + i * ys);
-        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + i * ys + 16);
+        acc[i][0] = first ? v16_zero() : v16_load_masked(m0, y + i * ys);
+        acc[i][1] = first ? v16_zero() : v16_load_masked(m1, y + i * ys + 16);
     }
     for (int kk = 0; kk < k; kk++) { /* the prefetches are hints: they never fault, past the end included */
         _mm_prefetch((const char *)(b + (int64_t)(kk + ahead) * NP), _MM_HINT_T0);
         _mm_prefetch((const char *)(b + (int64_t)(kk + ahead) * NP + 16), _MM_HINT_T0);
-        const __m512 b0 = _mm512_loadu_ps(b + (int64_t)kk * NP), b1 = _mm512_loadu_ps(b + (int64_t)kk * NP + 16);
+        const v16 b0 = v16_load(b + (int64_t)kk * NP), b1 = v16_load(b + (int64_t)kk * NP + 16);
         for (int i = 0; i < mr; i++) {
-            const __m512 x = _mm512_set1_ps(a[i * as + kk]);
-            acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
+            const v16 x = v16_set1(a[i * as + kk]);
+            acc[i][0] = v16_fmadd(x, b0, acc[i][0]);
+            acc[i][1] = v16_fmadd(x, b1, acc[i][1]);
         }
     }
+#if GATED
     if (h) {
         for (int i = 0; i < mr; i++)
             _mm512_mask_storeu_ps(h + i * hs, m0, _mm512_mul_round_ps(silu_ps(acc[i][0]), acc[i][1], EXACT));
         return;
     }
-    const __m512 c0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-    const __m512 c1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+#else
+    (void)h, (void)hs;
+#endif
+    const v16 c0 = bias ? v16_load_masked(m0, bias) : v16_zero();
+    const v16 c1 = bias ? v16_load_masked(m1, bias + 16) : v16_zero();
     for (int i = 0; i < mr; i++) {
-        _mm512_mask_storeu_ps(y + i * ys, m0, bias ? _mm512_add_ps(acc[i][0], c0) : acc[i][0]);
-        _mm512_mask_storeu_ps(y + i * ys + 16, m1, bias ? _mm512_add_ps(acc[i][1], c1) : acc[i][1]);
+        v16_store_masked(y + i * ys, m0, bias ? v16_add(acc[i][0], c0) : acc[i][0]);
+        v16_store_masked(y + i * ys + 16, m1, bias ? v16_add(acc[i][1], c1) : acc[i][1]);
     }
 }
 
@@ -88,8 +144,8 @@ static inline __attribute__((always_inline)) void strip(const float *a, int64_t 
         if (from_memory) strip(a, as, b, k, y, ys, R, m0, m1, first, bias, MEMORY_AHEAD, h, hs);                       \
         else strip(a, as, b, k, y, ys, R, m0, m1, first, bias, L2_AHEAD, h, hs);                                       \
         break;
-static void strip_rows(const float *a, int64_t as, const float *b, int k, float *y, int64_t ys, int mr, __mmask16 m0,
-                       __mmask16 m1, int first, const float *bias, int from_memory, float *h, int64_t hs) {
+static void strip_rows(const float *a, int64_t as, const float *b, int k, float *y, int64_t ys, int mr, m16 m0, m16 m1,
+                       int first, const float *bias, int from_memory, float *h, int64_t hs) {
     switch (mr) {
         STRIP_CASE(1) STRIP_CASE(2) STRIP_CASE(3) STRIP_CASE(4) STRIP_CASE(5) STRIP_CASE(6)
         STRIP_CASE(7) STRIP_CASE(8) STRIP_CASE(9) STRIP_CASE(10) STRIP_CASE(11) STRIP_CASE(12)
@@ -103,22 +159,23 @@ static void strip_rows(const float *a, int64_t as, const float *b, int k, float 
 static inline __attribute__((always_inline)) void strip_pair(const float *a, int64_t as, const float *b, int k,
                                                              const float *bias, float *y, int64_t ys, int mr, float *h,
                                                              int64_t hs) {
-    __m512 acc[PAIR_ROWS][4];
+    v16 acc[4][4]; /* the largest PAIR_ROWS */
     const float *b2 = b + (int64_t)k * NP;
     for (int i = 0; i < mr; i++)
-        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) acc[i][c] = v16_zero();
     for (int kk = 0; kk < k; kk++) {
         for (int c = 0; c < 2; c++) {
             _mm_prefetch((const char *)(b + (int64_t)(kk + MEMORY_AHEAD) * NP + 16 * c), _MM_HINT_T0);
             _mm_prefetch((const char *)(b2 + (int64_t)(kk + MEMORY_AHEAD) * NP + 16 * c), _MM_HINT_T0);
         }
-        const __m512 w[4] = {_mm512_loadu_ps(b + (int64_t)kk * NP), _mm512_loadu_ps(b + (int64_t)kk * NP + 16),
-                             _mm512_loadu_ps(b2 + (int64_t)kk * NP), _mm512_loadu_ps(b2 + (int64_t)kk * NP + 16)};
+        const v16 w[4] = {v16_load(b + (int64_t)kk * NP), v16_load(b + (int64_t)kk * NP + 16),
+                          v16_load(b2 + (int64_t)kk * NP), v16_load(b2 + (int64_t)kk * NP + 16)};
         for (int i = 0; i < mr; i++) {
-            const __m512 x = _mm512_set1_ps(a[i * as + kk]);
-            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_ps(x, w[c], acc[i][c]);
+            const v16 x = v16_set1(a[i * as + kk]);
+            for (int c = 0; c < 4; c++) acc[i][c] = v16_fmadd(x, w[c], acc[i][c]);
         }
     }
+#if GATED
     if (h) {
         for (int i = 0; i < mr; i++)
             for (int c = 0; c < 2; c++)
@@ -126,10 +183,12 @@ static inline __attribute__((always_inline)) void strip_pair(const float *a, int
                                  _mm512_mul_round_ps(silu_ps(acc[i][2 * c]), acc[i][2 * c + 1], EXACT));
         return;
     }
+#else
+    (void)h, (void)hs;
+#endif
     for (int i = 0; i < mr; i++)
         for (int c = 0; c < 4; c++)
-            _mm512_storeu_ps(y + i * ys + 16 * c,
-                             bias ? _mm512_add_ps(acc[i][c], _mm512_loadu_ps(bias + 16 * c)) : acc[i][c]);
+            v16_store(y + i * ys + 16 * c, bias ? v16_add(acc[i][c], v16_load(bias + 16 * c)) : acc[i][c]);
 }
 
 static void pair_rows(const float *a, int64_t as, const float *b, int k, const float *bias, float *y, int64_t ys,
@@ -145,10 +204,10 @@ static void pair_rows(const float *a, int64_t as, const float *b, int k, const f
 /* The outputs panel p covers, up to n: 32 columns of y, or, gated, 16 columns of h (gate and up in its halves). */
 static inline int panel_width(int gated) { return gated ? NP / 2 : NP; }
 
-static inline void panel_masks(int n, int p, int gated, __mmask16 *m0, __mmask16 *m1) {
+static inline void panel_masks(int n, int p, int gated, m16 *m0, m16 *m1) {
     const int width = panel_width(gated), cols = n - p * width < width ? n - p * width : width;
-    *m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    *m1 = gated ? *m0 : cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    *m0 = cols >= 16 ? 0xFFFF : (m16)((1u << cols) - 1);
+    *m1 = gated ? *m0 : cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (m16)((1u << (cols - 16)) - 1);
 }
 
 /* A decode batch (m <= MR) against panels [lo, hi), each streamed once from memory, two at a time where it helps.
@@ -164,7 +223,7 @@ static void decode_panels(const float *x, int64_t x_stride, const float *packed,
             p++;
             continue;
         }
-        __mmask16 m0, m1;
+        m16 m0, m1;
         panel_masks(n, p, h != 0, &m0, &m1);
         strip_rows(x, x_stride, b, k, yp, y_stride, m, m0, m1, 1, bp, 1, hp, h_stride);
     }
@@ -184,7 +243,7 @@ static void blocked_panels(const float *x, int64_t x_stride, const float *packed
             for (int i0 = 0; i0 < m; i0 += MR) {
                 const int mr = m - i0 < MR ? m - i0 : MR;
                 for (int p = g; p < g1; p++) {
-                    __mmask16 m0, m1;
+                    m16 m0, m1;
                     panel_masks(n, p, h != 0, &m0, &m1);
                     float *sums = !y ? 0 : y + (int64_t)i0 * y_stride + (h ? p - g : p) * NP;
                     strip_rows(x + (int64_t)i0 * x_stride + k0, x_stride, packed + ((int64_t)p * k + k0) * NP, steps,
@@ -217,9 +276,11 @@ int linear_f32(const float *x, int64_t x_stride, const float *packed, const floa
  * inter padded with zero rows to a multiple of 16. Each gate and up output is summed in linear_f32's order and
  * silu(gate) * up is elementwise_f32's silu_mul, so h is theirs bit for bit, without the (m, 2 inter) products ever
  * going to memory. Returns -1 on bad arguments or when scratch memory cannot be had. */
+int linear_f32_silu_mul_available(void) { return GATED; }
+
 int linear_f32_silu_mul(const float *x, int64_t x_stride, const float *packed, float *h, int64_t h_stride, int m,
                         int inter, int k, int threads) {
-    if (m <= 0 || inter <= 0 || k <= 0 || x_stride < 1 || h_stride < inter) return -1;
+    if (!GATED || m <= 0 || inter <= 0 || k <= 0 || x_stride < 1 || h_stride < inter) return -1;
     /* Sums between k blocks need a scratch (a group's panels for every row); one block needs none. */
     const int scratch = m > MR && k > KC;
     int failed = 0;
@@ -239,6 +300,7 @@ int linear_f32_silu_mul(const float *x, int64_t x_stride, const float *packed, f
 
 #else
 int linear_f32_available(void) { return 0; }
+int linear_f32_silu_mul_available(void) { return 0; }
 int linear_f32_silu_mul(const float *x, int64_t x_stride, const float *packed, float *h, int64_t h_stride, int m,
                         int inter, int k, int threads) {
     (void)x, (void)x_stride, (void)packed, (void)h, (void)h_stride, (void)m, (void)inter, (void)k, (void)threads;
