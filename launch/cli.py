@@ -14,7 +14,16 @@ from collections import deque
 from dataclasses import fields, replace
 from pathlib import Path
 
-from ..replica.config import DEVICES, DTYPES, KERNEL_BACKENDS, LOAD_FORMATS, SCHEDULERS, CacheConfig, parse_size
+from ..replica.config import (
+    DEVICES,
+    DTYPES,
+    KERNEL_BACKENDS,
+    LOAD_FORMATS,
+    SCHEDULERS,
+    CacheConfig,
+    default_max_batch_tokens,
+    parse_size,
+)
 from . import certs, deployment, kubernetes, prometheus
 from .config import ADMISSIONS, API_KEY_ENV, POLICIES, DeployConfig, address, default_threads, format_size, http_url
 from .deployment import DeployError
@@ -137,7 +146,8 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         "--max-batch-tokens",
         type=int,
         default=d.max_batch_tokens,
-        help="token budget of one forward pass (default: %(default)s)",
+        help=f"tokens of one forward pass: the slo scheduler's cap (default {default_max_batch_tokens('slo')}), "
+        f"the budget of the others (default {default_max_batch_tokens('splitfuse')})",
     )
     p.add_argument("--max-seqs", type=int, default=d.max_seqs, help="sequences per forward pass (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")

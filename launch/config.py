@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..replica.config import (
     ADMISSIONS,
+    DEPLOYMENT_SCHEDULER,
     DEVICES,
     DTYPES,
     KERNEL_BACKENDS,
@@ -30,6 +31,7 @@ from ..replica.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    default_max_batch_tokens,
     preset_path,
 )
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
@@ -62,13 +64,13 @@ class DeployConfig:
     load_format: str = EngineConfig.load_format
     enforce_eager: bool = EngineConfig.enforce_eager
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
-    max_batch_tokens: int = SchedulerConfig.max_batch_tokens
+    max_batch_tokens: int | None = None  # None: the scheduler's default (default_max_batch_tokens)
     max_seqs: int = SchedulerConfig.max_seqs
     block_size: int = CacheConfig.block_size
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; None: the replica's default (sized from device memory on CUDA)
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: share of the device the replica may fill
-    scheduler: str = SchedulerConfig.policy
+    scheduler: str = DEPLOYMENT_SCHEDULER
     admission: str = SchedulerConfig.slo.admission  # slo: keep | refuse new requests while the floors break
     step_trace_dir: str | None = None  # each replica appends its steps' predicted and measured times to DIR/<id>.csv
     max_model_len: int | None = None
@@ -88,6 +90,11 @@ class DeployConfig:
         # config.json stores it as a JSON list
         object.__setattr__(self, "sla_token_rates", tuple(self.sla_token_rates))
         object.__setattr__(self, "gpus", tuple(self.gpus))
+
+    @property
+    def batch_tokens(self) -> int:
+        """The tokens of one pass each replica is given: --max-batch-tokens, else its scheduler's default."""
+        return self.max_batch_tokens if self.max_batch_tokens is not None else default_max_batch_tokens(self.scheduler)
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,7 @@ def _choice_problems(c: DeployConfig) -> list[str]:
 
 def _engine_problems(c: DeployConfig) -> list[str]:
     checks = [
-        (c.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, got {c.max_batch_tokens}"),
+        (c.batch_tokens >= 1, f"--max-batch-tokens must be at least 1, got {c.max_batch_tokens}"),
         (c.max_seqs >= 1, f"--max-seqs must be at least 1, got {c.max_seqs}"),
         (c.block_size >= 1, f"--block-size must be at least 1, got {c.block_size}"),
         (c.num_blocks is None or c.num_blocks >= 1, f"--num-blocks must be at least 1, got {c.num_blocks}"),
@@ -202,10 +209,10 @@ def _engine_problems(c: DeployConfig) -> list[str]:
         (c.max_model_len is None or c.max_model_len >= 2, f"--max-model-len must be at least 2, got {c.max_model_len}"),
     ]
     problems = [message for ok, message in checks if not ok]
-    if 1 <= c.max_batch_tokens < c.max_seqs:
+    if 1 <= c.batch_tokens < c.max_seqs:
         # The engine refuses this too, but only after the model has loaded.
         problems.append(
-            f"--max-seqs ({c.max_seqs}) exceeds --max-batch-tokens ({c.max_batch_tokens}): every decoding sequence "
+            f"--max-seqs ({c.max_seqs}) exceeds --max-batch-tokens ({c.batch_tokens}): every decoding sequence "
             "needs one token of the budget; lower --max-seqs or raise --max-batch-tokens"
         )
     return problems
@@ -353,7 +360,7 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     argv += ["--device", c.device, "--kernels", c.kernels, "--load-format", c.load_format]
     if c.dtype != "auto":  # the replica picks the dtype itself when not told
         argv += ["--dtype", c.dtype]
-    argv += ["--max-batch-tokens", str(c.max_batch_tokens), "--max-seqs", str(c.max_seqs)]
+    argv += ["--max-batch-tokens", str(c.batch_tokens), "--max-seqs", str(c.max_seqs)]
     argv += ["--block-size", str(c.block_size)]
     if c.num_blocks is not None:
         argv += ["--num-blocks", str(c.num_blocks)]

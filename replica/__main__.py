@@ -16,6 +16,7 @@ from ..server.grpc_server import PortInUseError, add_replica_security_args, crea
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
 from .config import (
     ADMISSIONS,
+    DEPLOYMENT_SCHEDULER,
     DEVICES,
     DTYPES,
     KERNEL_BACKENDS,
@@ -25,6 +26,7 @@ from .config import (
     EngineConfig,
     SchedulerConfig,
     SloConfig,
+    default_max_batch_tokens,
     parse_size,
 )
 
@@ -86,7 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step op by op (vLLM's flag)"
     )
-    p.add_argument("--max-batch-tokens", type=positive, default=_SCHEDULER.max_batch_tokens)
+    p.add_argument(
+        "--max-batch-tokens",
+        type=positive,
+        default=None,
+        help=f"tokens of one pass: the slo scheduler's cap (default {default_max_batch_tokens('slo')}), the budget "
+        f"of the others (default {default_max_batch_tokens('splitfuse')})",
+    )
     p.add_argument("--max-seqs", type=positive, default=_SCHEDULER.max_seqs)
     p.add_argument("--block-size", type=positive, default=_CACHE.block_size)
     p.add_argument("--num-blocks", type=positive, default=None)
@@ -106,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--scheduler",
-        default=_SCHEDULER.policy,
+        default=DEPLOYMENT_SCHEDULER,
         choices=SCHEDULERS,
         help="slo: each step's token budget from the requests' deadlines (--sla-prompt-rate, the largest "
         "--sla-token-rate) and a step-time model fitted on this replica; --max-batch-tokens caps it "
@@ -167,7 +175,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
         scheduler=SchedulerConfig(
-            max_batch_tokens=args.max_batch_tokens,
+            max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(args.scheduler),
             max_seqs=args.max_seqs,
             policy=args.scheduler,
             # The floor the scheduler holds is the strictest R the deployment is scored against.

@@ -93,6 +93,20 @@ class SchedulerConfig:
             raise ValueError(f"watermark is a share of the KV pool in [0, 1), got {self.watermark}")
 
 
+# A deployment's scheduler where none is named (fastgen-deploy, python -m fastgen.replica): slo, whose effective
+# throughput held at or above every fixed budget's under load (benchmarks/RESULTS.md, section 12). An engine built in
+# process (pipeline) keeps SchedulerConfig's splitfuse: nothing calibrates a step-time model there.
+DEPLOYMENT_SCHEDULER = "slo"
+# The slo scheduler's default cap on one pass: room for a whole prompt when no stream is short of time (under load
+# the least slack keeps its steps far below it). A fixed schedule's default budget is SchedulerConfig's.
+SLO_MAX_BATCH_TOKENS = 2048
+
+
+def default_max_batch_tokens(policy: str) -> int:
+    """--max-batch-tokens where none is given: the slo scheduler's cap, or a fixed schedule's budget."""
+    return SLO_MAX_BATCH_TOKENS if policy == "slo" else SchedulerConfig.max_batch_tokens
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # tokens per KV block

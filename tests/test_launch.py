@@ -106,7 +106,7 @@ def test_defaults_are_valid():
         (dict(policy="random"), "--policy"),
         (dict(dtype="int8"), "--dtype"),
         (dict(scheduler="fifo"), "--scheduler"),
-        (dict(max_seqs=1000), "--max-seqs"),
+        (dict(max_seqs=5000), "--max-seqs"),
         (dict(block_size=0), "--block-size"),
         (dict(num_blocks=0), "--num-blocks"),
         (dict(max_model_len=1), "--max-model-len"),
@@ -180,16 +180,29 @@ def test_port_layout_and_commands():
         "--kernels": "auto",
         "--load-format": "auto",
         "--dtype": "float32",
-        "--max-batch-tokens": "512",
+        "--max-batch-tokens": "2048",  # the slo scheduler's cap: it is the default
         "--max-seqs": "64",
         "--block-size": "16",
         "--num-blocks": "64",
         "--kv-cache-memory": str(1 << 20),
         "--gpu-memory-utilization": "0.9",
-        "--scheduler": "splitfuse",
+        "--scheduler": "slo",
         "--max-model-len": "256",
         "--threads": "2",
     }
+
+
+def test_the_budget_follows_the_scheduler_unless_given():
+    def budget(**change):
+        rep = cfg.plan(DeployConfig(replicas=1, **change), "PY")[1].argv
+        return rep[rep.index("--scheduler") + 1], rep[rep.index("--max-batch-tokens") + 1]
+
+    assert budget() == ("slo", "2048")
+    assert budget(scheduler="splitfuse") == ("splitfuse", "512")
+    assert budget(scheduler="splitfuse", max_batch_tokens=256) == ("splitfuse", "256")
+    assert budget(max_batch_tokens=1024) == ("slo", "1024")
+    args = cli.build_parser().parse_args(["start", "--scheduler", "prefill_first"])
+    assert cli.config_from(args).batch_tokens == 512 and cli.config_from(args).max_batch_tokens is None
 
 
 def test_optional_flags_left_out_and_tp_passed_through():
