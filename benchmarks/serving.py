@@ -172,6 +172,15 @@ def free_base_port(count: int) -> int:
     raise RuntimeError("no free range of ports")
 
 
+def run_tag(workload: str, system: System, clients: int, seed: int, repeat: int | None) -> str:
+    """What heads every prompt of one run, so that each run's prompts are fresh: a server that caches prefixes gets
+    no free hits from an earlier run. Repeats run against deployments that stay up, so each repeat has its own tag;
+    a peer's server may have served anything before, so its runs are told apart by the time."""
+    # The repeat goes first: a prompt's first KV block is where the tag differs.
+    tag = (f"r{repeat}-" if repeat else "") + f"{workload}-{system.label}-c{clients}-{seed}"
+    return tag + (f"-{time.time_ns()}" if system.kind == "vllm" else "")
+
+
 @contextlib.contextmanager
 def fastgen_deployment(system: System, args: argparse.Namespace):
     """A fastgen-deploy deployment of `system`; yields the address to send requests to."""
@@ -321,8 +330,7 @@ async def one_run(
     repeat: int | None = None,
 ) -> None:
     busy = wait_quiet(args.quiet_cores, args.quiet_timeout)
-    # Fresh prompts for every run (a new tag): servers that cache prefixes get no free hits.
-    tag = f"{workload}-{system.label}-c{clients}-{args.seed}" + (f"-{time.time_ns()}" if system.kind == "vllm" else "")
+    tag = run_tag(workload, system, clients, args.seed, repeat)
     spec = RunSpec(
         parse_workload(workload), clients, None, args.requests, args.requests_scale, args.seed, tag, args.max_prompt
     )

@@ -19,7 +19,7 @@ import pytest
 from fastgen.benchmarks import balancer_overhead, provenance, report
 from fastgen.benchmarks.backends import OpenAIBackend
 from fastgen.benchmarks.loadgen import RunResult, closed_loop, open_loop
-from fastgen.benchmarks.serving import default_raw, parse_system
+from fastgen.benchmarks.serving import default_raw, parse_system, run_tag
 from fastgen.benchmarks.stats import SLA, RequestRecord, inter_token_times, meets_sla, percentile, summarize
 from fastgen.benchmarks.workload import BenchRequest, make_requests, parse_workload, sample_length
 
@@ -32,6 +32,23 @@ def record(start: float, ttft: float, gaps: list[float], prompt: int = 100) -> R
 
 
 # ---- statistics ----
+def test_each_repeat_of_a_serving_run_sends_fresh_prompts():
+    """Repeats run against deployments that stay up, whose prefix caches would otherwise serve every prompt of a
+    repeat from the one before: no two repeats of a point share a prompt's first block (16 tokens), and a repeat's
+    prompts are the same whenever it is run again."""
+    from fastgen.replica.weights import resolve_model
+
+    model, system = resolve_model("smollm2-135m"), parse_system("slo-b2048")
+    firsts = []
+    for repeat in (None, 0, 1, 2):
+        tag = run_tag("C2", system, 8, 0, repeat)
+        assert tag == run_tag("C2", system, 8, 0, repeat)
+        firsts.append({tuple(r.prompt[:16]) for r in make_requests(parse_workload("C2"), 6, model, 0, tag)})
+    assert firsts[0] == firsts[1]  # a single run is repeat 0
+    assert all(not (a & b) for i, a in enumerate(firsts[1:]) for b in firsts[i + 2 :])
+    assert run_tag("C2", parse_system("vllm"), 8, 0, 1) != run_tag("C2", parse_system("vllm"), 8, 0, 1)
+
+
 def test_percentile_matches_numpy():
     xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
     for q in (0, 50, 95, 99, 100):
