@@ -458,12 +458,11 @@ def test_cpu_linear_f32_avx2_build_gives_the_native_builds_bits(tmp_path):
     the native build's order: the same bits at decode and prompt row counts, masked last panels, two k blocks, on
     one thread or several. On an AVX-512 CPU this is the AVX2 path's only test; on an AVX2 CPU both builds are it."""
     import ctypes
-    import shutil
     import subprocess
 
     from fastgen.kernels import clib, cpu
 
-    compiler = shutil.which("cc") or shutil.which("gcc")
+    compiler = clib.find_compiler()
     if compiler is None or cpu.pack_f32(torch.ones(8, 8)) is None:
         pytest.skip("no C compiler, or a CPU without AVX-512 or AVX2: sgemm serves there")
     built = tmp_path / "linear_f32_avx2.so"
