@@ -16,9 +16,10 @@ Systems: a FastGen scheduler (`splitfuse`, `prefill_first`, `static`, `slo`), op
 `hf` (transformers generate, static batches of up to N requests, in this process); `vllm` (an OpenAI-compatible
 server already running at --vllm-url). Each FastGen system is a `fastgen-deploy` deployment started for its runs and
 stopped after them; requests go through its balancer (`--direct`: straight to its replica). An `slo` deployment's
-replicas record every step's predicted and measured time (`--step-trace-dir`), and each run keeps its steps in
+replicas record every step's predicted and measured time (`--step-trace-dir`; the other schedules' replicas their
+steps' measured times, the same cost for every system), and each run keeps its steps in
 RAW/<workload>/<system>/c<N>[-<repeat>].steps.csv, which `steps` summarises (median absolute percentage error) and
-plots.
+plots; a run's summary has its engine's steps and the median time of its decode-only steps.
 
 Every run (workload x system x clients [x repeat]) is recorded as soon as it ends: one line of OUT/summary.json
 (meta: command, commit, date, machine, load, settings; summary: throughput, effective throughput and misses per R,
@@ -35,11 +36,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import csv
+import math
 import os
 import random
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -208,7 +212,8 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
         sla_prompt_rate=args.prompt_rate,
         # The slo scheduler holds the largest R its replicas score: only the floor under test.
         sla_token_rates=(system.token_rate or args.slo_token_rate,) if slo else tuple(args.token_rates),
-        step_trace_dir=str(step_trace_dir(args.raw, system).resolve()) if slo else None,
+        # Every schedule traces its steps, so engine step times compare across systems (and all pay the same).
+        step_trace_dir=str(step_trace_dir(args.raw, system).resolve()),
     )
     home = fastgen_home()
     started = time.monotonic()
@@ -283,7 +288,7 @@ def raw_path(raw: Path, workload: str, system: str, clients: int, repeat: int | 
 
 
 def step_trace_dir(raw: Path, system: System) -> Path:
-    """Where an slo deployment's replicas append their steps (one CSV per replica, for the deployment's life)."""
+    """Where a deployment's replicas append their steps (one CSV per replica, for the deployment's life)."""
     return Path(raw) / "steps" / system.label
 
 
@@ -312,6 +317,20 @@ class StepSlice:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(lines) + "\n")
         return out
+
+
+def engine_steps(path: Path) -> dict:
+    """What a run's step trace says of its engine: steps, seconds spent in them, and the median time of the steps
+    that carried no prompt token (the inter-token time the engine itself sets)."""
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    decodes = [float(r["measured_s"]) for r in rows if r["prompt_tokens"] == "0"]
+    return {
+        "steps": len(rows),
+        "busy_s": sum(float(r["measured_s"]) for r in rows),
+        "decode_steps": len(decodes),
+        "decode_p50_ms": 1000 * statistics.median(decodes) if decodes else math.nan,
+    }
 
 
 def pending_runs(args: argparse.Namespace, system: System) -> list[tuple[str, int]]:
@@ -351,7 +370,7 @@ async def one_run(
         "cpu": cpu.result,
         "command": args.command_line,
         "raw": str(raw),
-    } | ({"steps": str(steps_file)} if steps_file else {})
+    } | ({"steps": str(steps_file), "engine_steps": engine_steps(steps_file)} if steps_file else {})
     result.save_raw(raw)
     add_run(args.out, workload, system.label, clients, repeat, result.summary_json())
     print_summary(result, f"{workload} {system.label:<14} c{clients}:")
@@ -360,6 +379,11 @@ async def one_run(
         f"others {cpu.result['others_cores']:.2f}",
         flush=True,
     )
+    if "engine_steps" in result.meta:
+        e = result.meta["engine_steps"]
+        print(
+            f"  engine: {e['steps']} steps, {e['busy_s']:.1f} s busy; decode-only steps p50 {e['decode_p50_ms']:.1f} ms"
+        )
 
 
 async def run_system(

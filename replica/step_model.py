@@ -200,7 +200,9 @@ TRACE_COLUMNS = (
 
 class StepTrace:
     """Appends one CSV row per engine step (TRACE_COLUMNS) to a file: the step's shape, the model's prediction and
-    the measured step time, for the model's error figure and plot (`python -m fastgen.replica --step-trace F`)."""
+    the measured step time, for the model's error figure and plot (`python -m fastgen.replica --step-trace F`).
+    A step planned without the model (the fixed-budget schedules) has its prompt tokens, decodes and measured time,
+    and no context, prediction or budget: every schedule's steps can be compared."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -212,14 +214,13 @@ class StepTrace:
             self._writer.writerow(TRACE_COLUMNS)
 
     def write(self, time: float, stats) -> None:
-        """One step's StepStats (with its plan)."""
+        """One step's StepStats (with its plan, where the scheduler made one)."""
         plan = stats.plan
         if plan is None:
-            return
-        s = plan.shape
-        self._writer.writerow(
-            (
-                f"{time:.6f}",
+            row = (stats.num_prefill_tokens, stats.num_decode_tokens, "", "", "nan", f"{stats.step_s:.6g}", "inf", 0)
+        else:
+            s = plan.shape
+            row = (
                 s.prompt_tokens,
                 s.decode_seqs,
                 s.decode_context,
@@ -229,7 +230,7 @@ class StepTrace:
                 f"{plan.budget_s:.6g}",
                 int(plan.overloaded),
             )
-        )
+        self._writer.writerow((f"{time:.6f}", *row))
 
     def flush(self) -> None:
         self._file.flush()

@@ -646,3 +646,21 @@ def test_each_run_keeps_the_steps_its_replicas_traced(tmp_path):
     assert "| C1 | slo | 2 | 10.0% |" in steps_report(tmp_path / "raw", tmp_path, plots=False)
     assert StepSlice(None).save(tmp_path / "x.json") is None
     assert StepSlice(str(folder)).save(tmp_path / "y.json") is None  # nothing new
+
+
+def test_a_fixed_budget_run_keeps_its_steps_too_and_its_decode_time_is_summarised(tmp_path):
+    from fastgen.benchmarks.report import read_steps
+    from fastgen.benchmarks.serving import StepSlice, engine_steps
+    from fastgen.replica.outputs import StepStats
+    from fastgen.replica.step_model import StepTrace
+
+    folder = tmp_path / "raw" / "steps" / "splitfuse-b512"
+    steps = StepSlice(str(folder))
+    trace = StepTrace(folder / "replica-0.csv")
+    for prompt, seconds in ((600, 2.4), (0, 0.07), (0, 0.06), (0, 0.08)):  # StepStats without a plan
+        trace.write(1.0, StepStats(1, 1 if not prompt else 0, prompt, 512, 0, seconds, seconds, 0, 1, 1, 10))
+    saved = steps.save(tmp_path / "raw" / "C1" / "splitfuse-b512" / "c1-0.json")
+    summary = engine_steps(saved)
+    assert (summary["steps"], summary["decode_steps"]) == (4, 3)
+    assert summary["decode_p50_ms"] == pytest.approx(70.0) and summary["busy_s"] == pytest.approx(2.61)
+    assert read_steps(tmp_path / "raw") == {}  # no predictions: nothing for the model's error

@@ -149,10 +149,13 @@ def test_the_trace_records_prediction_and_measurement(tmp_path):
     stats = StepStats(5, 4, 128, 512, 0, 0.06, 0.065, 0, 5, 10, 100, plan=plan)
     trace = StepTrace(path)
     trace.write(12.5, stats)
-    trace.write(12.6, StepStats(1, 1, 0, 512, 0, 0.01, 0.01, 0, 1, 1, 100))  # no plan: not traced
+    trace.write(12.6, StepStats(1, 1, 0, 512, 0, 0.01, 0.012, 0, 1, 1, 100))  # no plan: a fixed-budget schedule
     trace.close()
     StepTrace(path).close()  # reopened: appends, no second header
     rows = list(csv.DictReader(path.open()))
-    assert list(rows[0]) == list(TRACE_COLUMNS) and len(rows) == 1
+    assert list(rows[0]) == list(TRACE_COLUMNS) and len(rows) == 2
+    unplanned = rows[1]
+    assert (unplanned["prompt_tokens"], unplanned["decode_seqs"], unplanned["decode_context"]) == ("0", "1", "")
+    assert math.isnan(float(unplanned["predicted_s"])) and float(unplanned["measured_s"]) == 0.012
     assert float(rows[0]["predicted_s"]) == 0.07 and float(rows[0]["measured_s"]) == 0.065
     assert int(rows[0]["prompt_tokens"]) == 128 and rows[0]["overloaded"] == "0"
