@@ -321,7 +321,8 @@ class StepSlice:
 
 def engine_steps(path: Path) -> dict:
     """What a run's step trace says of its engine: steps, seconds spent in them, and the median time of the steps
-    that carried no prompt token (the inter-token time the engine itself sets)."""
+    that carried no prompt token (the inter-token time the engine itself sets). The clients' warm-up requests are
+    in the trace's slice too, so busy seconds may exceed the run's measured duration."""
     with path.open() as f:
         rows = list(csv.DictReader(f))
     decodes = [float(r["measured_s"]) for r in rows if r["prompt_tokens"] == "0"]
