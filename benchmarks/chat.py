@@ -247,7 +247,7 @@ def run_fastgen(system: ChatSystem, replicas: int, args: argparse.Namespace) -> 
     from ..launch.config import DeployConfig, default_threads
     from ..launch.state import fastgen_home
     from .backends import deployment_credentials
-    from .serving import cpu_count, free_base_port
+    from .serving import cpu_count, free_base_port, stopped_after
 
     base = free_base_port(2 * (replicas + 1))
     config = DeployConfig(
@@ -268,13 +268,11 @@ def run_fastgen(system: ChatSystem, replicas: int, args: argparse.Namespace) -> 
     )
     home = fastgen_home()
     deployment.start(config, home)
-    try:
+    with stopped_after(home, config.name):
         chat = FastGenChat(f"127.0.0.1:{base}", **deployment_credentials(config.name))
         ports = [config.metrics_port + 1 + i for i in range(replicas)]
         tag = f"{args.tag}-{system.label}-r{replicas}"
         summary = asyncio.run(measure(chat, workload_of(args, tag), args.clients, ports))
-    finally:
-        deployment.stop(home, config.name, timeout=30)
     settings = {
         "policy": system.policy,
         "prefix_caching": system.prefix_caching,

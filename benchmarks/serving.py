@@ -225,13 +225,23 @@ def fastgen_deployment(system: System, args: argparse.Namespace):
         file=sys.stderr,
         flush=True,
     )
-    try:
+    with stopped_after(home, config.name):
         yield f"127.0.0.1:{base + 1 if args.direct else base}", config, pids
+
+
+@contextlib.contextmanager
+def stopped_after(home: Path, name: str):
+    """Stops deployment `name` when the block ends. A clean end also removes its state folder (a benchmark leaves
+    nothing behind in FASTGEN_HOME); a failed one keeps it, logs and all, for a look."""
+    from ..launch import deployment
+
+    try:
+        yield
     except BaseException:
-        deployment.stop(home, config.name, timeout=30)  # its logs stay in FASTGEN_HOME/<name> for a look
+        deployment.stop(home, name, timeout=30)
         raise
-    deployment.stop(home, config.name, timeout=30)
-    shutil.rmtree(home / config.name, ignore_errors=True)  # a clean run leaves no state behind
+    deployment.stop(home, name, timeout=30)
+    shutil.rmtree(home / name, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -103,9 +104,12 @@ def test_chat_command_at_toy_size(tiny_model_dir, tmp_path):
     cmd += ["--threads", "1", "--num-blocks", "256", "--max-batch-tokens", "128", "--start-timeout", "120"]
     cmd += ["--replicas", "2", "--systems", "off,pa", "--clients", "2", "--conversations", "3", "--turns", "2"]
     cmd += ["--system-tokens", "64", "--user-tokens", "12", "--reply-tokens", "4", "--json", str(summary)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    home = tmp_path / "fastgen-home"
+    env = os.environ | {"FASTGEN_HOME": str(home)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| off | 2 |" in done.stdout and "| pa | 2 |" in done.stdout
+    assert not [p.name for p in home.glob("chat-*")]  # both deployments stopped and their state removed
     data = json.loads(summary.read_text())
     assert data["meta"]["command"].startswith("python -m fastgen.benchmarks.chat --model")
     assert data["meta"]["commit"] and data["meta"]["machine"]["cores"] >= 1
