@@ -185,7 +185,8 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         type=lambda text: str(Path(text).expanduser().resolve()),
         default=None,
         metavar="DIR",
-        help="each replica appends every step's shape, predicted and measured time to DIR/replica-N.csv",
+        help="each replica appends every step's shape and measured time (and, under slo, the prediction) to "
+        "DIR/replica-N.csv",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
     p.add_argument(

@@ -131,7 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--step-trace",
         default=None,
         metavar="CSV",
-        help="append every step's shape, predicted and measured time to this CSV (the slo scheduler's model)",
+        help="append every step's shape and measured time to this CSV, and under --scheduler slo the step-time "
+        "model's prediction and budget",
     )
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument(
