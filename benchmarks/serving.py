@@ -29,6 +29,11 @@ RAW defaulting to benchmarks/out/serving/<OUT's name>, which git ignores. `run` 
 (`--force` redoes them), so an interrupted comparison resumes where it stopped and a large one can be run
 piecewise. Before each run it waits until the CPUs are quiet (other processes' load below --quiet-cores) so a
 neighbour's job does not land in one system's numbers only.
+
+`--repeats K` brings every system up at once and runs the comparison K times, the systems' order rotating.
+`--paired` (one client) goes further: every request is sent to each system in turn, the same prompt to each, so a
+host whose speed drifts over minutes slows all systems alike instead of the one whose run it caught; each system's
+requests, laid back to back, make its run (one summary line per system and repeat, as without it).
 """
 
 from __future__ import annotations
@@ -46,14 +51,14 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..replica.config import SCHEDULERS
-from .loadgen import RunSpec, measure, print_summary
+from .loadgen import RunResult, RunSpec, measure, print_summary, run_meta, spec_requests
 from .provenance import RAW_DIR, RESULTS_DIR, command
 from .report import add_run, has_run
-from .stats import SLA
+from .stats import SLA, RequestRecord, back_to_back, summarize
 from .workload import parse_workload
 
 DEFAULT_OUT = RESULTS_DIR / "serving"
@@ -370,24 +375,44 @@ async def one_run(
         result = await measure(
             backend, spec, tokenizer_dir(args), sla, not args.no_progress, desc=f"{workload} {system.label} c{clients}"
         )
-    raw = raw_path(args.raw, workload, system.label, clients, repeat)
     await asyncio.sleep(0.2)  # a replica writes a step's trace row just after the step's outputs went out
+    keep_run(
+        system, settings, result, steps, workload, clients, repeat, {"busy_cores_before": busy, "cpu": cpu.result}, args
+    )
+
+
+def keep_run(
+    system: System,
+    settings: dict,
+    result: RunResult,
+    steps: StepSlice,
+    workload: str,
+    clients: int,
+    repeat: int | None,
+    load: dict,
+    args: argparse.Namespace,
+) -> None:
+    """Records a measured run: its raw records and step slice under RAW, its summary line in OUT, a printed line."""
+    raw = raw_path(args.raw, workload, system.label, clients, repeat)
     steps_file = steps.save(raw)
-    result.meta |= {
-        "system": system.label,
-        "kind": system.kind,
-        "settings": {k: v for k, v in settings.items() if k != "pids"},
-        "busy_cores_before": busy,
-        "cpu": cpu.result,
-        "command": args.command_line,
-        "raw": str(raw),
-    } | ({"steps": str(steps_file), "engine_steps": engine_steps(steps_file)} if steps_file else {})
+    result.meta |= (
+        {
+            "system": system.label,
+            "kind": system.kind,
+            "settings": {k: v for k, v in settings.items() if k != "pids"},
+            "command": args.command_line,
+            "raw": str(raw),
+        }
+        | load
+        | ({"steps": str(steps_file), "engine_steps": engine_steps(steps_file)} if steps_file else {})
+    )
     result.save_raw(raw)
     add_run(args.out, workload, system.label, clients, repeat, result.summary_json())
     print_summary(result, f"{workload} {system.label:<14} c{clients}:")
+    cpu = load["cpu"]
     print(
-        f"  cores busy during the run: {cpu.result['busy_cores']:.2f}, ours {cpu.result['our_cores']:.2f}, "
-        f"others {cpu.result['others_cores']:.2f}",
+        f"  cores busy during the run: {cpu['busy_cores']:.2f}, ours {cpu['our_cores']:.2f}, "
+        f"others {cpu['others_cores']:.2f}",
         flush=True,
     )
     if "engine_steps" in result.meta:
@@ -395,6 +420,52 @@ async def one_run(
         print(
             f"  engine: {e['steps']} steps, {e['busy_s']:.1f} s busy; decode-only steps p50 {e['decode_p50_ms']:.1f} ms"
         )
+
+
+def paired_tag(workload: str, systems: list[System], seed: int, repeat: int) -> str:
+    """One prompt set for every system of a paired repeat (each deployment sees each prompt once), fresh per
+    repeat like run_tag's; a peer's server may have served anything before, so then the time goes in too."""
+    tag = f"r{repeat}-{workload}-paired-{seed}"
+    return tag + (f"-{time.time_ns()}" if any(s.kind == "vllm" for s in systems) else "")
+
+
+async def paired_repeat(backends: list, workload: str, args: argparse.Namespace, repeat: int) -> None:
+    """One client, every request sent to every system in turn (the first system rotating from request to request),
+    the same prompt to each: a host whose speed drifts over minutes then slows all systems alike, where separate
+    runs a minute apart would each catch it at a different speed. Each system's requests, laid back to back, make
+    its run."""
+    systems = [system for system, _, _ in backends]
+    busy = wait_quiet(args.quiet_cores, args.quiet_timeout)
+    tag = paired_tag(workload, systems, args.seed, repeat)
+    spec = RunSpec(
+        parse_workload(workload), 1, None, args.requests, args.requests_scale, args.seed, tag, args.max_prompt
+    )
+    requests = spec_requests(spec, spec.num_requests(), tokenizer_dir(args))
+    warmup = spec_requests(spec, 1, tokenizer_dir(args), 10**6)[0]
+    slices = [StepSlice(settings.get("step_trace_dir")) for _, _, settings in backends]
+    for _, backend, _ in backends:
+        await backend.run(warmup)
+    records: list[list[RequestRecord]] = [[] for _ in backends]
+    load_before = os.getloadavg()
+    with CpuMeter([pid for _, _, settings in backends for pid in settings.get("pids", [])]) as cpu:
+        for i, request in enumerate(requests):
+            for j in rotated(range(len(backends)), i + repeat):
+                records[j].append(await backends[j][1].run(request))
+    await asyncio.sleep(0.2)
+    sla = SLA(args.prompt_rate, tuple(args.token_rates))
+    for (system, _, settings), recs, steps in zip(backends, records, slices):
+        laid = back_to_back(recs)
+        meta = run_meta(spec, len(requests), load_before) | {"paired_with": [s.label for s in systems]}
+        result = RunResult(meta, asdict(summarize(laid, sla)) | {"sla": asdict(sla)}, [r.to_json() for r in laid])
+        keep_run(
+            system, settings, result, steps, workload, 1, repeat, {"busy_cores_before": busy, "cpu": cpu.result}, args
+        )
+
+
+def rotated(items, shift: int) -> list:
+    items = list(items)
+    shift %= len(items)
+    return items[shift:] + items[:shift]
 
 
 async def run_system(
@@ -410,7 +481,7 @@ async def run_system(
 
 
 def run_all(args: argparse.Namespace) -> None:
-    if args.repeats > 1:
+    if args.repeats > 1 or args.paired:
         return run_repeats(args)
     for system in args.systems:
         runs = pending_runs(args, system)
@@ -438,10 +509,14 @@ async def interleaved(up: list, args: argparse.Namespace) -> None:
         for k in range(args.repeats):
             for workload in args.workloads:
                 for clients in args.clients:
-                    shift = k % len(backends)
-                    for system, backend, settings in backends[shift:] + backends[:shift]:
-                        if args.force or not has_run(args.out, workload, system.label, clients, k):
-                            await one_run(system, backend, settings, workload, clients, args, repeat=k)
+                    pending = [
+                        b for b in backends if args.force or not has_run(args.out, workload, b[0].label, clients, k)
+                    ]
+                    if args.paired and pending:
+                        await paired_repeat(backends, workload, args, repeat=k)
+                        continue
+                    for system, backend, settings in rotated(pending, k):
+                        await one_run(system, backend, settings, workload, clients, args, repeat=k)
     finally:
         for _, backend, _ in backends:
             await backend.close()
@@ -508,6 +583,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="K > 1: all systems up together, runs interleaved K times (recorded with their repeat index)",
     )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="one client only: all systems up together, every request sent to each in turn (the same prompt), so "
+        "a drifting host slows all alike; each system's requests laid back to back make its run (one per repeat)",
+    )
     p.add_argument("--force", action="store_true", help="redo runs whose results exist")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-report", action="store_true", help="skip tables and plots at the end")
@@ -552,6 +633,8 @@ def main(argv=None) -> int:
         print(steps_report(args.raw or default_raw(args.out), args.out, plots=not args.no_plots))
         return 0
     if args.command == "run":
+        if args.paired and args.clients != [1]:
+            raise SystemExit("--paired sends each request to every system in turn: it needs --clients 1")
         args.raw = args.raw or default_raw(args.out)
         args.command_line = command("serving", argv)
         print(f"load average before: {os.getloadavg()}", file=sys.stderr)

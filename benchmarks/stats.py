@@ -49,6 +49,31 @@ class RequestRecord:
         return asdict(self)
 
 
+def back_to_back(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """One client's requests moved in time so that each starts the moment the one before it ended. A paired
+    comparison sends every request to each system in turn, so one system's requests are spread over the whole run;
+    laid end to end they span the time that system spent serving them, and every per-request figure is unchanged."""
+    out: list[RequestRecord] = []
+    for r in records:
+        shift = 0.0 if not out else last_time(out[-1]) - r.start
+        out.append(
+            RequestRecord(
+                r.start + shift,
+                [t + shift for t in r.token_times],
+                r.prompt_tokens,
+                None if r.end is None else r.end + shift,
+                r.error,
+                r.client,
+            )
+        )
+    return out
+
+
+def last_time(r: RequestRecord) -> float:
+    """When a request stopped taking the server's time: its end, or for a failed one its last token or start."""
+    return r.end if r.end is not None else (r.token_times[-1] if r.token_times else r.start)
+
+
 def inter_token_times(token_times: Sequence[float]) -> list[float]:
     return [b - a for a, b in zip(token_times, token_times[1:])]
 

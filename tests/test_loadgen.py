@@ -20,7 +20,15 @@ from fastgen.benchmarks import balancer_overhead, provenance, report
 from fastgen.benchmarks.backends import OpenAIBackend
 from fastgen.benchmarks.loadgen import RunResult, closed_loop, open_loop
 from fastgen.benchmarks.serving import default_raw, parse_system, run_tag
-from fastgen.benchmarks.stats import SLA, RequestRecord, inter_token_times, meets_sla, percentile, summarize
+from fastgen.benchmarks.stats import (
+    SLA,
+    RequestRecord,
+    back_to_back,
+    inter_token_times,
+    meets_sla,
+    percentile,
+    summarize,
+)
 from fastgen.benchmarks.workload import BenchRequest, make_requests, parse_workload, sample_length
 
 
@@ -173,6 +181,63 @@ def test_closed_loop_warms_up_then_keeps_n_clients_busy():
     assert sorted(started[:3]) == [100, 101, 102]  # warm-ups first, all of them before any measured request
     assert started[3:] == list(range(10))
     assert {r.client for r in records} == {0, 1, 2}
+
+
+def test_requests_laid_back_to_back_keep_their_figures_and_span_their_own_time():
+    """A paired run's records of one system, spread over the run by the other systems' requests, laid end to end:
+    the duration is the sum of their latencies and every first-token and inter-token time is unchanged."""
+    spread = [record(0.0, 0.5, [0.1, 0.1]), record(10.0, 0.4, [0.2]), record(30.0, 0.6, [0.1, 0.3, 0.1])]
+    failed = RequestRecord(start=50.0, token_times=[50.7], prompt_tokens=100, error="lost")
+    laid = back_to_back(spread + [failed])
+    assert [r.start for r in laid] == pytest.approx([0.0, 0.7, 1.3, 2.4])
+    assert [r.ttft for r in laid[:3]] == pytest.approx([r.ttft for r in spread])
+    assert [r.inter_token for r in laid[:3]] == [pytest.approx(r.inter_token) for r in spread]
+    assert laid[3].end is None and laid[3].token_times == pytest.approx([3.1])
+    s = summarize(laid[:3])
+    assert s.duration_s == pytest.approx(0.7 + 0.6 + 1.1) and s.throughput == pytest.approx(3 / 2.4)
+    assert summarize(spread).throughput == pytest.approx(3 / 31.1)  # what the spread records would have said
+
+
+def test_a_paired_repeat_sends_each_prompt_to_every_system_and_records_a_run_each(tmp_path, tiny_model_dir):
+    """Every request goes to each system in turn, the same prompt, the first system rotating from request to
+    request; each system gets a summary line for the repeat whose duration is its own requests' time."""
+    import argparse
+
+    from fastgen.benchmarks import serving
+    from fastgen.benchmarks.serving import paired_repeat
+
+    sent: list[tuple[str, int, tuple]] = []
+
+    class Logged(FakeBackend):
+        def __init__(self, name: str, delay: float):
+            super().__init__(delay)
+            self.name = name
+
+        async def run(self, req: BenchRequest, client: int = 0) -> RequestRecord:
+            sent.append((self.name, req.index, tuple(req.prompt)))
+            return await super().run(req, client)
+
+    delays = {"slo": 0.03, "splitfuse": 0.01, "prefill_first": 0.02}
+    backends = [(parse_system(name), Logged(name, delay), {}) for name, delay in delays.items()]
+    args = argparse.Namespace(quiet_cores=0, quiet_timeout=0, seed=0, requests=4, requests_scale=1.0, max_prompt=64)
+    args.model, args.prompt_rate, args.token_rates = str(tiny_model_dir), 100.0, [2.0]
+    args.out, args.raw, args.command_line = tmp_path / "out", tmp_path / "raw", "test"
+    asyncio.run(paired_repeat(backends, "24x4", args, repeat=1))
+    assert [(name, i) for name, i, _ in sent[:3]] == [(name, 10**6) for name in delays]  # one warm-up each
+    measured = sent[3:]
+    assert [i for _, i, _ in measured] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert [name for name, _, _ in measured[::3]] == ["splitfuse", "prefill_first", "slo", "splitfuse"]
+    assert all(len({prompt for _, j, prompt in measured if j == i}) == 1 for i in range(4))  # the same prompt
+    runs = {r["system"]: r for r in report.read_summary(tmp_path / "out")["runs"]}
+    assert sorted(runs) == sorted(delays)
+    for label, delay in delays.items():
+        run = runs[label]
+        assert (run["workload"], run["clients"], run["repeat"]) == ("24x4", 1, 1)
+        assert run["meta"]["paired_with"] == list(delays) and run["meta"]["tag"] == "r1-24x4-paired-0"
+        assert run["summary"]["requests"] == 4 and 4 * delay <= run["summary"]["duration_s"] < 4 * delay + 0.05
+        assert (tmp_path / "raw" / "24x4" / label / "c1-1.json").exists()
+    with pytest.raises(SystemExit, match="needs --clients 1"):
+        serving.main(["run", "--paired", "--clients", "1,4", "--out", str(tmp_path / "x")])
 
 
 def test_open_loop_sends_on_schedule_regardless_of_completions():
