@@ -18,7 +18,9 @@ Each step:
    deadline, the largest job so far is given up), go after every request that still can, in arrival order; a
    stream recomputed after a preemption is never given up. A chunk that ends a prompt also bounds the step by that
    prompt's own first-token deadline. No starvation: a request that later ones overtook `max_overtakes` times
-   goes first from then on;
+   goes first from then on, within STARVING_SHARE of the step's prompt time and tokens while requests that can
+   still be on time wait (behind a backlog every waiting request starves in turn, and precedence without a cap
+   would serve them all, first come first served, ahead of every request that could still be on time);
 4. when even the decodes alone are predicted to take longer than the shortest floor (overload), the step carries
    the decodes and at most OVERLOAD_CHUNK prompt tokens, and with `admission="refuse"` new requests are refused,
    with the time the shortest running stream needs to finish as the retry hint, until it clears.
@@ -49,6 +51,7 @@ OVERLOAD_CHUNK = 64  # prompt tokens a step still carries while overloaded, so t
 ALPHA = 2 / (16 + 1)  # the SLA's moving average of inter-token gaps (span 16, as fastgen.server.sla scores it)
 RETRY_BOUNDS_S = (0.1, 60.0)  # the retry hint of a refused request stays within these
 MIN_PROMPT_SHARE = 0.05  # of step time, when judging which deadlines can still be met (overloaded: little)
+STARVING_SHARE = 0.25  # of a step's prompt time and tokens the starving take first while others can be on time
 
 
 @dataclass(eq=False)
@@ -67,6 +70,16 @@ class _Stream:
 
     def due(self) -> float:
         return self.first_due if self.last is None else self.last + self.gap
+
+
+@dataclass
+class _Order:
+    """The streams with prompt tokens to compute, in the order they get them."""
+
+    streams: list[_Stream]
+    hopeless: set[_Stream]  # those that can no longer meet their next deadline
+    capped: int  # the first `capped` are starving and go first, within STARVING_SHARE of the step (0: no cap);
+    # they come again after the requests that can still be on time, for what is left
 
 
 @dataclass
@@ -164,45 +177,49 @@ class SloScheduler(Scheduler):
         tokens = self.config.max_batch_tokens - len(decodes)
         if self.overloaded:
             tokens = min(tokens, OVERLOAD_CHUNK)
-        order, hopeless = self._order(shape, budget_s, now, admit=not preempted)
+        order = self._order(shape, budget_s, now, admit=not preempted)
         plan = _Fill(shape, decode_s, budget_s, tokens)
-        chunks = self._fill(plan, order, hopeless, now, scheduled, preempted)
+        chunks = self._fill(plan, order, now, scheduled, preempted)
         self._plan = StepPlan(
             plan.shape,
             plan.predicted_s,
             plan.budget_s,
             self.overloaded,
-            sum(1 for s in hopeless if s.last is None),
+            sum(1 for s in order.hopeless if s.last is None),
             sum(1 for s in self._streams.values() if s.behind),
         )
         return Batch(decodes + chunks, len(decodes), preempted, plan=self._plan)
 
     def _fill(
-        self,
-        plan: _Fill,
-        order: list[_Stream],
-        hopeless: set[_Stream],
-        now: float,
-        scheduled: set[int],
-        preempted: list[int],
+        self, plan: _Fill, order: _Order, now: float, scheduled: set[int], preempted: list[int]
     ) -> list[ScheduledSeq]:
         """Prompt chunks for the streams in `order`, each as large as the tokens and time left allow (time is not
         counted while overloaded or before the model is ready); updates `plan` as they are placed."""
         timed = self.model.ready and not self.overloaded
         chunks: list[ScheduledSeq] = []
         served_arrival = -math.inf  # the latest arrival among the streams that got a chunk
-        for stream in order:
+        # The starving go first but leave the rest of the step to requests that can still be on time: under a
+        # backlog every waiting request starves in turn, and precedence without a cap would make the schedule FIFO.
+        cap_tokens = plan.tokens - int(STARVING_SHARE * plan.tokens)
+        cap_s = plan.predicted_s + STARVING_SHARE * max(0.0, plan.budget_s - plan.predicted_s)
+        for k, stream in enumerate(order.streams):
             if plan.tokens <= 0:
                 break
             seq = stream.seq
-            time_left = plan.budget_s - plan.predicted_s if timed else math.inf
+            if seq.seq_id in scheduled:
+                continue  # a starving stream's second place: it had its chunk in its first
+            capped = k < order.capped
+            time_left = (cap_s if capped else plan.budget_s) - plan.predicted_s if timed else math.inf
+            tokens = plan.tokens - cap_tokens if capped else plan.tokens
+            if capped and (tokens <= 0 or self._fit(seq, seq.num_computed, time_left, tokens) <= 0):
+                continue  # its share of the step is spent
             if seq.status is SeqStatus.RUNNING:
-                n = self._fit(seq, seq.num_computed, time_left, plan.tokens)
+                n = self._fit(seq, seq.num_computed, time_left, tokens)
                 chunk = self._continue_prompt(seq, n, scheduled, preempted)
             elif preempted:
                 continue  # a pool short enough to preempt admits nothing new this step (as SplitFuse)
             else:
-                chunk = self._admit_one(stream, time_left, plan.tokens, scheduled)
+                chunk = self._admit_one(stream, time_left, tokens, scheduled)
             if chunk is None and stream.passed >= self.config.max_overtakes:
                 break  # it waits for blocks or a free sequence slot: later requests may not take them first
             if chunk is None:
@@ -212,11 +229,11 @@ class SloScheduler(Scheduler):
             plan.tokens -= len(chunk.token_ids)
             plan.shape = plan.shape.plus_chunk(chunk.start, len(chunk.token_ids))
             plan.predicted_s = self.model.predict(plan.shape)
-            if timed and chunk.sample and stream.last is None and stream not in hopeless:
+            if timed and chunk.sample and stream.last is None and stream not in order.hopeless:
                 # Its first token comes at the end of this step: the step must end by its deadline.
                 plan.budget_s = min(plan.budget_s, max(plan.predicted_s, HEADROOM * (stream.first_due - now)))
         served = {c.seq_id for c in chunks}
-        for stream in order:  # overtaken: it waited while a later request got a chunk
+        for stream in dict.fromkeys(order.streams):  # overtaken: it waited while a later request got a chunk
             if stream.arrival < served_arrival and stream.seq.seq_id not in served:
                 stream.passed += 1
         return chunks
@@ -257,18 +274,15 @@ class SloScheduler(Scheduler):
             return None
         return self._start(self.waiting.index(seq), hits, n, scheduled)
 
-    def _order(
-        self, decodes: StepShape, budget_s: float, now: float, admit: bool
-    ) -> tuple[list[_Stream], set[_Stream]]:
-        """The streams with prompt tokens to compute, in the order they get them (see the module's docstring), and
-        those of them that can no longer meet their next deadline."""
+    def _order(self, decodes: StepShape, budget_s: float, now: float, admit: bool) -> _Order:
+        """The streams with prompt tokens to compute, in the order they get them (see the module's docstring)."""
         pending = [
             self._streams[s.seq_id] for s in self.running if s.status is SeqStatus.RUNNING and s.num_uncomputed > 1
         ]
         if admit:
             pending += [self._streams[s.seq_id] for s in self.waiting]
         if not pending:
-            return [], set()
+            return _Order([], set(), 0)
         share = self._prompt_share(decodes, budget_s)
         kept: list[tuple[float, int, _Stream]] = []  # a max-heap of work (seconds) by negating it
         hopeless: set[_Stream] = set()
@@ -278,7 +292,7 @@ class SloScheduler(Scheduler):
             w = self.model.chunk_cost(seq.num_computed, seq.num_uncomputed) / share if share else 0.0
             work += w
             if stream.last is None:  # a stream already delivering (recomputed after preemption) never gives up
-                heapq.heappush(kept, (-w, id(stream), stream))
+                heapq.heappush(kept, (-w, stream.seq.seq_id, stream))
             if now + work > stream.due() and kept:
                 w_max, _, dropped = heapq.heappop(kept)
                 work += w_max
@@ -288,8 +302,13 @@ class SloScheduler(Scheduler):
         rest = sorted(
             (s for s in pending if s not in hopeless and s.passed < self.config.max_overtakes), key=_Stream.due
         )
-        late = sorted((s for s in hopeless if s.passed < self.config.max_overtakes), key=lambda s: s.arrival)
-        return first + rest + late, hopeless
+        late = sorted(
+            (s for s in hopeless if s.passed < self.config.max_overtakes), key=lambda s: (s.arrival, s.seq.seq_id)
+        )
+        if not (first and rest):
+            return _Order(first + rest + late, hopeless, 0)
+        # Capped first; what their share left them they may take after the requests that can still be on time.
+        return _Order(first + rest + first + late, hopeless, len(first))
 
     def _prompt_share(self, decodes: StepShape, budget_s: float) -> float:
         """The share of the engine's time that goes to prompt tokens while steps of budget_s (or of the token cap)

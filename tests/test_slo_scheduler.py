@@ -216,6 +216,33 @@ def test_a_request_that_cannot_meet_its_deadline_yields_but_is_not_starved():
     assert hopeless.status is SeqStatus.FINISHED
 
 
+def test_a_backlog_of_starving_requests_leaves_room_for_one_that_can_still_be_on_time():
+    """Starving requests go first, but within a share of each step (STARVING_SHARE): behind a backlog (every waiting
+    request overtaken in turn) a fresh request gets a chunk in every step and meets its deadline, and the backlog
+    moves in every step."""
+    sim = slo_sim(max_overtakes=1)
+    backlog = [sim.add(600, 2, Slo(ttft_s=0.001)) for _ in range(20)]  # 12,000 prompt tokens no step order can save
+    sim.clock.now += 0.001
+    sim.add(32, 2)  # a feasible later request is served first: it overtakes every one of them
+    sim.step()
+
+    def starving() -> set[int]:
+        return {s.seq_id for s in backlog if s.num_uncomputed > 1 and sim.sched._streams[s.seq_id].passed >= 1}
+
+    assert len(starving()) >= 15
+    sim.clock.now += 0.01
+    fresh = sim.add(600, 2, Slo(ttft_s=1.0))  # at CPU speed its prompt alone takes ~0.2 s
+    while fresh.num_generated == 0:
+        waiting = starving()
+        batch = sim.step()
+        carried = {s.seq_id: len(s.token_ids) for s in batch.seqs[batch.num_decodes :]}
+        starved = sum(n for i, n in carried.items() if i in waiting)
+        assert starved > 0 or not waiting, "the backlog stood still"
+        assert fresh.seq_id in carried or fresh.num_uncomputed <= 1, "the backlog held back a request still on time"
+    assert sim.ttft(fresh.seq_id) <= 1.0
+    sim.run()
+
+
 def overloaded(admission: str) -> Sim:
     """R = 20 (50 ms) with 48 decodes that take ~70 ms alone: even a decode-only step breaks the floors."""
     sim = slo_sim(token_rate=20.0, admission=admission)
@@ -664,3 +691,35 @@ def test_a_fixed_budget_run_keeps_its_steps_too_and_its_decode_time_is_summarise
     assert (summary["steps"], summary["decode_steps"]) == (4, 3)
     assert summary["decode_p50_ms"] == pytest.approx(70.0) and summary["busy_s"] == pytest.approx(2.61)
     assert read_steps(tmp_path / "raw") == {}  # no predictions: nothing for the model's error
+
+
+def test_the_schedule_simulation_serves_every_request_and_fits_its_model_from_a_trace(tmp_path):
+    """benchmarks/schedule_sim: closed-loop clients against the schedulers on a simulated engine. At one client
+    every schedule meets every request's SLA; runs are reproducible; a step trace gives back the coefficients its
+    steps were timed with."""
+    import random
+
+    from fastgen.benchmarks.schedule_sim import fit, simulate
+    from fastgen.benchmarks.serving import parse_system
+    from fastgen.benchmarks.workload import parse_workload
+    from fastgen.replica.batch import StepPlan
+    from fastgen.replica.outputs import StepStats
+    from fastgen.replica.step_model import StepShape, StepTrace
+
+    c1 = parse_workload("C1")
+    for name in ("slo-b2048", "splitfuse-b128", "prefill_first"):
+        one = simulate(parse_system(name), c1, 1, 5, list(CPU))
+        assert (one.requests, one.met) == (5, 5) and one.duration_s > 0
+    busy = [simulate(parse_system("slo-b2048"), c1, 16, 28, list(CPU), seed=1) for _ in range(2)]
+    assert busy[0] == busy[1] and 0 < busy[0].met <= 28
+
+    trace = StepTrace(tmp_path / "replica-0.csv")
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = StepShape(rng.randrange(0, 512), rng.randrange(0, 32), rng.randrange(0, 20000), rng.randrange(0, 10**5))
+        seconds = sum(c * x for c, x in zip(CPU, shape.vector()))
+        trace.write(
+            0.0, StepStats(1, 1, 1, 512, 0, seconds, seconds, 0, 1, 1, 10, plan=StepPlan(shape, 0, 1, False, 0, 0))
+        )
+    trace.close()
+    assert fit(str(tmp_path / "replica-0.csv")) == pytest.approx(list(CPU), rel=1e-3, abs=1e-9)
