@@ -34,6 +34,8 @@ neighbour's job does not land in one system's numbers only.
 `--paired` (one client) goes further: every request is sent to each system in turn, the same prompt to each, so a
 host whose speed drifts over minutes slows all systems alike instead of the one whose run it caught; each system's
 requests, laid back to back, make its run (one summary line per system and repeat, as without it).
+`--fresh` starts the deployments anew for every repeat: two processes of one configuration can differ by a few
+percent for the whole of their lives, and only new processes per repeat spread that over the systems.
 """
 
 from __future__ import annotations
@@ -495,18 +497,27 @@ def run_all(args: argparse.Namespace) -> None:
 def run_repeats(args: argparse.Namespace) -> None:
     """Every system up at once; each repeat runs each system once, the order rotating, so slow drifts of a shared
     machine (and of the tree under test) spread over all systems instead of landing on one."""
-    with contextlib.ExitStack() as stack:
-        up = [(s, *stack.enter_context(system_under_test(s, args))) for s in args.systems]
-        asyncio.run(interleaved(up, args))
+    for repeats in [[k] for k in range(args.repeats)] if args.fresh else [range(args.repeats)]:
+        if not any(pending_repeat(args, k) for k in repeats):
+            continue
+        with contextlib.ExitStack() as stack:
+            up = [(s, *stack.enter_context(system_under_test(s, args))) for s in args.systems]
+            asyncio.run(interleaved(up, args, repeats))
 
 
-async def interleaved(up: list, args: argparse.Namespace) -> None:
+def pending_repeat(args: argparse.Namespace, k: int) -> bool:
+    return args.force or any(
+        not has_run(args.out, w, s.label, n, k) for w in args.workloads for n in args.clients for s in args.systems
+    )
+
+
+async def interleaved(up: list, args: argparse.Namespace, repeats) -> None:
     backends = []
     for system, make_backend, settings in up:
         backends.append((system, make_backend(), settings))
         await backends[-1][1].open()
     try:
-        for k in range(args.repeats):
+        for k in repeats:
             for workload in args.workloads:
                 for clients in args.clients:
                     pending = [
@@ -588,6 +599,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one client only: all systems up together, every request sent to each in turn (the same prompt), so "
         "a drifting host slows all alike; each system's requests laid back to back make its run (one per repeat)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --repeats: start the deployments anew for every repeat, so differences between processes of "
+        "one configuration spread over the systems",
     )
     p.add_argument("--force", action="store_true", help="redo runs whose results exist")
     p.add_argument("--no-progress", action="store_true")

@@ -240,6 +240,38 @@ def test_a_paired_repeat_sends_each_prompt_to_every_system_and_records_a_run_eac
         serving.main(["run", "--paired", "--clients", "1,4", "--out", str(tmp_path / "x")])
 
 
+def test_fresh_repeats_start_every_deployment_anew_for_each_repeat(tmp_path, monkeypatch):
+    """--fresh: each repeat runs on deployments started for it (and stopped after it); without it one set of
+    deployments serves every repeat."""
+    import contextlib
+
+    from fastgen.benchmarks import serving
+
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def deployment(system, args):
+        events.append(("up", system.label))
+        yield (lambda: None), {}
+        events.append(("down", system.label))
+
+    async def interleaved(up, args, repeats):
+        events.append(("run", [s.label for s, _, _ in up], list(repeats)))
+
+    monkeypatch.setattr(serving, "system_under_test", deployment)
+    monkeypatch.setattr(serving, "interleaved", interleaved)
+    argv = ["run", "--systems", "slo,prefill_first", "--workloads", "C1", "--clients", "1", "--repeats", "2"]
+    serving.run_repeats(serving.parse_args([*argv, "--fresh", "--out", str(tmp_path / "a")]))
+    one_set = [("up", "slo"), ("up", "prefill_first"), ("down", "prefill_first"), ("down", "slo")]
+    assert events == [
+        *one_set[:2], ("run", ["slo", "prefill_first"], [0]), *one_set[2:],
+        *one_set[:2], ("run", ["slo", "prefill_first"], [1]), *one_set[2:],
+    ]  # fmt: skip
+    events.clear()
+    serving.run_repeats(serving.parse_args([*argv, "--out", str(tmp_path / "b")]))
+    assert events == [*one_set[:2], ("run", ["slo", "prefill_first"], [0, 1]), *one_set[2:]]
+
+
 def test_open_loop_sends_on_schedule_regardless_of_completions():
     backend = FakeBackend(delay=0.2)
     records = asyncio.run(open_loop(backend, requests(8), rate=100.0, seed=1))
