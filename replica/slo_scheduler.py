@@ -13,7 +13,8 @@ Each step:
    stream's next token is due, times HEADROOM. A stream already past due yields: it bounds the step by its floor
    alone. Nothing bounds a step that serves no stream but the token cap (max_batch_tokens);
 3. prompt chunks fill that time, as many tokens as the step-time model predicts fit, to the requests in order of
-   their next deadline (least laxity first). Requests that can no longer make their first-token deadline, found
+   their next deadline (least laxity first; a request's work counts from its cached prefix). Requests that can no
+   longer make their first-token deadline, found
    as Moore and Hodgson's rule finds the fewest late jobs (in deadline order, whenever the work so far overruns a
    deadline, the largest job so far is given up), go after every request that still can, in arrival order; a
    stream recomputed after a preemption is never given up. A chunk that ends a prompt also bounds the step by that
@@ -67,6 +68,8 @@ class _Stream:
     ema: float | None = None  # the SLA's moving average of its gaps
     behind: bool = False  # the moving average went past the floor: the rate part of its SLA is missed
     passed: int = 0  # steps in which later requests were admitted while it waited
+    cached: int = 0  # waiting: prompt tokens its cached prefix covers, as last looked up
+    cached_seen: int = -1  # the pool's eviction count when it was looked up (-1: not yet)
 
     def due(self) -> float:
         return self.first_due if self.last is None else self.last + self.gap
@@ -211,7 +214,7 @@ class SloScheduler(Scheduler):
             capped = k < order.capped
             time_left = (cap_s if capped else plan.budget_s) - plan.predicted_s if timed else math.inf
             tokens = plan.tokens - cap_tokens if capped else plan.tokens
-            if capped and (tokens <= 0 or self._fit(seq, seq.num_computed, time_left, tokens) <= 0):
+            if capped and (tokens <= 0 or self._fit(seq, self._next_chunk_start(stream), time_left, tokens) <= 0):
                 continue  # its share of the step is spent
             if seq.status is SeqStatus.RUNNING:
                 n = self._fit(seq, seq.num_computed, time_left, tokens)
@@ -255,6 +258,18 @@ class SloScheduler(Scheduler):
                 budget = min(budget, slack)
         return budget, floor
 
+    def _next_chunk_start(self, stream: _Stream) -> int:
+        """Where the stream's next prompt chunk starts: after its computed tokens, or for a waiting one after its
+        cached prefix. The lookup is kept until the pool evicts: blocks published since can only make it longer,
+        so a kept one errs on the side of more work."""
+        seq = stream.seq
+        if seq.status is not SeqStatus.WAITING:
+            return seq.num_computed
+        if stream.cached_seen != self.allocator.num_evictions:
+            stream.cached = len(self._cached_prefix(seq)) * self.allocator.block_size
+            stream.cached_seen = self.allocator.num_evictions
+        return stream.cached
+
     def _fit(self, seq: Sequence, start: int, time_left: float, tokens_left: int) -> int:
         """Prompt tokens of seq from `start` that the step has room and time for."""
         n = min(seq.num_tokens - start, tokens_left)
@@ -288,8 +303,8 @@ class SloScheduler(Scheduler):
         hopeless: set[_Stream] = set()
         work = 0.0
         for stream in sorted(pending, key=_Stream.due):
-            seq = stream.seq
-            w = self.model.chunk_cost(seq.num_computed, seq.num_uncomputed) / share if share else 0.0
+            start = self._next_chunk_start(stream)
+            w = self.model.chunk_cost(start, stream.seq.num_tokens - start) / share if share else 0.0
             work += w
             if stream.last is None:  # a stream already delivering (recomputed after preemption) never gives up
                 heapq.heappush(kept, (-w, stream.seq.seq_id, stream))

@@ -196,6 +196,29 @@ def test_prompt_chunks_go_to_the_nearest_deadline_first():
     assert sim.ttft(soon.seq_id) <= 1.0 and sim.tokens[soon.seq_id][0] < sim.tokens[late.seq_id][0]
 
 
+def test_a_request_whose_prompt_is_mostly_cached_is_judged_by_what_is_left_to_compute():
+    """A tight first-token deadline that only the cached prefix makes feasible: the request is not given up as
+    hopeless (which would put it behind every other waiting request) but served first, in time."""
+    sim = slo_sim(budget=512)
+    shared = [(j * 13) % 1000 for j in range(2000)]
+    first = Sequence(sim.next_id, list(shared), 2000, 1)
+    sim.next_id += 1
+    sim.sched.add(first)
+    sim.seqs[first.seq_id], sim.arrival[first.seq_id], sim.tokens[first.seq_id] = first, 0.0, []
+    sim.run()  # computes the shared prefix and leaves it cached
+    others = [sim.add(400, 2, Slo(ttft_s=10.0)) for _ in range(5)]
+    late = sim.next_id
+    sim.next_id += 1
+    tight = Sequence(late, [*shared, *range(1, 41)], 2040, 2, slo=Slo(ttft_s=0.1))
+    sim.sched.add(tight)
+    sim.seqs[late], sim.arrival[late], sim.tokens[late] = tight, sim.clock.now, []
+    batch = sim.step()
+    assert batch.seqs[0].seq_id == late and batch.seqs[0].start >= 2000  # only the uncached tail is computed
+    assert sim.ttft(late) <= 0.1
+    sim.run()
+    assert all(sim.met(s.seq_id, 100.0, 2.0) for s in others)
+
+
 def test_a_request_that_cannot_meet_its_deadline_yields_but_is_not_starved():
     sim = slo_sim(budget=64, max_overtakes=4)
     hopeless = sim.add(200, 2, Slo(ttft_s=0.001))  # could never make it
