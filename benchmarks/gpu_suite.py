@@ -8,8 +8,10 @@ Stages, each isolated (a stage that fails records its error and the next one sti
   kernels      decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
                step at batch 1 against the time to read the weights once, with CUDA graphs and without (--enforce-eager)
-  sla          the paper's comparison at reduced size: splitfuse against prefill_first, effective throughput at
-               P = 512, R = 2, 4, 6 (closed-loop clients on the in-process engine)
+  sla          the paper's comparison at reduced size: splitfuse, prefill_first and the slo scheduler (holding the
+               strictest floor, R = 6), effective throughput at P = 512, R = 2, 4, 6 (closed-loop clients on the
+               in-process engine); the slo step-time model's error on the device, every step's prediction and
+               measurement in DIR/sla_slo_steps.csv (and a plot where matplotlib is installed)
 
 Writes DIR/gpu_suite.json and DIR/gpu_suite.md; exit status 1 if any stage failed. --dry-run runs every stage at toy
 size on the CPU (a shrunk preset, seconds), so that CI keeps the suite working; stages whose figures only mean
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..replica.config import preset_path
+from ..replica.config import SloConfig, preset_path
 from ..replica.request import SamplingParams
 from .stats import SLA, RequestRecord, summarize
 from .workload import sample_length
@@ -384,7 +386,7 @@ def model_folder(plan: Plan) -> Path:
     return resolve_model(plan.model, "dummy")
 
 
-def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse", enforce_eager: bool = False):
+def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse", enforce_eager: bool = False, slo=None):
     from ..replica import pipeline
 
     return pipeline(
@@ -397,6 +399,7 @@ def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse", enforce_e
         scheduler=policy,
         progress=False,
         enforce_eager=enforce_eager,
+        slo=slo,
     )
 
 
@@ -550,10 +553,16 @@ def sla(ctx: Context) -> dict:
         token_rates=list(TOKEN_RATES),
         systems={},
     )
-    for policy in ("splitfuse", "prefill_first"):
-        pipe = build_pipeline(p, p.sla_budget, policy)
+    steps: list[tuple[float, float]] = []  # the slo run's (predicted, measured) step seconds
+    for policy in ("splitfuse", "prefill_first", "slo"):
+        # The strictest floor: gaps held within 1 / max R are within every other floor too.
+        pipe = build_pipeline(p, p.sla_budget, policy, slo=SloConfig(PROMPT_RATE, max(TOKEN_RATES)))
         pipe(prompts[:2], max_new_tokens=2)  # warm-up: kernels compiled before the clock starts
-        records = closed_loop(pipe.engine, prompts, p.sla_gen, p.sla_clients)
+        if policy == "slo":
+            from ..replica.slo_scheduler import calibrate
+
+            calibrate(pipe.engine)
+        records = closed_loop(pipe.engine, prompts, p.sla_gen, p.sla_clients, steps if policy == "slo" else None)
         s = summarize(records, rules)
         results["systems"][policy] = dict(
             throughput_rps=round(s.throughput, 3),
@@ -568,14 +577,41 @@ def sla(ctx: Context) -> dict:
         )
         del pipe
         release_memory(ctx)
-    fused, first = (results["systems"][k]["effective_rps"] for k in ("splitfuse", "prefill_first"))
-    results["splitfuse_over_prefill_first"] = {r: round(fused[r] / first[r], 2) if first[r] else None for r in fused}
+    effective = {k: v["effective_rps"] for k, v in results["systems"].items()}
+    fused, first, slo = effective["splitfuse"], effective["prefill_first"], effective["slo"]
+    results["splitfuse_over_prefill_first"] = {r: ratio(fused[r], first[r]) for r in fused}
+    results["slo_over_best_fixed"] = {r: ratio(slo[r], max(fused[r], first[r])) for r in slo}
+    results["slo_step_model"] = step_model_error(steps, ctx.out / "sla_slo_steps.csv")
     return results
 
 
-def closed_loop(engine, prompts: list[list[int]], gen: int, clients: int) -> list[RequestRecord]:
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if b else None
+
+
+def step_model_error(steps: list[tuple[float, float]], path: Path) -> dict:
+    """The step-time model's error over the (predicted, measured) seconds of the steps it predicted, written to
+    `path` as CSV; a predicted-against-measured plot beside it where matplotlib is installed."""
+    path.write_text("predicted_s,measured_s\n" + "".join(f"{p:.6g},{m:.6g}\n" for p, m in steps))
+    errors = sorted(abs(p - m) / m for p, m in steps)
+    result = dict(steps=len(steps), trace=path.name)
+    if errors:
+        result |= dict(mdape=round(errors[len(errors) // 2], 4), p90_ape=round(errors[int(0.9 * (len(errors) - 1))], 4))
+    try:
+        from .report import plot_steps
+
+        result["plot"] = plot_steps(steps, "slo on the GPU suite's sla stage", path.with_suffix(".png")).name
+    except ImportError:
+        pass
+    return result
+
+
+def closed_loop(
+    engine, prompts: list[list[int]], gen: int, clients: int, steps: list[tuple[float, float]] | None = None
+) -> list[RequestRecord]:
     """`clients` clients, each sending its next prompt when its last request finished; token times are the
-    engine's step times (one clock: time.monotonic)."""
+    engine's step times (one clock: time.monotonic). `steps` gets each step's predicted and measured seconds where the
+    scheduler predicted it."""
     queue = list(enumerate(prompts))
     records: dict[str, RequestRecord] = {}
     params = SamplingParams(max_new_tokens=gen, min_new_tokens=gen, ignore_eos=True)
@@ -588,7 +624,11 @@ def closed_loop(engine, prompts: list[list[int]], gen: int, clients: int) -> lis
     for _ in range(min(clients, len(queue))):
         send()
     while engine.has_unfinished():
-        for out in engine.step().outputs:
+        result = engine.step()
+        plan = result.stats.plan if result.stats is not None else None
+        if steps is not None and plan is not None and plan.predicted_s == plan.predicted_s:  # not nan
+            steps.append((plan.predicted_s, result.stats.step_s))
+        for out in result.outputs:
             record = records[out.request_id]
             record.token_times += [out.time] * len(out.new_token_ids)
             if out.finished:

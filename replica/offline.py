@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from .builder import build_engine
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SloConfig
 from .engine import Engine
 from .prompts import Prompt
 from .request import FinishReason, SamplingParams
@@ -86,10 +86,12 @@ def pipeline(
     load_format: str = EngineConfig.load_format,
     prefix_caching: bool = CacheConfig.prefix_caching,
     enforce_eager: bool = EngineConfig.enforce_eager,
+    slo: SloConfig | None = None,
 ) -> Pipeline:
     """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
     device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
-    "llama-3-8b", or any other) with random weights instead of reading them."""
+    "llama-3-8b", or any other) with random weights instead of reading them. slo: the service level the slo
+    scheduler plans every request for (SloConfig's defaults otherwise)."""
     max_seqs = max_seqs or min(SchedulerConfig.max_seqs, max_batch_tokens)
     config = EngineConfig(
         model=model,
@@ -97,7 +99,9 @@ def pipeline(
         device=resolve_device(device),
         kernels=kernels,
         load_format=load_format,
-        scheduler=SchedulerConfig(max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler),
+        scheduler=SchedulerConfig(
+            max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler, slo=slo or SloConfig()
+        ),
         cache=CacheConfig(
             block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory, prefix_caching=prefix_caching
         ),

@@ -22,8 +22,11 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert offline["fastgen_tokens_per_s"] > 0 and offline["transformers_tokens_per_s"] > 0
     assert offline["decode_step_ms"] > 0 and offline["weights_read_bound_ms"] > 0
     systems = stages["sla"]["results"]["systems"]
-    assert set(systems) == {"splitfuse", "prefill_first"}
+    assert set(systems) == {"splitfuse", "prefill_first", "slo"}
     assert all(set(s["effective_rps"]) == {"2", "4", "6"} and s["failed"] == 0 for s in systems.values())
+    model = stages["sla"]["results"]["slo_step_model"]
+    assert model["steps"] > 0 and model["mdape"] >= 0
+    assert len((tmp_path / model["trace"]).read_text().splitlines()) == model["steps"] + 1
     md = (tmp_path / "gpu_suite.md").read_text()
     assert all(f"## {name}: " in md for name in gpu_suite.STAGES)
     assert (tmp_path / "cuda_tests.log").is_file()
