@@ -10,14 +10,17 @@ Requests have the workload's lengths (C1: prompts ~600, generations ~60 tokens, 
 them times --requests-scale, as in the serving benchmark; each client sends its next request the moment its last
 one ended, the first ones all at once. A request meets its SLA as the serving benchmark and the replicas score it
 (fastgen.server.sla). The coefficients are the step-time model's (FEATURES of fastgen.replica.step_model); `--fit`
-takes them from a replica's step trace, as its own model would have them after those steps. What this leaves out:
-the step model's error (the engine here takes exactly the predicted time) and every cost outside the steps.
+takes them from a replica's step trace, as its own model would have them after those steps. The engine takes what
+the model predicts, or with `--step-noise S` that times a random factor (log-normal, S its standard deviation in
+log terms, one draw per step, seeded): the step model's error, which the scheduler does not see coming. What this
+leaves out: every cost outside the steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import random
 import statistics
 import sys
@@ -74,9 +77,12 @@ def simulate(
     seed: int = 0,
     prompt_rate: float = 100.0,
     token_rate: float = 2.0,
+    step_noise: float = 0.0,
 ) -> SimResult:
-    """One closed-loop run: `clients` clients, `requests` requests in all."""
+    """One closed-loop run: `clients` clients, `requests` requests in all; each step takes the model's time times
+    exp(N(0, step_noise))."""
     rng = random.Random(f"{seed}-{workload.name}")
+    noise = random.Random(f"{seed}-noise")
     lengths = [
         (sample_length(rng, workload.prompt_mean), sample_length(rng, workload.gen_mean)) for _ in range(requests)
     ]
@@ -99,7 +105,7 @@ def simulate(
         send()
     while sched.has_work():
         batch = sched.schedule()
-        clock.now += engine.predict(batch_shape(batch))
+        clock.now += engine.predict(batch_shape(batch)) * (math.exp(noise.gauss(0.0, step_noise)) if step_noise else 1)
         for s in batch.seqs:
             if not s.sample:
                 continue
@@ -163,6 +169,12 @@ def main(argv=None) -> int:
     source.add_argument("--fit", default=None, help="take the coefficients from this step trace (CSV)")
     p.add_argument("--prompt-rate", type=float, default=100.0, help="SLA P (default: %(default)g)")
     p.add_argument("--token-rate", type=float, default=2.0, help="SLA R, also the slo floor (default: %(default)g)")
+    p.add_argument(
+        "--step-noise",
+        type=float,
+        default=0.0,
+        help="standard deviation of log(actual / predicted) step time (default: %(default)g, steps as predicted)",
+    )
     args = p.parse_args(argv)
     coefficients = fit(args.fit) if args.fit else args.coefficients
     workload = parse_workload(args.workload)
@@ -173,7 +185,9 @@ def main(argv=None) -> int:
         n = max(1, round((4 * clients + 16) * args.requests_scale))
         for system in args.systems:
             runs = [
-                simulate(system, workload, clients, n, coefficients, seed, args.prompt_rate, args.token_rate)
+                simulate(
+                    system, workload, clients, n, coefficients, seed, args.prompt_rate, args.token_rate, args.step_noise
+                )
                 for seed in range(args.seeds)
             ]
             eff = [r.effective for r in runs]

@@ -299,20 +299,13 @@ class SloScheduler(Scheduler):
         if not pending:
             return _Order([], set(), 0)
         share = self._prompt_share(decodes, budget_s)
-        kept: list[tuple[float, int, _Stream]] = []  # a max-heap of work (seconds) by negating it
-        hopeless: set[_Stream] = set()
-        work = 0.0
-        for stream in sorted(pending, key=_Stream.due):
-            start = self._next_chunk_start(stream)
-            w = self.model.chunk_cost(start, stream.seq.num_tokens - start) / share if share else 0.0
-            work += w
-            if stream.last is None:  # a stream already delivering (recomputed after preemption) never gives up
-                heapq.heappush(kept, (-w, stream.seq.seq_id, stream))
-            if now + work > stream.due() and kept:
-                w_max, _, dropped = heapq.heappop(kept)
-                work += w_max
-                hopeless.add(dropped)
         starving = [s for s in pending if s.passed >= self.config.max_overtakes]
+        if starving and len(starving) < len(pending):  # each side has its part of the prompt time
+            on_time = [s for s in pending if s.passed < self.config.max_overtakes]
+            hopeless = self._given_up(starving, share * STARVING_SHARE, now)
+            hopeless |= self._given_up(on_time, share * (1 - STARVING_SHARE), now)
+        else:
+            hopeless = self._given_up(pending, share, now)
         first = sorted(starving, key=lambda s: s.arrival)
         rest = sorted(
             (s for s in pending if s not in hopeless and s.passed < self.config.max_overtakes), key=_Stream.due
@@ -324,6 +317,24 @@ class SloScheduler(Scheduler):
             return _Order(first + rest + late, hopeless, 0)
         # Capped first; what their share left them they may take after the requests that can still be on time.
         return _Order(first + rest + first + late, hopeless, len(first))
+
+    def _given_up(self, streams: list[_Stream], share: float, now: float) -> set[_Stream]:
+        """Those of `streams` to give up so that the most of the others meet their next deadline, served in deadline
+        order with `share` of the engine's time (Moore and Hodgson's rule; none before the model is ready)."""
+        kept: list[tuple[float, int, _Stream]] = []  # a max-heap of work (seconds) by negating it
+        hopeless: set[_Stream] = set()
+        work = 0.0
+        for stream in sorted(streams, key=_Stream.due):
+            start = self._next_chunk_start(stream)
+            w = self.model.chunk_cost(start, stream.seq.num_tokens - start) / share if share else 0.0
+            work += w
+            if stream.last is None:  # a stream already delivering (recomputed after preemption) never gives up
+                heapq.heappush(kept, (-w, stream.seq.seq_id, stream))
+            if now + work > stream.due() and kept:
+                w_max, _, dropped = heapq.heappop(kept)
+                work += w_max
+                hopeless.add(dropped)
+        return hopeless
 
     def _prompt_share(self, decodes: StepShape, budget_s: float) -> float:
         """The share of the engine's time that goes to prompt tokens while steps of budget_s (or of the token cap)
