@@ -6,6 +6,7 @@ every request finishes. Then greedy outputs through the engine, the same as unde
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -17,8 +18,8 @@ from fastgen.replica.block_allocator import BlockAllocator
 from fastgen.replica.config import SchedulerConfig, SloConfig
 from fastgen.replica.request import SeqStatus, Sequence, Slo
 from fastgen.replica.scheduler import Scheduler
-from fastgen.replica.slo_scheduler import HEADROOM, OVERLOAD_CHUNK, RETRY_BOUNDS_S, SloScheduler
-from fastgen.replica.step_model import StepModel, batch_shape
+from fastgen.replica.slo_scheduler import HEADROOM, OVERLOAD_CHUNK, RETRY_BOUNDS_S, STARVING_SHARE, SloScheduler
+from fastgen.replica.step_model import StepModel, StepShape, batch_shape
 
 # Close to SmolLM2 on two CPU cores (benchmarks/RESULTS.md section 6): 25 ms a pass, 0.3 ms a prompt token.
 CPU = (0.025, 3e-4, 5e-4, 2e-7, 5e-8)
@@ -264,6 +265,25 @@ def test_a_backlog_of_starving_requests_leaves_room_for_one_that_can_still_be_on
         assert fresh.seq_id in carried or fresh.num_uncomputed <= 1, "the backlog held back a request still on time"
     assert sim.ttft(fresh.seq_id) <= 1.0
     sim.run()
+
+
+def test_while_requests_starve_one_that_can_still_be_on_time_is_judged_on_the_share_left_to_it():
+    """Starving requests take their quarter of the prompt time first (STARVING_SHARE): a request that could make its
+    deadline only with all of it is given up while they wait (and served after the requests that can), and is not
+    given up when none starves."""
+
+    def given_up(starving: int) -> bool:
+        sim = slo_sim()
+        for _ in range(starving):
+            seq = sim.add(600, 2, Slo(ttft_s=100.0))
+            sim.sched._streams[seq.seq_id].passed = sim.sched.config.max_overtakes
+        alone = sim.sched.model.chunk_cost(0, 600) / sim.sched._prompt_share(StepShape(), math.inf)
+        fresh = sim.add(600, 2, Slo(ttft_s=alone / (1 - STARVING_SHARE / 2)))  # within all, not three quarters
+        order = sim.sched._order(StepShape(), math.inf, sim.clock.now, admit=True)
+        return sim.sched._streams[fresh.seq_id] in order.hopeless
+
+    assert not given_up(0)
+    assert given_up(3)
 
 
 def overloaded(admission: str) -> Sim:
