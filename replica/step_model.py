@@ -13,6 +13,12 @@ unit length, with coefficients held non-negative (a feature whose coefficient co
 that solve), so a longer batch never predicts a shorter step. Before each update the step is predicted, and the
 relative error of that prediction is what the model reports as its error: a prediction made without the step's own
 timing.
+
+Least squares weighs a step by the square of its miss, so one stalled step (a collection pause, a neighbour's burst,
+a kernel compiled on first use) would bend every prediction for as long as the model remembers it. Once the model has
+learned from ROBUST_AFTER steps, a step is learned as taking at most OUTLIER times its prediction and at least its
+prediction over OUTLIER: a stall moves the model by a bounded step, and a device whose costs really changed is still
+followed, a factor of OUTLIER at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ MIN_STEPS = 8  # steps seen before the model predicts
 # 2,800 steps) keeps the coefficient it had, rather than one fitted on next to nothing.
 STALE = 1e-6
 ERROR_WINDOW = 512  # recent prediction errors kept for the median
+OUTLIER = 3.0  # a step is learned as within this factor of its prediction, either way
+ROBUST_AFTER = 32  # steps learned as measured first: a start-up profile takes about this many
 
 
 def chunk_context(start: int, n: int) -> int:
@@ -129,13 +137,16 @@ class StepModel:
         self.steps += 1
         if not self.learn:
             return predicted
+        learned = seconds
+        if self.steps > ROBUST_AFTER and predicted > 0:
+            learned = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
         x = shape.vector()
         for i, xi in enumerate(x):
             self._carried[i] = FORGETTING * self._carried[i] + (xi != 0)
             row = self._xtx[i]
             for j, xj in enumerate(x):
                 row[j] = FORGETTING * row[j] + xi * xj
-            self._xty[i] = FORGETTING * self._xty[i] + xi * seconds
+            self._xty[i] = FORGETTING * self._xty[i] + xi * learned
         if self.steps >= MIN_STEPS:
             self.coefficients = self._solve()
         return predicted

@@ -5,6 +5,7 @@ records predictions against measurements."""
 import csv
 import math
 import random
+import statistics
 
 import pytest
 
@@ -75,6 +76,30 @@ def test_a_device_whose_costs_change_is_followed():
     rng = random.Random(3)
     model = feed(StepModel(), rng, 300)
     slower = tuple(2 * c for c in TRUE)  # e.g. a neighbour took a core
+    feed(model, rng, 1500, slower)
+    assert model.coefficients == pytest.approx(slower, rel=0.05)
+
+
+def error_on_fresh_steps(model: StepModel, rng: random.Random) -> float:
+    """The model's median relative error against the true times of fresh random steps."""
+    fresh = [random_shape(rng) for _ in range(200)]
+    return statistics.median(abs(model.predict(s) - true_time(s)) / true_time(s) for s in fresh)
+
+
+def test_a_stall_moves_the_model_little_and_briefly():
+    rng = random.Random(5)
+    model = feed(StepModel(), rng, 300)
+    stalled = tuple(10 * c for c in TRUE)  # a neighbour's burst: twenty steps ten times as long
+    feed(model, rng, 20, stalled)
+    assert error_on_fresh_steps(model, rng) < 0.4  # learned as measured, the stall puts it past 1
+    feed(model, rng, 200)
+    assert error_on_fresh_steps(model, rng) < 0.1
+
+
+def test_a_device_many_times_slower_is_followed_a_factor_at_a_time():
+    rng = random.Random(6)
+    model = feed(StepModel(), rng, 300)
+    slower = tuple(8 * c for c in TRUE)  # seeded from a faster device, or a much smaller share of this one
     feed(model, rng, 1500, slower)
     assert model.coefficients == pytest.approx(slower, rel=0.05)
 
