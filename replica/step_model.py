@@ -19,6 +19,12 @@ a kernel compiled on first use) would bend every prediction for as long as the m
 learned from ROBUST_AFTER steps, a step is learned as taking at most OUTLIER times its prediction and at least its
 prediction over OUTLIER: a stall moves the model by a bounded step, and a device whose costs really changed is still
 followed, a factor of OUTLIER at a time.
+
+Forgetting over about two hundred steps also makes the fit slow to follow a device whose speed shifts for a while (a
+neighbour's load, a clock change): it under-predicts every step by the shift until the older steps fade, and a
+schedule planned on it overruns its time by as much. So a prediction is the fit times its recent miss: a moving
+average (span DRIFT_SPAN, the SLA's own) of log(measured / fitted) over the latest steps, each step's term held
+within a factor of DRIFT_LIMIT, so one stall moves it little and a shift is followed within a few dozen steps.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ STALE = 1e-6
 ERROR_WINDOW = 512  # recent prediction errors kept for the median
 OUTLIER = 3.0  # a step is learned as within this factor of its prediction, either way
 ROBUST_AFTER = 32  # steps learned as measured first: a start-up profile takes about this many
+DRIFT_SPAN = 16  # steps in the moving average of the fit's recent miss
+DRIFT_LIMIT = 1.5  # one step's miss counts as at most this factor either way
 
 
 def chunk_context(start: int, n: int) -> int:
@@ -95,13 +103,22 @@ class StepModel:
         self._xtx = [[0.0] * k for _ in range(k)]
         self._xty = [0.0] * k
         self._carried = [0.0] * k  # per feature, the forgetting-weighted count of steps with it non-zero
+        self._drift_log = 0.0  # the moving average of log(measured / fitted)
 
     @property
     def ready(self) -> bool:
         return self.coefficients is not None
 
+    @property
+    def drift(self) -> float:
+        """The factor by which recent steps took longer than the fit says (1: on the fit)."""
+        return math.exp(self._drift_log)
+
     def predict(self, shape: StepShape) -> float:
         """Seconds the step is expected to take; nan before the model is ready."""
+        return self._fitted(shape) * self.drift
+
+    def _fitted(self, shape: StepShape) -> float:
         if self.coefficients is None:
             return math.nan
         return max(0.0, sum(c * x for c, x in zip(self.coefficients, shape.vector())))
@@ -111,13 +128,14 @@ class StepModel:
         is ready)."""
         if self.coefficients is None:
             return math.nan
-        return self.coefficients[1] * n + self.coefficients[4] * chunk_context(start, n)
+        return (self.coefficients[1] * n + self.coefficients[4] * chunk_context(start, n)) * self.drift
 
     def chunk_fitting(self, start: int, seconds: float) -> int:
         """The most prompt tokens one chunk starting at position `start` may carry for its cost to stay within
         `seconds` (added to whatever else the step carries); a very large number when tokens cost nothing."""
         if self.coefficients is None or seconds <= 0:
             return 0
+        seconds /= self.drift
         per_token, per_row = self.coefficients[1], self.coefficients[4]
         # cost(n) = per_token * n + per_row * (n * start + n * (n + 1) / 2) <= seconds
         a, b = per_row / 2, per_token + per_row * (start + 0.5)
@@ -131,15 +149,19 @@ class StepModel:
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Takes a step's measured seconds; returns what the model predicted for it (nan before it was ready)."""
-        predicted = self.predict(shape)
+        fitted = self._fitted(shape)
+        predicted = fitted * self.drift
         if seconds > 0 and not math.isnan(predicted):
             self.errors.append(abs(predicted - seconds) / seconds)
         self.steps += 1
         if not self.learn:
             return predicted
         learned = seconds
-        if self.steps > ROBUST_AFTER and predicted > 0:
-            learned = min(max(seconds, predicted / OUTLIER), predicted * OUTLIER)
+        if self.steps > ROBUST_AFTER and fitted > 0:
+            learned = min(max(seconds, fitted / OUTLIER), fitted * OUTLIER)
+            if seconds > 0:
+                miss = min(max(math.log(seconds / fitted), -math.log(DRIFT_LIMIT)), math.log(DRIFT_LIMIT))
+                self._drift_log += 2 / (DRIFT_SPAN + 1) * (miss - self._drift_log)
         x = shape.vector()
         for i, xi in enumerate(x):
             self._carried[i] = FORGETTING * self._carried[i] + (xi != 0)
