@@ -26,6 +26,7 @@ class StepPlan:
     overloaded: bool  # even a decode-only step breaks some stream's token-rate floor
     past_deadline: int  # requests waiting for a first token they can no longer get by its deadline
     behind: int  # streams whose inter-token moving average went past their floor
+    drift: float = 1.0  # the step-time model's recent miss: its predictions are its fit times this
 
 
 @dataclass(frozen=True)

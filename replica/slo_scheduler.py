@@ -190,6 +190,7 @@ class SloScheduler(Scheduler):
             self.overloaded,
             sum(1 for s in order.hopeless if s.last is None),
             sum(1 for s in self._streams.values() if s.behind),
+            self.model.drift,
         )
         return Batch(decodes + chunks, len(decodes), preempted, plan=self._plan)
 

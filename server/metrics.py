@@ -175,6 +175,12 @@ STEP_MODEL_ERROR = _replica(
     "|predicted - measured| / measured time of each step, for the slo scheduler's step-time model.",
     buckets=ERROR_BUCKETS,
 )
+STEP_MODEL_DRIFT = _replica(
+    "fastgen_step_model_drift_ratio",
+    Gauge,
+    "The slo scheduler's step-time model: how much longer than its fit the latest steps took (1: on the fit); its "
+    "predictions are the fit times this. Away from 1 for long, the device's speed has changed.",
+)
 STEP_TIME_BUDGET = _replica(
     "fastgen_step_time_budget_seconds",
     Histogram,
@@ -363,6 +369,7 @@ REPLICA_METRICS = (
     STEP_TIME,
     STEP_PREDICTED,
     STEP_MODEL_ERROR,
+    STEP_MODEL_DRIFT,
     STEP_TIME_BUDGET,
     SLO_PAST_DEADLINE,
     SLO_BEHIND,
@@ -455,6 +462,7 @@ class StepStatsLike(Protocol):
 
 class PlanLike(Protocol):
     predicted_s: float
+    drift: float
     budget_s: float
     overloaded: bool
     past_deadline: int
@@ -541,6 +549,7 @@ class ReplicaMetrics:
             m[STEP_PREDICTED].observe(plan.predicted_s)
             if step_s > 0:
                 m[STEP_MODEL_ERROR].observe(abs(plan.predicted_s - step_s) / step_s)
+            m[STEP_MODEL_DRIFT].set(plan.drift)
         if plan.budget_s < float("inf"):
             m[STEP_TIME_BUDGET].observe(max(0.0, plan.budget_s))
         m[SLO_PAST_DEADLINE].set(plan.past_deadline)

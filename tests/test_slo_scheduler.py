@@ -661,7 +661,7 @@ def test_the_plan_becomes_metrics():
     registry = CollectorRegistry()
     metrics = ReplicaMetrics(registry, "r0", "tiny")
     labels = {"replica": "r0", "model": "tiny"}
-    plan = StepPlan(StepShape(100, 4, 400, 5050), 0.08, 0.425, True, 3, 1)
+    plan = StepPlan(StepShape(100, 4, 400, 5050), 0.08, 0.425, True, 3, 1, 1.25)
     metrics.on_step(StepStats(5, 4, 100, 2048, 0, 0.09, 0.1, 2, 5, 10, 100, plan=plan))
     metrics.on_step(StepStats(1, 1, 0, 2048, 0, 0.01, 0.01, 0, 1, 1, 100))  # another scheduler's step: no plan
     metrics.on_shed()
@@ -671,6 +671,7 @@ def test_the_plan_becomes_metrics():
 
     assert value("fastgen_step_predicted_seconds_sum") == pytest.approx(0.08)
     assert value("fastgen_step_model_error_ratio_sum") == pytest.approx(0.2)
+    assert value("fastgen_step_model_drift_ratio") == 1.25
     assert value("fastgen_step_time_budget_seconds_sum") == pytest.approx(0.425)
     assert value("fastgen_slo_requests_past_deadline") == 3 and value("fastgen_slo_streams_behind") == 1
     assert value("fastgen_slo_overloaded") == 1 and value("fastgen_slo_overloaded_steps_total") == 1

@@ -240,7 +240,8 @@ ENGINE = (
     Panel(
         "Step time: predicted and measured (slo)",
         "The slo scheduler's step-time model against the measured step, the time it allowed a step (the least "
-        "slack of the streams served), and the model's median relative error.",
+        "slack of the streams served), the model's median relative error, and its recent miss (drift: the factor "
+        "its fit is scaled by; away from 1 for long, the device's speed changed).",
         "s",
         (
             Query(f"histogram_quantile(0.5, {rate('fastgen_step_seconds_bucket', by='le')})", "measured p50"),
@@ -251,6 +252,7 @@ ENGINE = (
                 f"histogram_quantile(0.5, {rate('fastgen_step_time_budget_seconds_bucket', by='le')})", "allowed p50"
             ),
             Query(f"histogram_quantile(0.5, {rate('fastgen_step_model_error_ratio_bucket', by='le')})", "error p50"),
+            Query(f"max by (replica) (fastgen_step_model_drift_ratio{{{REPLICA}}})", "{{replica}} drift"),
         ),
     ),
     Panel(
