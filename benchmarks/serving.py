@@ -523,7 +523,9 @@ async def interleaved(up: list, args: argparse.Namespace, repeats) -> None:
                     pending = [
                         b for b in backends if args.force or not has_run(args.out, workload, b[0].label, clients, k)
                     ]
-                    if args.paired and pending:
+                    if not pending:  # measured before this resumed run
+                        continue
+                    if args.paired:
                         await paired_repeat(backends, workload, args, repeat=k)
                         continue
                     for system, backend, settings in rotated(pending, k):

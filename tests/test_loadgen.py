@@ -272,6 +272,33 @@ def test_fresh_repeats_start_every_deployment_anew_for_each_repeat(tmp_path, mon
     assert events == [*one_set[:2], ("run", ["slo", "prefill_first"], [0, 1]), *one_set[2:]]
 
 
+def test_a_resumed_run_measures_only_what_is_missing(tmp_path, monkeypatch):
+    """Repeats resumed after an interruption skip the client counts every system has already measured (one such
+    count used to end the whole run) and measure the rest."""
+    from fastgen.benchmarks import serving
+
+    done = {("slo", 8, 0), ("prefill_first", 8, 0), ("slo", 4, 1)}
+    ran = []
+
+    async def one_run(system, backend, settings, workload, clients, args, repeat=None):
+        ran.append((system.label, clients, repeat))
+
+    class Backend:
+        async def open(self):
+            pass
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(serving, "has_run", lambda out, workload, label, n, k: (label, n, k) in done)
+    monkeypatch.setattr(serving, "one_run", one_run)
+    argv = ["run", "--systems", "slo,prefill_first", "--workloads", "C1", "--clients", "8,4", "--repeats", "2"]
+    args = serving.parse_args([*argv, "--out", str(tmp_path)])
+    asyncio.run(serving.interleaved([(s, Backend, {}) for s in args.systems], args, range(2)))
+    everything = {(s, n, k) for s in ("slo", "prefill_first") for n in (8, 4) for k in (0, 1)}
+    assert sorted(ran) == sorted(everything - done)
+
+
 def test_open_loop_sends_on_schedule_regardless_of_completions():
     backend = FakeBackend(delay=0.2)
     records = asyncio.run(open_loop(backend, requests(8), rate=100.0, seed=1))
