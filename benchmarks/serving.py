@@ -33,7 +33,8 @@ neighbour's job does not land in one system's numbers only.
 `--repeats K` brings every system up at once and runs the comparison K times, the systems' order rotating.
 `--paired` (one client) goes further: every request is sent to each system in turn, the same prompt to each, so a
 host whose speed drifts over minutes slows all systems alike instead of the one whose run it caught; each system's
-requests, laid back to back, make its run (one summary line per system and repeat, as without it).
+requests, laid back to back, make its run (one summary line per system and repeat, as without it). The order varies
+from request to request so that each system comes after each other equally often (`balanced_order`).
 `--fresh` starts the deployments anew for every repeat: two processes of one configuration can differ by a few
 percent for the whole of their lives, and only new processes per repeat spread that over the systems.
 """
@@ -432,10 +433,9 @@ def paired_tag(workload: str, systems: list[System], seed: int, repeat: int) -> 
 
 
 async def paired_repeat(backends: list, workload: str, args: argparse.Namespace, repeat: int) -> None:
-    """One client, every request sent to every system in turn (the first system rotating from request to request),
-    the same prompt to each: a host whose speed drifts over minutes then slows all systems alike, where separate
-    runs a minute apart would each catch it at a different speed. Each system's requests, laid back to back, make
-    its run."""
+    """One client, every request sent to every system in turn (in balanced_order), the same prompt to each: a host
+    whose speed drifts over minutes then slows all systems alike, where separate runs a minute apart would each catch
+    it at a different speed. Each system's requests, laid back to back, make its run."""
     systems = [system for system, _, _ in backends]
     busy = wait_quiet(args.quiet_cores, args.quiet_timeout)
     tag = paired_tag(workload, systems, args.seed, repeat)
@@ -451,7 +451,7 @@ async def paired_repeat(backends: list, workload: str, args: argparse.Namespace,
     load_before = os.getloadavg()
     with CpuMeter([pid for _, _, settings in backends for pid in settings.get("pids", [])]) as cpu:
         for i, request in enumerate(requests):
-            for j in rotated(range(len(backends)), i + repeat):
+            for j in balanced_order(len(backends), i + repeat):
                 records[j].append(await backends[j][1].run(request))
     await asyncio.sleep(0.2)
     sla = SLA(args.prompt_rate, tuple(args.token_rates))
@@ -462,6 +462,22 @@ async def paired_repeat(backends: list, workload: str, args: argparse.Namespace,
         keep_run(
             system, settings, result, steps, workload, 1, repeat, {"busy_cores_before": busy, "cpu": cpu.result}, args
         )
+
+
+def balanced_order(n: int, row: int) -> list[int]:
+    """The order in which request `row` goes to n systems: a Williams design, so that over n consecutive requests
+    (2n when n is odd) every system is in every place equally often and follows every other system equally often.
+    Plain rotation keeps each system behind the same neighbour, so whatever one leaves running for a moment after
+    its request (its threads' spin-wait, its stream's last messages) would always land on the same next system."""
+    base = [0]
+    low, high = 1, n - 1
+    while len(base) < n:
+        base.append(low if len(base) % 2 else high)
+        low, high = (low + 1, high) if len(base) % 2 == 0 else (low, high - 1)
+    period = n if n % 2 == 0 else 2 * n
+    row %= period
+    order = [(b + row) % n for b in base]
+    return order[::-1] if row >= n else order
 
 
 def rotated(items, shift: int) -> list:

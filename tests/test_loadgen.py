@@ -198,9 +198,24 @@ def test_requests_laid_back_to_back_keep_their_figures_and_span_their_own_time()
     assert summarize(spread).throughput == pytest.approx(3 / 31.1)  # what the spread records would have said
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_paired_orders_put_every_system_in_every_place_and_after_every_other_equally_often(n):
+    from collections import Counter
+
+    from fastgen.benchmarks.serving import balanced_order
+
+    period = n if n % 2 == 0 else 2 * n
+    orders = [balanced_order(n, row) for row in range(7, 7 + period)]  # any `period` consecutive requests
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    places = Counter((system, place) for order in orders for place, system in enumerate(order))
+    assert set(places.values()) == {period // n} and len(places) == n * n
+    follows = Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert n == 1 or (len(follows) == n * (n - 1) and len(set(follows.values())) == 1)
+
+
 def test_a_paired_repeat_sends_each_prompt_to_every_system_and_records_a_run_each(tmp_path, tiny_model_dir):
-    """Every request goes to each system in turn, the same prompt, the first system rotating from request to
-    request; each system gets a summary line for the repeat whose duration is its own requests' time."""
+    """Every request goes to each system in turn, the same prompt, in an order that varies from request to request;
+    each system gets a summary line for the repeat whose duration is its own requests' time."""
     import argparse
 
     from fastgen.benchmarks import serving
@@ -226,7 +241,13 @@ def test_a_paired_repeat_sends_each_prompt_to_every_system_and_records_a_run_eac
     assert [(name, i) for name, i, _ in sent[:3]] == [(name, 10**6) for name in delays]  # one warm-up each
     measured = sent[3:]
     assert [i for _, i, _ in measured] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
-    assert [name for name, _, _ in measured[::3]] == ["splitfuse", "prefill_first", "slo", "splitfuse"]
+    names = [name for name, _, _ in measured]
+    assert [names[k : k + 3] for k in range(0, 12, 3)] == [
+        ["splitfuse", "prefill_first", "slo"],
+        ["prefill_first", "slo", "splitfuse"],
+        ["prefill_first", "splitfuse", "slo"],
+        ["slo", "prefill_first", "splitfuse"],
+    ]
     assert all(len({prompt for _, j, prompt in measured if j == i}) == 1 for i in range(4))  # the same prompt
     runs = {r["system"]: r for r in report.read_summary(tmp_path / "out")["runs"]}
     assert sorted(runs) == sorted(delays)
