@@ -275,7 +275,13 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
         asyncio.get_running_loop(),
         StepTrace(args.step_trace) if args.step_trace else None,
     )
-    await loop.start()
+    try:
+        await loop.start()
+    except BaseException:
+        # A model that will not load, or settings it cannot run with: the server is stopped here, while its event
+        # loop still runs, rather than left for asyncio.run to close the loop under it.
+        await server.stop(grace=None)
+        raise
     service.engine_loop = loop
     await set_serving(health, True)
     log.info("replica %s SERVING after %.1f s", args.replica_id, time.monotonic() - started)

@@ -95,6 +95,20 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
         proc.kill()
 
 
+@pytest.mark.slow
+def test_a_model_that_will_not_load_exits_2_saying_why_with_its_server_stopped(tmp_path):
+    """The gRPC server binds before the model loads; a load that fails stops it while the event loop still runs, so
+    the process ends on the error alone (before, grpc's Server.__del__ printed a traceback once the loop had closed)."""
+    proc = start_replica(tmp_path / "no-such-model", "unloadable", tmp_path)
+    try:
+        assert proc.popen.wait(120) == 2
+        log = proc.log_path.read_text()
+        assert "fastgen.replica: model" in log and "not found" in log
+        assert "Traceback" not in log and "never awaited" not in log
+    finally:
+        proc.kill()
+
+
 def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
     """The engine is built, warmed and stepped on the engine loop's own thread (one OpenMP pool: see EngineLoop), a
     request submitted from asyncio is served there, and a model that fails to build fails start() with its error."""
