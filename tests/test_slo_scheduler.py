@@ -342,6 +342,34 @@ def test_without_a_model_it_packs_like_splitfuse():
     sim.run()
 
 
+def test_one_client_gets_every_fixed_schedules_decode_steps_and_its_prompts_in_no_more_passes():
+    """One request at a time (the 1-client load, closed loop): nothing is there to schedule around, so `slo` can only
+    match the fixed schedules, and it must not do worse. Each request gets a decode step per token as under every
+    fixed schedule, its prompt in as few passes as the token cap allows, and so the same work in no more time."""
+    rng = random.Random(3)
+    requests = [(max(60, round(rng.gauss(600, 180))), max(2, round(rng.gauss(60, 20)))) for _ in range(12)]
+    assert any(p > 512 for p, _ in requests), "some prompts must need two passes under a 512-token cap"
+
+    def closed_loop(sim: Sim) -> list[tuple[int, float]]:
+        """Per request: steps it took and its latency, each sent when the one before has finished."""
+        out = []
+        for prompt_len, max_new in requests:
+            start, steps = sim.clock.now, len(sim.batches)
+            sim.add(prompt_len, max_new)
+            sim.run()
+            out.append((len(sim.batches) - steps, sim.clock.now - start))
+        return out
+
+    slo = closed_loop(slo_sim())
+    for fixed in (*(fixed_sim("splitfuse", b) for b in (128, 256, 512)), fixed_sim("prefill_first", 512)):
+        policy, cap = fixed.sched.config.policy, fixed.sched.config.max_batch_tokens
+        for (prompt_len, max_new), (slo_steps, slo_s), (steps, seconds) in zip(requests, slo, closed_loop(fixed)):
+            passes = 1 if policy == "prefill_first" else math.ceil(prompt_len / cap)  # prefill-first: a prompt whole
+            assert slo_steps == 1 + (max_new - 1), "one prompt pass, then a decode step per token"
+            assert steps == passes + (max_new - 1), (policy, cap)
+            assert slo_s == pytest.approx(seconds, rel=1e-12) if passes == 1 else slo_s < seconds
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_with_preemption_finish_with_the_same_tokens_as_splitfuse(seed):
     """A small KV pool preempts and recomputes; prefix caching shares blocks; every request finishes with the tokens
