@@ -3,8 +3,10 @@ seed assigned) and the output already delivered to the client. Plain data; the b
 
 A resumed call sends the prompt again with the delivered tokens (fastgen.v1 Resume): the replica recomputes their KV
 cache, rebuilds their text token by token and continues at the next position with the same seed, so the client's
-stream goes on with no token twice and none missing. Past `max_len` delivered tokens the journal lets go of them
-and the stream can no longer move (the re-prefill would cost more than it saves, and the memory is bounded).
+stream goes on with no token twice and none missing. A request for n > 1 completions moves whole: each unfinished
+completion continues from its own last delivered token with its own seed, and the finished ones are not run again.
+Past `max_len` delivered tokens (over all completions) the journal lets go of them and the stream can no longer move
+(the re-prefill would cost more than it saves, and the memory is bounded).
 """
 
 from __future__ import annotations
@@ -29,20 +31,36 @@ DEFAULT_MIGRATION = MigrationSettings()
 
 
 @dataclass
+class Delivered:
+    """What the client has of one completion."""
+
+    token_ids: list[int] = field(default_factory=list)  # in order: token i is output position i
+    logprobs: list[fastgen_pb2.TokenLogprob] = field(default_factory=list)  # one per token when asked for
+    text_chars: int = 0  # characters of text delivered
+    finished: bool = False  # its last chunk was delivered
+
+
+@dataclass
 class Journal:
     request: fastgen_pb2.GenerateRequest  # as first sent upstream, seed included
     max_len: int
     request_id: str = ""  # the id the client saw on the first chunk; later replicas' chunks are relabelled with it
-    token_ids: list[int] = field(default_factory=list)  # delivered, in order: token i is output position i
-    logprobs: list[fastgen_pb2.TokenLogprob] = field(default_factory=list)  # one per token when asked for
-    text_chars: int = 0  # characters of text delivered
+    completions: list[Delivered] = field(default_factory=list)  # by index, one per completion (n of them)
     chunks: int = 0  # chunks delivered
     migrations: int = 0
-    untracked: bool = False  # output not kept: more than max_len tokens delivered, or a request that cannot move
+    untracked: bool = False  # output not kept: more than max_len tokens delivered, or migration off
+
+    def __post_init__(self) -> None:
+        self.completions = self.completions or [Delivered() for _ in range(max(1, self.request.params.n))]
 
     @property
     def delivered(self) -> bool:
         return self.chunks > 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens delivered, over every completion."""
+        return sum(len(c.token_ids) for c in self.completions)
 
     def record(self, chunk: fastgen_pb2.GenerateChunk) -> fastgen_pb2.GenerateChunk:
         """Notes a chunk about to be delivered; returns it under the request's first id."""
@@ -53,13 +71,21 @@ class Journal:
         self.chunks += 1
         if self.untracked:
             return chunk
-        self.token_ids.extend(chunk.token_ids)
-        self.logprobs.extend(chunk.logprobs)
-        self.text_chars += len(chunk.text)
-        if len(self.token_ids) > self.max_len:
-            self.untracked = True
-            self.token_ids, self.logprobs = [], []
+        if chunk.index >= len(self.completions):  # not a completion of this request: nothing to resume it from
+            self._let_go()
+            return chunk
+        c = self.completions[chunk.index]
+        c.token_ids.extend(chunk.token_ids)
+        c.logprobs.extend(chunk.logprobs)
+        c.text_chars += len(chunk.text)
+        c.finished = c.finished or chunk.finish_reason != fastgen_pb2.FINISH_REASON_UNSPECIFIED
+        if self.tokens > self.max_len:
+            self._let_go()
         return chunk
+
+    def _let_go(self) -> None:
+        self.untracked = True
+        self.completions = [Delivered() for _ in self.completions]
 
     def resumed_request(self) -> fastgen_pb2.GenerateRequest:
         """The request that continues the stream on another replica. Its own id fences it from the attempts before
@@ -69,15 +95,18 @@ class Journal:
         # Unique (a replica refuses an id in use) and within the replicas' length limit.
         resumed.request_id = f"{self.request_id[:160]}/resume-{self.migrations}-{uuid.uuid4().hex[:8]}"
         resumed.params.echo = False
-        resumed.resume.token_ids.extend(self.token_ids)
-        resumed.resume.text_chars = self.text_chars
+        if len(self.completions) == 1:
+            [c] = self.completions
+            resumed.resume.token_ids.extend(c.token_ids)
+            resumed.resume.text_chars = c.text_chars
+            return resumed
+        for c in self.completions:  # each continues with its own seed, derived from the request's and its index
+            resumed.resume.completions.add(token_ids=c.token_ids, text_chars=c.text_chars, finished=c.finished)
         return resumed
 
 
 def unresumable_reason(journal: Journal, settings: MigrationSettings) -> str | None:
     """Why the stream cannot move (a MIGRATION_REFUSALS label), or None when it can."""
-    if journal.request.params.n > 1:
-        return "n"
     if journal.migrations >= settings.limit:
         return "limit"
     if journal.untracked:
@@ -86,9 +115,8 @@ def unresumable_reason(journal: Journal, settings: MigrationSettings) -> str | N
 
 
 def journal_for(request: fastgen_pb2.GenerateRequest, settings: MigrationSettings) -> Journal:
-    """The journal of a stream. One that can never move keeps no output: n > 1 completions interleave on one stream
-    and resuming them is not supported, and --migration-limit 0 turns migration off."""
-    return Journal(request, settings.max_len, untracked=settings.limit <= 0 or request.params.n > 1)
+    """The journal of a stream. One that can never move keeps no output: --migration-limit 0 turns migration off."""
+    return Journal(request, settings.max_len, untracked=settings.limit <= 0)
 
 
 def with_seed(request: fastgen_pb2.GenerateRequest) -> fastgen_pb2.GenerateRequest:

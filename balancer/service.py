@@ -13,7 +13,7 @@ request carries a seed (assigned here when the client gave none), and a seeded d
 position), so the continuation is what the first replica would have sent. A call also moves when its replica
 leaves health while the call waits (hung, or draining for a restart) and another replica is healthy. At most
 `MigrationSettings.limit` moves per request; a stream that cannot move (limit reached, too much output tracked,
-n > 1 completions, no healthy replica) fails as before. A unary call holds no output until its end, so it moves by
+no healthy replica) fails as before. A unary call holds no output until its end, so it moves by
 running again elsewhere: with the same seed, the answer is the same.
 
 `Balancer` holds these rules without any transport; `BalancerService` (gRPC) and `openai_api` (HTTP) call it.
@@ -253,11 +253,11 @@ class Balancer:
             self._metrics.on_migration_refused("no_replica")
             raise self._failed_after_output(replica, failure, f"not resumed: {f.details}") from None
         journal.migrations += 1
-        self._metrics.on_migration(replica.id, cause, len(journal.token_ids))
+        self._metrics.on_migration(replica.id, cause, journal.tokens)
         log.info(
             "replica %s failed a stream after %d tokens (%s); resuming it on %s",
             replica.id,
-            len(journal.token_ids),
+            journal.tokens,
             details,
             successor.id,
         )
@@ -322,8 +322,6 @@ class Balancer:
         log.info("replica %s failed a request (%s: %s); retrying elsewhere", replica.id, code.name, e.details())
 
     def _refusal(self, reason: str) -> str:
-        if reason == "n":
-            return "not resumed, as requests for several completions cannot be"
         if reason == "limit":
             if self.migration.limit <= 0:
                 return "not resumed, as migration is off (--migration-limit 0)"

@@ -6,10 +6,10 @@ It starts two replicas (SmolLM2-135M, the embedded default, unless --model says 
 tests' tiny random model) and a balancer, runs every request once without a failure (the reference), then again
 all at once and hits the replica serving the first stream once that stream has sent --fail-after chunks: SIGKILL
 (`kill`) or SIGSTOP (`stop`: a hung replica that only health checks reveal). Half the requests are greedy, half
-sampled with a seed. Reported: requests completed, streams and answers identical to the reference (token ids and
-text), streams that moved, and the stall a move adds to a stream: the gap at the seam (the old replica's last chunk
-to the new one's first: detection, re-prefill of prompt + delivered tokens, the first new token) beside the usual gap
-between chunks.
+sampled with a seed; with --n, one sampled request in two asks for that many completions (compared one by one).
+Reported: requests completed, streams and answers identical to the reference (token ids and text), streams that
+moved, and the stall a move adds to a stream: the gap at the seam (the old replica's last chunk to the new one's
+first: detection, re-prefill of prompt + delivered tokens, the first new token) beside the usual gap between chunks.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ PROMPTS = (
 )
 
 
-def request_params(i: int, max_new_tokens: int) -> dict:
+def request_params(i: int, max_new_tokens: int, n: int = 1) -> dict:
     params = dict(max_new_tokens=max_new_tokens, ignore_eos=True)
     if i % 2:
         params.update(temperature=0.8, top_p=0.95, seed=1000 + i)
+    if i % 4 == 1 and n > 1:  # one sampled request in two asks for several completions
+        params["n"] = n
     return params
 
 
@@ -63,7 +65,7 @@ async def run_all(address: str, args, fail=None) -> list:
 
     async def streamed(c, i):
         chunks, times = [], []
-        async for chunk in c.stream_chunks(PROMPTS[i % len(PROMPTS)], **request_params(i, args.max_new_tokens)):
+        async for chunk in c.stream_chunks(PROMPTS[i % len(PROMPTS)], **request_params(i, args.max_new_tokens, args.n)):
             chunks.append(chunk)
             times.append(time.monotonic())
             if fail is not None and not hit.is_set() and len(chunks) == args.fail_after:
@@ -72,7 +74,7 @@ async def run_all(address: str, args, fail=None) -> list:
         return chunks, times
 
     async def unary(c, i):
-        return await c.generate(PROMPTS[i % len(PROMPTS)], **request_params(i, args.max_new_tokens))
+        return await c.generate(PROMPTS[i % len(PROMPTS)], **request_params(i, args.max_new_tokens, args.n))
 
     async with AsyncClient(address, timeout=args.timeout) as c:
         calls = [streamed(c, i) for i in range(args.streams)]
@@ -80,8 +82,16 @@ async def run_all(address: str, args, fail=None) -> list:
         return await asyncio.gather(*calls, return_exceptions=True)
 
 
+def per_completion(chunks) -> dict[int, tuple[list[int], str]]:
+    """Each completion's token ids and text, by index."""
+    return {
+        j: ([t for c in chunks if c.index == j for t in c.token_ids], "".join(c.text for c in chunks if c.index == j))
+        for j in sorted({c.index for c in chunks})
+    }
+
+
 def compare(refs: list, results: list, streams: int) -> dict:
-    completed = identical = moved = 0
+    completed = identical = moved = moved_several = 0
     seams, gaps, errors = [], [], []
     for i, (ref, got) in enumerate(zip(refs, results)):
         if isinstance(got, BaseException):
@@ -89,13 +99,15 @@ def compare(refs: list, results: list, streams: int) -> dict:
             continue
         completed += 1
         if i >= streams:
-            identical += (got.token_ids, got.text) == (ref.token_ids, ref.text)
+            identical += [(c.token_ids, c.text) for c in got.completions()] == [
+                (c.token_ids, c.text) for c in ref.completions()
+            ]
             continue
         (chunks, times), (ref_chunks, _) = got, ref
-        same = [t for c in chunks for t in c.token_ids] == [t for c in ref_chunks for t in c.token_ids]
-        identical += same and "".join(c.text for c in chunks) == "".join(c.text for c in ref_chunks)
+        identical += per_completion(chunks) == per_completion(ref_chunks)  # n > 1: their chunks interleave anyhow
         seam = [k for k in range(1, len(chunks)) if chunks[k].replica != chunks[k - 1].replica]
         moved += bool(seam)
+        moved_several += bool(seam) and len({c.index for c in chunks}) > 1
         seams += [times[k] - times[k - 1] for k in seam]
         gaps += [times[k] - times[k - 1] for k in range(1, len(chunks)) if k not in seam]
     ms = lambda xs, q: round(1000 * percentile(xs, q), 1) if xs else None  # noqa: E731
@@ -104,6 +116,7 @@ def compare(refs: list, results: list, streams: int) -> dict:
         "completed": completed,
         "identical": identical,
         "streams_moved": moved,
+        "streams_moved_with_several_completions": moved_several,
         "seam_gap_ms": {"p50": ms(seams, 50), "p99": ms(seams, 99), "max": ms(seams, 100)},
         "chunk_gap_ms": {"p50": ms(gaps, 50), "p99": ms(gaps, 99)},
         "errors": errors[:10],
@@ -131,7 +144,7 @@ def run(args) -> dict:
         for s in (*replicas.values(), balancer):
             s.stop()
     summary = compare(refs, results, args.streams)
-    summary.update(fail=args.fail, failed_replica=victims[0].name if victims else None, wall_s=round(wall, 2))
+    summary.update(n=args.n, fail=args.fail, failed_replica=victims[0].name if victims else None, wall_s=round(wall, 2))
     summary["logs"] = str(log_dir)
     return summary
 
@@ -148,6 +161,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=40)
     p.add_argument("--unary", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--n", type=int, default=1, help="completions asked for by one sampled request in two")
     p.add_argument("--fail", choices=("kill", "stop"), default="kill")
     p.add_argument("--fail-after", type=int, default=8, help="chunks of the first stream before the failure")
     p.add_argument("--timeout", type=float, default=600.0, help="each request's deadline (s)")

@@ -131,12 +131,24 @@ class Slo(_message.Message):
     def __init__(self, prompt_rate: _Optional[float] = ..., ttft_ms: _Optional[int] = ..., token_rate: _Optional[float] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("token_ids", "text_chars")
+    __slots__ = ("token_ids", "text_chars", "completions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_chars: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_chars: _Optional[int] = ...) -> None: ...
+    completions: _containers.RepeatedCompositeFieldContainer[ResumedCompletion]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_chars: _Optional[int] = ..., completions: _Optional[_Iterable[_Union[ResumedCompletion, _Mapping]]] = ...) -> None: ...
+
+class ResumedCompletion(_message.Message):
+    __slots__ = ("token_ids", "text_chars", "finished")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text_chars: int
+    finished: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_chars: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")

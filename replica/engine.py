@@ -99,12 +99,12 @@ class Engine:
         request_id: str,
         prompt: Prompt,
         params: SamplingParams = SamplingParams(),
-        resume: Resume | None = None,
+        resume: tuple[Resume, ...] | None = None,
         slo: Slo | None = None,
     ) -> int:
         """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input. With
-        `resume`, the request continues output another replica delivered (stream migration); `slo` is its own
-        service level (the slo scheduler plans for it; the others ignore it)."""
+        `resume` (one per completion, in index order), the request continues output another replica delivered
+        (stream migration); `slo` is its own service level (the slo scheduler plans for it; the others ignore it)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use: choose a unique id")
         params.validate(self.model_config.vocab_size)
@@ -121,42 +121,58 @@ class Engine:
             raise ValueError(
                 f"min_new_tokens ({params.min_new_tokens}) exceeds the {max_new} tokens this request may generate"
             )
-        resumed = self._check_resume(resume, params, max_new) if resume is not None else []
-        # Resumed tokens sit after the prompt as generated ones: the scheduler recomputes them as it would after a
-        # preemption, and the next draw is keyed by the same position as on the replica that failed.
-        seq = Sequence(
-            self._next_seq_id,
-            list(prompt_ids) + resumed,
-            len(prompt_ids),
-            max_new,
-            cache_salt=params.cache_salt,
-            slo=slo,
-        )
-        self.scheduler.add(seq)  # refuses what can never fit
-        self._next_seq_id += 1
+        if resume is not None:
+            self._check_resume(resume, params, max_new)
+        self.scheduler.check_fits(len(prompt_ids), max_new)  # refuses what can never fit, before anything is queued
         # From the OS, not the random module: replicas started alike must not draw alike for unseeded requests.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         banned = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
         text = prompt_text if params.echo else ""
-        req = _Request(request_id, params, seed, text, banned, unfinished=params.n, forked=params.n == 1)
+        # A new request starts on one sequence (with n > 1 it forks the others once its prompt is in); a resumed one
+        # has every completion already, each continuing on a sequence of its own.
+        resumes = resume or (Resume(()),)
+        unfinished = params.n if resume is None else sum(not r.finished for r in resume)
+        req = _Request(request_id, params, seed, text, banned, unfinished, forked=resume is not None or params.n == 1)
         self._requests[request_id] = req
-        c = self._start(req, seq, RequestTimings(arrival=time.monotonic()))
-        if resume is not None:
-            self._replay(c, resume)
+        arrival = time.monotonic()
+        for index, delivered in enumerate(resumes):
+            if delivered.finished:
+                continue
+            # Resumed tokens sit after the prompt as generated ones: the scheduler recomputes them as it would after a
+            # preemption, and the next draw is keyed by the same position as on the replica that failed.
+            seq = Sequence(
+                self._next_seq_id,
+                list(prompt_ids) + list(delivered.token_ids),
+                len(prompt_ids),
+                max_new,
+                cache_salt=params.cache_salt,
+                slo=slo,
+            )
+            self._next_seq_id += 1
+            self.scheduler.add(seq)
+            c = self._start(req, seq, RequestTimings(arrival=arrival), index)
+            self._replay(c, delivered)
         return len(prompt_ids)
 
-    def _check_resume(self, resume: Resume, params: SamplingParams, max_new: int) -> list[int]:
-        if params.n != 1:
-            raise ValueError(f"a request for n = {params.n} completions cannot be resumed: resume n = 1 only")
-        tokens = list(resume.token_ids)
-        if len(tokens) >= max_new:
+    def _check_resume(self, resume: tuple[Resume, ...], params: SamplingParams, max_new: int) -> None:
+        if len(resume) != params.n:
             raise ValueError(
-                f"resume holds {len(tokens)} tokens but the request may generate {max_new}: nothing is left to resume"
+                f"resume holds the output of {len(resume)} completions but the request asks for n = {params.n}: "
+                "send one per completion, in index order"
             )
-        bad = [t for t in tokens if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"resume token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
-        return tokens
+        if all(r.finished for r in resume):
+            raise ValueError("every completion in resume is finished: nothing is left to resume")
+        for index, r in enumerate(resume):
+            if not r.finished and len(r.token_ids) >= max_new:
+                raise ValueError(
+                    f"resume holds {len(r.token_ids)} tokens of completion {index} but the request may generate "
+                    f"{max_new}: nothing is left to resume"
+                )
+            bad = [t for t in r.token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"resume token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})"
+                )
 
     def _replay(self, c: _Completion, resume: Resume) -> None:
         """Puts a resumed completion where the failed replica left it. Its tokens are output (penalties and
@@ -168,9 +184,8 @@ class Engine:
             c.text += c.detok.add(token)
         c.emitted = min(resume.text_chars, len(c.text))
 
-    def _start(self, req: _Request, seq: Sequence, timings: RequestTimings) -> _Completion:
-        """Completion number len(req.completions) of req, on seq."""
-        index = len(req.completions)
+    def _start(self, req: _Request, seq: Sequence, timings: RequestTimings, index: int) -> _Completion:
+        """Completion number `index` of req, on seq."""
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.keep_special_tokens)
         c = _Completion(req, index, seq, completion_seed(req.seed, index), detok, timings)
@@ -257,7 +272,7 @@ class Engine:
                 slo=seq.slo,
             )
             self._next_seq_id += 1
-            children.append(self._start(req, child, dataclasses.replace(parent.timings)))
+            children.append(self._start(req, child, dataclasses.replace(parent.timings), len(req.completions)))
         self.scheduler.fork(seq, [c.seq for c in children])
         return children
 

@@ -140,12 +140,13 @@ class Slo:
 
 @dataclass(frozen=True)
 class Resume:
-    """Output a client already has from a replica that failed: the request continues after it, as if it had run
-    here from the start (the tokens count as generated, and the text's first text_chars characters are not sent
-    again)."""
+    """Output of one completion that a client already has from a replica that failed: the completion continues after
+    it, as if it had run here from the start (the tokens count as generated, and the text's first text_chars
+    characters are not sent again). A request resumes with one per completion, in index order."""
 
     token_ids: tuple[int, ...]
     text_chars: int = 0
+    finished: bool = False  # its last output was delivered: it is not continued (n > 1 only)
 
 
 class SeqStatus(enum.Enum):

@@ -27,6 +27,7 @@ from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import Prompt
 from .request import (
     MAX_LOGIT_BIAS,
+    MAX_N,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -55,7 +56,7 @@ class _Add:
     prompt: Prompt
     params: SamplingParams
     outputs: asyncio.Queue  # receives RequestOutput objects, or an Exception that ends the request
-    resume: Resume | None = None  # output delivered by a replica that failed, which this request continues
+    resume: tuple[Resume, ...] | None = None  # per completion, output a replica that failed delivered
     slo: Slo | None = None  # the request's own service level
 
 
@@ -131,7 +132,7 @@ class EngineLoop:
         request_id: str,
         prompt: Prompt,
         params: SamplingParams,
-        resume: Resume | None = None,
+        resume: tuple[Resume, ...] | None = None,
         slo: Slo | None = None,
     ) -> asyncio.Queue:
         outputs: asyncio.Queue = asyncio.Queue()
@@ -223,7 +224,9 @@ class EngineLoop:
                 self.engine.abort(command.request_id)
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
             return
-        self._streams[command.request_id] = _Stream(command.outputs, command.params.n)
+        self._streams[command.request_id] = _Stream(
+            command.outputs, completions_to_send(command.params, command.resume)
+        )
 
     def _deliver(self, out: RequestOutput) -> None:
         # The metrics time each completion's tokens as a stream of its own.
@@ -276,15 +279,30 @@ def completion_key(out: RequestOutput) -> str:
     return out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"
 
 
-def resume_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Resume | None:
-    """The output a migrated request continues, or None for a new request; ValueError when it cannot fit."""
+def resume_from_proto(request: pb.GenerateRequest, max_tokens: int) -> tuple[Resume, ...] | None:
+    """The output a migrated request continues, one per completion, or None for a new request; ValueError when it
+    cannot fit."""
     if not request.HasField("resume"):
         return None
     r = request.resume
-    # Checked before the ids are copied: the list could be anything a message can hold.
-    if len(r.token_ids) >= max_tokens:
-        raise ValueError(f"resume holds {len(r.token_ids)} tokens but the context holds {max_tokens}")
-    return Resume(tuple(r.token_ids), r.text_chars)
+    if not r.completions:  # n = 1
+        if len(r.token_ids) >= max_tokens:  # checked before the ids are copied: a message can hold anything
+            raise ValueError(f"resume holds {len(r.token_ids)} tokens but the context holds {max_tokens}")
+        return (Resume(tuple(r.token_ids), r.text_chars),)
+    if r.token_ids or r.text_chars:
+        raise ValueError("resume sets both token_ids (for n = 1) and completions (for n > 1): send one of them")
+    check_count("resume.completions", len(r.completions), MAX_N)
+    longest = max(len(c.token_ids) for c in r.completions)
+    if longest >= max_tokens:
+        raise ValueError(f"resume holds {longest} tokens of one completion but the context holds {max_tokens}")
+    if all(c.finished for c in r.completions):  # the stream would end at once, empty
+        raise ValueError("every completion in resume is finished: nothing is left to resume")
+    return tuple(Resume(tuple(c.token_ids), c.text_chars, c.finished) for c in r.completions)
+
+
+def completions_to_send(params: SamplingParams, resume: tuple[Resume, ...] | None) -> int:
+    """How many completions a request sends output for: all n, or those of a resumed request not finished yet."""
+    return params.n if resume is None else sum(not r.finished for r in resume)
 
 
 def slo_from_proto(request: pb.GenerateRequest) -> Slo | None:
@@ -415,12 +433,15 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             engine = self.engine_loop.engine
             engine.prompts.check_size(prompt, engine.max_model_len)
             resume = resume_from_proto(request, engine.max_model_len)
+            if method == "Generate" and request.resume.completions:
+                # Its finished completions' output is the client's alone: an answer here would leave them out.
+                raise ValueError("a resumed request for n > 1 completions is streamed only: use GenerateStream")
             slo = slo_from_proto(request)
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
         outputs = self.engine_loop.submit(request_id, prompt, params, resume, slo)
-        unfinished = params.n
+        unfinished = completions_to_send(params, resume)
         try:
             while unfinished:
                 out = await outputs.get()

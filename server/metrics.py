@@ -276,7 +276,7 @@ BALANCER_CACHED_BLOCKS = MetricDef(
 )
 # Stream migration: a request whose replica failed after output was sent, resumed on another replica.
 MIGRATION_CAUSES = ("unavailable", "unhealthy")  # the call failed UNAVAILABLE; the replica left health mid-call
-MIGRATION_REFUSALS = ("limit", "length", "n", "no_replica")
+MIGRATION_REFUSALS = ("limit", "length", "no_replica")
 BALANCER_MIGRATIONS = MetricDef(
     "fastgen_balancer_migrations_total",
     Counter,
@@ -288,7 +288,7 @@ BALANCER_MIGRATIONS_REFUSED = MetricDef(
     "fastgen_balancer_migrations_refused_total",
     Counter,
     "Requests failed after output instead of resuming, by reason (limit: --migration-limit reached; length: more "
-    "output than --migration-max-len; n: several completions; no_replica: no healthy replica to resume on).",
+    "output than --migration-max-len; no_replica: no healthy replica to resume on).",
     ("reason",),
 )
 BALANCER_RESUMED_TOKENS = MetricDef(

@@ -251,7 +251,7 @@ def assert_every_seam_continues_the_same(engine, prompt, **params):
     for k in range(1, len(outs)):
         tokens = tuple(t for o in outs[:k] for t in o.new_token_ids)
         delivered = "".join(o.new_text for o in outs[:k])
-        last, rest = run_resumed(engine, prompt, Resume(tokens, len(delivered)), **params)
+        last, rest = run_resumed(engine, prompt, (Resume(tokens, len(delivered)),), **params)
         where = f"resumed after {k} of {len(outs)} tokens"
         assert [t for o in rest for t in o.new_token_ids] == ref.token_ids[k:], where
         assert delivered + "".join(o.new_text for o in rest) == ref.text, where
@@ -316,9 +316,12 @@ def test_a_resume_that_cannot_continue_is_refused(tiny_engine):
     from fastgen.replica.request import Resume, SamplingParams
 
     for resume, params, message in [
-        (Resume((5, 6, 7, 8)), dict(max_new_tokens=4), "nothing is left to resume"),
-        (Resume((5, 49152)), dict(max_new_tokens=4), "outside the vocabulary"),
-        (Resume((5,)), dict(max_new_tokens=4, n=2), "n = 2"),
+        ((Resume((5, 6, 7, 8)),), dict(max_new_tokens=4), "nothing is left to resume"),
+        ((Resume((5, 49152)),), dict(max_new_tokens=4), "outside the vocabulary"),
+        ((Resume((5,)),), dict(max_new_tokens=4, n=2), "asks for n = 2"),
+        ((Resume((5,)), Resume((6,), finished=True)), dict(max_new_tokens=4, n=3), "n = 3"),
+        ((Resume((5,), finished=True), Resume((6,), finished=True)), dict(max_new_tokens=4, n=2), "every completion"),
+        ((Resume((5,), finished=True), Resume((6, 7, 8, 9))), dict(max_new_tokens=4, n=2), "of completion 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             tiny_engine.add_request("bad-resume", PROMPT, SamplingParams(**params), resume=resume)

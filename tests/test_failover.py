@@ -25,15 +25,17 @@ from .helpers import start_balancer, start_replica, wait_balancer_sees, wait_ser
 from .test_balancer_http import events_of, http_over
 from .test_balancer_service import balancer_over, run
 
-LENGTH = 12  # tokens of a fake stream
+LENGTH = 12  # tokens of a fake stream (of its first completion; completion j has LENGTH - j)
 
 
-def token_at(i: int) -> int:
-    return 100 + i
+def token_at(i: int, j: int = 0) -> int:
+    """Token i of completion j."""
+    return 100 + i + 1000 * j
 
 
-def full_text(n: int) -> str:
-    return "".join(f"w{i} " for i in range(n))
+def full_text(n: int, j: int = 0) -> str:
+    """The text of completion j's first n tokens."""
+    return "".join(f"w{i} " if j == 0 else f"c{j}w{i} " for i in range(n))
 
 
 @dataclass
@@ -54,8 +56,9 @@ class Hang:
 @dataclass
 class ResumingReplica(fastgen_pb2_grpc.GenerationServicer):
     """Streams token i = token_at(i) with text "w{i} ", text lagging one token behind (as a stop-string hold-back
-    does); a request with `resume` continues after its tokens and text, as a real replica does. Each call follows the
-    next entry of `script` (then runs to the end)."""
+    does), and with n > 1 the tokens of every completion in turn; a request with `resume` continues after each
+    completion's tokens and text, as a real replica does. Each call follows the next entry of `script` (then runs to
+    the end)."""
 
     id: str
     script: list = field(default_factory=list)
@@ -65,26 +68,41 @@ class ResumingReplica(fastgen_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request, context):
         self.requests.append(request)
         action = self.script.pop(0) if self.script else None
-        n = request.params.max_new_tokens or LENGTH
-        start = len(request.resume.token_ids)
-        assert request.resume.token_ids == [token_at(i) for i in range(start)]
-        text, emitted = full_text(n), request.resume.text_chars
+        n, length = request.params.n or 1, request.params.max_new_tokens or LENGTH
+        r = request.resume  # empty for a new request: every completion from its start
+        resumes = list(r.completions) or [pb.ResumedCompletion(token_ids=r.token_ids, text_chars=r.text_chars)]
+        resumes += [pb.ResumedCompletion()] * (n - len(resumes))
+        starts = [len(r.token_ids) for r in resumes]
+        for j, resumed in enumerate(resumes):
+            assert list(resumed.token_ids) == [token_at(i, j) for i in range(starts[j])]
+        emitted, finished = [r.text_chars for r in resumes], [r.finished for r in resumes]
         rid = request.request_id or uuid.uuid4().hex
-        for sent, i in enumerate(range(start, n)):
-            if isinstance(action, (Break, Hang)) and sent == action.chunks:
-                if isinstance(action, Hang):
-                    self.hung += 1
-                    await asyncio.sleep(60)
-                await context.abort(action.code, f"{self.id} died")
-            last = i == n - 1
-            visible = len(text) if last else len(full_text(i))  # the text of token i is held back until i + 1
-            chunk = pb.GenerateChunk(
-                request_id=rid, token_ids=[token_at(i)], text=text[emitted:visible], replica=self.id
-            )
-            emitted = visible
-            if last:
-                chunk.finish_reason, chunk.generated_tokens = pb.FINISH_REASON_LENGTH, n
-            yield chunk
+        sent = 0
+        for i in range(length):  # one step: the next token of every completion still running
+            for j in range(n):
+                end = length - j  # completions end apart
+                if finished[j] or i < starts[j] or i >= end:
+                    continue
+                if isinstance(action, (Break, Hang)) and sent == action.chunks:
+                    if isinstance(action, Hang):
+                        self.hung += 1
+                        await asyncio.sleep(60)
+                    await context.abort(action.code, f"{self.id} died")
+                last = i == end - 1
+                text = full_text(end, j)
+                visible = len(text) if last else len(full_text(i, j))  # token i's text is held back until i + 1
+                chunk = pb.GenerateChunk(
+                    request_id=rid,
+                    token_ids=[token_at(i, j)],
+                    text=text[emitted[j] : visible],
+                    replica=self.id,
+                    index=j,
+                )
+                emitted[j] = visible
+                if last:
+                    chunk.finish_reason, chunk.generated_tokens = pb.FINISH_REASON_LENGTH, end
+                yield chunk
+                sent += 1
             await asyncio.sleep(0.005)
 
     async def Generate(self, request, context):
@@ -219,18 +237,31 @@ def test_a_stream_with_no_healthy_replica_left_fails_unavailable():
     run(main())
 
 
-def test_n_completions_are_not_resumed():
-    a, b = ResumingReplica("a", [Break(3)]), ResumingReplica("b")
+def by_completion(chunks, n: int) -> list[list]:
+    return [[c for c in chunks if c.index == j] for j in range(n)]
+
+
+@pytest.mark.parametrize("length, breaks", [(LENGTH, 7), (4, 8)], ids=["all-running", "two-finished"])
+def test_n_completions_resume_together_each_from_its_own_place(length, breaks):
+    """Three completions, cut at different places (in the second case two of them had finished): every completion's
+    tokens and text arrive once each, and the resumed call carries each one's own output."""
+    a, b = ResumingReplica("a", [Break(breaks)]), ResumingReplica("b")
 
     async def main():
         async with balancer_over([a, b]) as h:
-            with pytest.raises(GenerationError) as err:
-                async for _ in h.client.stream_chunks("hi", n=2):
-                    pass
-            assert "several completions" in err.value.details
+            chunks = await collect(h.client, n=3, max_new_tokens=length)
+            for j, mine in enumerate(by_completion(chunks, 3)):
+                assert [t for c in mine for t in c.token_ids] == [token_at(i, j) for i in range(length - j)]
+                assert "".join(c.text for c in mine) == full_text(length - j, j)
+                assert [c.finish_reason for c in mine].count("length") == 1 and mine[-1].finish_reason == "length"
+            assert {c.replica for c in chunks} == {"a", "b"} and len({c.request_id for c in chunks}) == 1
+            assert metric(h, "fastgen_balancer_migrations_total", replica="a", cause="unavailable") == 1
 
     run(main())
-    assert not b.requests
+    [resumed] = b.requests
+    finished = [c.finished for c in resumed.resume.completions]
+    assert finished == ([False] * 3 if length == LENGTH else [False, True, True])
+    assert not resumed.resume.token_ids and sum(len(c.token_ids) for c in resumed.resume.completions) == breaks
 
 
 def test_a_unary_call_on_a_hung_replica_runs_again_elsewhere_with_the_same_seed():
@@ -269,17 +300,20 @@ def test_a_long_call_stays_on_a_draining_replica_when_no_other_is_healthy():
     run(main())
 
 
-def test_the_http_api_resumes_streams_too():
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_http_api_resumes_streams_too(n):
     a, b = ResumingReplica("a", [Break(5)]), ResumingReplica("b")
 
     async def main():
         async with http_over([a, b]) as http:
-            body = {"model": "fake", "prompt": "hi", "stream": True, "max_tokens": LENGTH, "temperature": 0.5}
+            body = {"model": "fake", "prompt": "hi", "stream": True, "max_tokens": LENGTH, "temperature": 0.5, "n": n}
             r = await http.post("/v1/completions", body)
             assert r.status == 200
             data = events_of(await r.text())
             assert data[-1] == "[DONE]" and not any("error" in json.loads(d) for d in data[:-1])
-            assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == full_text(LENGTH)
+            choices = [c for d in data[:-1] for c in json.loads(d)["choices"]]
+            for j in range(n):
+                assert "".join(c["text"] for c in choices if c["index"] == j) == full_text(LENGTH - j, j)
 
     run(main())
     assert b.requests[0].params.seed == a.requests[0].params.seed
@@ -300,10 +334,18 @@ def test_the_journal_is_bounded_and_relabels_later_replicas_chunks():
     journal = Journal(pb.GenerateRequest(text="x"), max_len=4)
     journal.record(pb.GenerateChunk(request_id="first", token_ids=[1, 2], text="ab"))
     relabelled = journal.record(pb.GenerateChunk(request_id="first/resume-1", token_ids=[3], text="c"))
-    assert relabelled.request_id == "first" and journal.token_ids == [1, 2, 3] and journal.text_chars == 3
+    [c] = journal.completions
+    assert relabelled.request_id == "first" and c.token_ids == [1, 2, 3] and c.text_chars == 3
     journal.record(pb.GenerateChunk(request_id="x", token_ids=[4, 5]))
-    assert journal.untracked and journal.token_ids == [] and journal.delivered
-    assert journal_for(pb.GenerateRequest(params=pb.SamplingParams(n=3)), MigrationSettings()).untracked
+    assert journal.untracked and journal.tokens == 0 and journal.delivered
+    assert journal_for(pb.GenerateRequest(text="x"), MigrationSettings(limit=0)).untracked
+    # n completions: the bound is on their tokens together
+    several = Journal(pb.GenerateRequest(text="x", params=pb.SamplingParams(n=2)), max_len=4)
+    several.record(pb.GenerateChunk(token_ids=[1, 2], index=0))
+    several.record(pb.GenerateChunk(token_ids=[7], index=1, finish_reason=pb.FINISH_REASON_STOP))
+    assert [(c.token_ids, c.finished) for c in several.completions] == [([1, 2], False), ([7], True)]
+    several.record(pb.GenerateChunk(token_ids=[3, 4], index=0))
+    assert several.untracked and several.tokens == 0
 
 
 # ---- end to end: real replica processes on the tiny model ----------------------------------------------------
@@ -311,12 +353,17 @@ STREAMS, UNARY = 16, 8
 LONG = 40  # tokens per request: long enough that the failure lands mid-stream
 
 
+SEVERAL = 1  # the stream whose replica is hit: one of those asking for several completions
+
+
 def request_params(i: int) -> dict:
-    """Half greedy, half seeded sampling with a penalty; some with a stop string that never matches (a hold-back
-    runs all along)."""
+    """Half greedy, half seeded sampling with a penalty; one in four of those sampled asks for 3 completions; some
+    with a stop string that never matches (a hold-back runs all along)."""
     params = dict(max_new_tokens=LONG, ignore_eos=True)
     if i % 2:
         params.update(temperature=0.9, seed=1000 + i, presence_penalty=0.5)
+    if i % 4 == SEVERAL:
+        params["n"] = 3
     if i % 3 == 0:
         params["stop"] = ["\x00never\x00"]
     return params
@@ -345,19 +392,18 @@ def e2e(tiny_model_dir, tmp_path_factory):
 
 
 def failover_run(balancer, procs, refs, fail) -> None:
-    """STREAMS streams and UNARY unary calls through the balancer; `fail(victim)` hits the replica of the first
-    stream once it has sent output. Every request completes with the tokens and text of its failure-free run."""
+    """STREAMS streams and UNARY unary calls through the balancer; `fail(victim)` hits the replica of stream SEVERAL
+    (3 completions) once each of them has sent output. Every request completes with the tokens and text of its
+    failure-free run, every completion of it."""
 
     async def main():
-        hit = asyncio.Event()
         victims = []
 
         async def streamed(c, i):
             chunks = []
             async for chunk in c.stream_chunks(prompt(i), **request_params(i)):
                 chunks.append(chunk)
-                if not hit.is_set() and len(chunks) == 3:
-                    hit.set()
+                if i == SEVERAL and len(chunks) == 9:
                     victims.append(procs[chunk.replica])
                     fail(procs[chunk.replica])
             return chunks
@@ -371,15 +417,21 @@ def failover_run(balancer, procs, refs, fail) -> None:
     assert victims
     moved = 0
     for i, result in enumerate(results):
-        ref = refs[i]
+        refs_i = refs[i].completions()
         if i >= STREAMS:
-            assert (result.token_ids, result.text) == (ref.token_ids, ref.text), f"unary request {i}"
+            got = [(c.token_ids, c.text) for c in result.completions()]
+            assert got == [(c.token_ids, c.text) for c in refs_i], f"unary request {i}"
             continue
-        tokens = [t for c in result for t in c.token_ids]
-        assert tokens == ref.token_ids, f"stream {i}: positions duplicated, missing or different"
-        assert "".join(c.text for c in result) == ref.text, f"stream {i}: text"
-        assert result[-1].finish_reason == ref.finish_reason and result[-1].generated_tokens == LONG
+        assert {c.index for c in result} == set(range(len(refs_i)))
+        for ref in refs_i:
+            mine = [c for c in result if c.index == ref.index]
+            tokens = [t for c in mine for t in c.token_ids]
+            where = f"stream {i}, completion {ref.index}"
+            assert tokens == ref.token_ids, f"{where}: positions duplicated, missing or different"
+            assert "".join(c.text for c in mine) == ref.text, f"{where}: text"
+            assert mine[-1].finish_reason == ref.finish_reason and mine[-1].generated_tokens == LONG, where
         moved += len({c.replica for c in result}) > 1
+    assert len({c.replica for c in results[SEVERAL]}) > 1  # the stream of several completions crossed replicas
     assert moved > 0  # some streams really did cross replicas
     count = balancer_metric(balancer, "fastgen_balancer_migration_seconds_count")
     total = balancer_metric(balancer, "fastgen_balancer_migration_seconds_sum")

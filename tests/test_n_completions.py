@@ -15,7 +15,7 @@ from fastgen.replica.batch import Batch, ScheduledSeq
 from fastgen.replica.batch_broadcast import decode_batch, encode_batch
 from fastgen.replica.engine import completion_seed
 from fastgen.replica.kv_cache import copy_blocks
-from fastgen.replica.request import FinishReason, SamplingParams
+from fastgen.replica.request import FinishReason, Resume, SamplingParams
 
 from .tp_ranks import init, run_ranks
 
@@ -208,3 +208,52 @@ def test_tp2_forks_copy_the_kv_on_every_rank(tiny_model_dir, tmp_path):
     run_ranks(n_rank, str(tiny_model_dir), str(out), timeout=150)
     result = json.loads(out.read_text())
     assert result["n"] == result["singles"]
+
+
+# ---- resuming n completions another replica started (stream migration) ------------------------------------------
+def delivered_after(outputs, index: int, k: int) -> Resume:
+    """What a client has of completion `index` after its first k outputs."""
+    mine = [o for o in outputs if o.index == index]
+    return Resume(
+        tuple(t for o in mine[:k] for t in o.new_token_ids),
+        sum(len(o.new_text) for o in mine[:k]),
+        finished=k == len(mine),
+    )
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_resumed_request_continues_every_completion_where_it_was_cut(tiny_model_dir, logprobs):
+    """Each completion cut at its own place (some before their first token, some finished) and the request resumed
+    with one Resume each: every unfinished completion sends exactly what the uninterrupted one sent from its cut on,
+    a finished one sends nothing, and the stream's outputs end with the last unfinished completion's."""
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_new_tokens=9, temperature=1.0, seed=17, n=3, stop=("\x00never",), logprobs=logprobs)
+    final, outputs, _ = run(engine, {"ref": (PROMPT, params)})
+    ends = [sum(o.index == i for o in outputs) for i in range(3)]
+    for cuts in [(1, 1, 1), (0, ends[1] // 2, ends[2] - 1), (ends[0], 2, 0), (ends[0] - 1, ends[1], ends[2] // 2)]:
+        resume = tuple(delivered_after(outputs, i, k) for i, k in enumerate(cuts))
+        engine.add_request(f"resumed-{cuts}", PROMPT, params, resume=resume)
+        rest = []
+        while engine.has_unfinished():
+            rest += engine.step().outputs
+        for i, (r, k) in enumerate(zip(resume, cuts)):
+            ref, sent = final["ref", i], [o for o in rest if o.index == i]
+            if r.finished:
+                assert sent == [], f"completion {i} finished before the cut {cuts} yet sent more"
+                continue
+            where = f"completion {i} resumed after {k} of {ends[i]} outputs"
+            assert list(r.token_ids) + [t for o in sent for t in o.new_token_ids] == ref.token_ids, where
+            assert "".join(o.new_text for o in outputs_of(outputs, i)[:k] + sent) == ref.text, where
+            assert (sent[-1].finish_reason, sent[-1].token_ids) == (ref.finish_reason, ref.token_ids), where
+            if logprobs is not None:
+                new = [lp for o in sent for lp in o.new_logprobs]
+                assert [lp.token_id for lp in new] == ref.token_ids[len(r.token_ids) :], where
+                assert [lp.logprob for lp in new] == pytest.approx(
+                    [lp.logprob for lp in ref.logprobs[len(r.token_ids) :]], abs=1e-4
+                ), where
+        assert sum(o.finished for o in rest) == sum(not r.finished for r in resume)
+    assert engine.scheduler.allocator.num_used == 0
+
+
+def outputs_of(outputs, index: int) -> list:
+    return [o for o in outputs if o.index == index]

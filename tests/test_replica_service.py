@@ -205,7 +205,8 @@ def test_params_from_proto_maps_zeros_to_defaults():
 
 def test_n_completions_logprobs_and_echo_through_the_service(tiny_model_dir):
     """Generate and GenerateStream for n completions with logprobs and echo, through a real gRPC server and the
-    async client; bad values are INVALID_ARGUMENT; a cancelled n > 1 stream frees every block."""
+    async client; resumed from where another replica left them; bad values are INVALID_ARGUMENT; a cancelled n > 1
+    stream frees every block."""
     import asyncio
 
     from prometheus_client import CollectorRegistry
@@ -277,6 +278,45 @@ def test_n_completions_logprobs_and_echo_through_the_service(tiny_model_dir):
         await settle(lambda: loop.load.kv_blocks_used == 0 and loop.in_flight == 0)
         assert loop._streams == {}
 
+    async def check_resume(port, result):
+        """A resumed request for 3 completions: the first cut after 2 tokens, the second finished, the third before
+        its first token. Only the unfinished two stream, each to its end as it ran uncut; bad resumes are refused."""
+        from fastgen.proto import fastgen_pb2 as pb
+        from fastgen.proto import fastgen_pb2_grpc
+
+        first, second, third = result.choices
+        wire = pb.SamplingParams(max_new_tokens=6, temperature=1.0, seed=17, n=3, logprobs=True, top_logprobs=2)
+        resume = pb.Resume(
+            completions=[
+                pb.ResumedCompletion(token_ids=first.token_ids[:2]),  # none of its text delivered yet
+                pb.ResumedCompletion(token_ids=second.token_ids, text_chars=len(second.text), finished=True),
+                pb.ResumedCompletion(),
+            ]
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = fastgen_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(request_id="resumed", text=prompt, params=wire, resume=resume)
+            chunks = [c async for c in stub.GenerateStream(request)]
+            assert {c.index for c in chunks} == {0, 2}
+            for choice, skip in ((first, 2), (third, 0)):
+                mine = [c for c in chunks if c.index == choice.index]
+                assert [t for c in mine for t in c.token_ids] == choice.token_ids[skip:]
+                assert "".join(c.text for c in mine) == choice.text
+                assert [lp.token_id for c in mine for lp in c.logprobs] == choice.token_ids[skip:]
+                assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].generated_tokens == 6
+            both = pb.Resume(token_ids=[5], completions=[pb.ResumedCompletion()] * 3)
+            done = pb.Resume(completions=[pb.ResumedCompletion(token_ids=[5], finished=True)] * 3)
+            for call, bad, message in [
+                (stub.Generate, resume, "streamed only"),
+                (stub.GenerateStream, both, "send one of them"),
+                (stub.GenerateStream, done, "nothing is left to resume"),
+            ]:
+                request = pb.GenerateRequest(text=prompt, params=wire, resume=bad)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    answer = call(request)
+                    await (answer if call is stub.Generate else answer.read())
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
     async def settle(condition):
         for _ in range(200):
             if condition():
@@ -297,6 +337,7 @@ def test_n_completions_logprobs_and_echo_through_the_service(tiny_model_dir):
             async with AsyncClient(f"127.0.0.1:{port}", timeout=60) as client:
                 result = await check_generate(client)
                 await check_stream(client, result)
+                await check_resume(port, result)
                 await check_refusals(client)
                 await check_cancel(client, loop)
         finally:

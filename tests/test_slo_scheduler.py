@@ -611,7 +611,7 @@ def test_n_completions_and_resumed_streams_under_slo(tiny_model_dir):
     slo = slo_pipeline(tiny_model_dir, num_blocks=64).engine
     assert run(slo, "n", n=3) == run(ref, "n", n=3)
     [whole] = run(ref, "one")
-    assert run(slo, "resumed", resume=Resume(tuple(whole[:3]))) == [whole]
+    assert run(slo, "resumed", resume=(Resume(tuple(whole[:3])),)) == [whole]
     assert slo.scheduler.allocator.num_used == 0 and not slo.scheduler._streams
 
 
