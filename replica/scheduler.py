@@ -1,7 +1,9 @@
 """Dynamic SplitFuse scheduler and the two baseline schedules of the paper's comparison (no torch).
 
 Each `schedule()` call builds one forward pass. Sequences keep FCFS priority: older sequences are served first
-and, when the KV pool runs short, the newest sequence is preempted (its blocks freed; it is recomputed later).
+and, when the KV pool runs short, the newest sequence is preempted (its blocks freed; it is recomputed later). A
+sequence that already has output (preempted, or resumed from a replica that failed) waits ahead of those that have
+not started.
 The scheduler advances `num_computed` as it schedules: the batch it returns is what the model will cache.
 A sequence forked from another (`fork`: the n completions of one prompt) shares its parent's full KV blocks and starts
 on a copy of the partly filled last one, which the next batch carries for the model runner to copy before its forward
@@ -78,7 +80,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq.num_prompt_tokens, seq.max_new_tokens)
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if not seq.num_generated:
+            self.waiting.append(seq)
+            return
+        # Resumed from a replica that failed: its client is mid-stream, as a preempted sequence's is, so it goes
+        # ahead of every request that has not started (behind those that had, in the order they came).
+        at = next((i for i, s in enumerate(self.waiting) if not s.num_generated), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def finish(self, seq: Sequence) -> None:
         """Releases a sequence that finished or was aborted, wherever it is."""

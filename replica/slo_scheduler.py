@@ -16,12 +16,13 @@ Each step:
    their next deadline (least laxity first; a request's work counts from its cached prefix). Requests that can no
    longer make their first-token deadline, found as Moore and Hodgson's rule finds the fewest late jobs (in
    deadline order, whenever the work so far overruns a deadline, the largest job so far is given up), go after
-   every request that still can, in arrival order; a stream recomputed after a preemption is never given up. A
-   chunk that ends a prompt also bounds the step by that prompt's own first-token deadline. No starvation: a
-   request that later ones overtook `max_overtakes` times goes first from then on, within STARVING_SHARE of the
-   step's prompt time and tokens while requests that can still be on time wait (behind a backlog every waiting
-   request starves in turn, and precedence without a cap would serve them all, first come first served, ahead of
-   every request that could still be on time); while they do, the others are judged on the rest of the time;
+   every request that still can, in arrival order; a stream recomputed after a preemption (or resumed from a replica
+   that failed) is never given up: its next token is due a floor after it was queued here. A chunk that ends a
+   prompt also bounds the step by that prompt's own first-token deadline. No starvation: a request that later ones
+   overtook `max_overtakes` times goes first from then on, within STARVING_SHARE of the step's prompt time and
+   tokens while requests that can still be on time wait (behind a backlog every waiting request starves in turn,
+   and precedence without a cap would serve them all, first come first served, ahead of every request that could
+   still be on time); while they do, the others are judged on the rest of the time;
 4. when even the decodes alone are predicted to take longer than the shortest floor (overload), the step carries
    the decodes and at most OVERLOAD_CHUNK prompt tokens, and with `admission="refuse"` new requests are refused,
    with the time the shortest running stream needs to finish as the retry hint, until it clears.
@@ -123,7 +124,10 @@ class SloScheduler(Scheduler):
         ttft = slo.ttft_s if slo and slo.ttft_s is not None else seq.num_prompt_tokens / rate
         now = self.clock()
         gap = 1.0 / ((slo and slo.token_rate) or deployment.token_rate)
-        self._streams[seq.seq_id] = _Stream(seq, now, now + ttft, gap, seq.num_generated)
+        # A stream resumed from a replica that failed is mid-way for its client: like one recomputed after a
+        # preemption, its next token is due a floor from now, and it is never given up.
+        last = now if seq.num_generated else None
+        self._streams[seq.seq_id] = _Stream(seq, now, now + ttft, gap, seq.num_generated, last)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> int:
         shared = super().fork(parent, children)

@@ -46,10 +46,12 @@ class Sim:
     batches: list = field(default_factory=list)
     next_id: int = 0
 
-    def add(self, prompt_len: int, max_new: int, slo: Slo | None = None) -> Sequence:
+    def add(self, prompt_len: int, max_new: int, slo: Slo | None = None, resumed: int = 0) -> Sequence:
+        """A request; with `resumed`, one another replica had generated that many tokens of."""
         i = self.next_id
         self.next_id += 1
-        seq = Sequence(i, [(i * 7 + j) % 1000 for j in range(prompt_len)], prompt_len, max_new, slo=slo)
+        tokens = [(i * 7 + j) % 1000 for j in range(prompt_len + resumed)]
+        seq = Sequence(i, tokens, prompt_len, max_new, slo=slo)
         self.sched.add(seq)
         self.seqs[i], self.arrival[i], self.tokens[i] = seq, self.clock.now, []
         return seq
@@ -238,6 +240,31 @@ def test_a_request_that_cannot_meet_its_deadline_yields_but_is_not_starved():
     # step 0 arrived with it).
     assert first_chunk == 5
     assert hopeless.status is SeqStatus.FINISHED
+
+
+@pytest.mark.parametrize("policy", ["slo", "splitfuse"])
+def test_a_stream_resumed_from_a_failed_replica_goes_ahead_of_requests_not_started(policy):
+    """A replica takes over a stream whose replica died while a backlog waits. Its client is mid-stream, so it is
+    served as a preempted stream is: first, whatever its first-token deadline as a new request would have been (here
+    one it could never meet), and then decoded at its floor."""
+    sim = slo_sim(budget=64, max_overtakes=4) if policy == "slo" else fixed_sim("splitfuse", 64)
+    for _ in range(6):
+        sim.add(200, 4, Slo(ttft_s=5.0))  # the backlog: feasible, and ahead of it in arrival
+    sim.step()
+    resumed = sim.add(40, 20, Slo(ttft_s=0.001), resumed=10)  # 50 tokens to recompute, then 10 more to generate
+    sim.run()
+    first = {i: next(k for k, b in enumerate(sim.batches) if i in {s.seq_id for s in b.seqs}) for i in sim.seqs}
+    # splitfuse finishes the prompt it started first; slo serves the nearest deadline, and the resumed one is nearest.
+    # Either way it is admitted before the backlog, its whole context in one chunk.
+    k = first[resumed.seq_id]
+    assert k <= min(first[i] for i in range(1, 6))
+    order = [s.seq_id for s in sim.batches[k].seqs]
+    assert all(order.index(resumed.seq_id) < order.index(i) for i in range(1, 6) if i in order)
+    assert next(len(s.token_ids) for s in sim.batches[k].seqs if s.seq_id == resumed.seq_id) == 50
+    if policy == "slo":
+        assert first[resumed.seq_id] == 1
+        assert max(sim.gaps(resumed.seq_id)) <= 0.5  # within its floor
+    assert len(sim.tokens[resumed.seq_id]) == 10
 
 
 def test_a_backlog_of_starving_requests_leaves_room_for_one_that_can_still_be_on_time():
