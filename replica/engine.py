@@ -147,6 +147,7 @@ class Engine:
                 max_new,
                 cache_salt=params.cache_salt,
                 slo=slo,
+                resumed=resume is not None,
             )
             self._next_seq_id += 1
             self.scheduler.add(seq)

@@ -175,6 +175,7 @@ class Sequence:
     # Prompt tokens its first admission found in the prefix cache (the API's cached_tokens); a recompute after a
     # preemption finding its own blocks again does not count.
     num_cached_prompt_tokens: int = 0
+    resumed: bool = False  # continues a request another replica started and failed in (stream migration)
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +189,12 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not cached yet: 1 while decoding, more while (re)filling a prompt."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def mid_stream(self) -> bool:
+        """Its client already has output of its request: tokens generated here, or a stream resumed from elsewhere
+        (the completion resumed may have had none of its own delivered yet)."""
+        return self.resumed or self.num_generated > 0
 
     @property
     def max_tokens(self) -> int:

@@ -80,12 +80,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq.num_prompt_tokens, seq.max_new_tokens)
         seq.status = SeqStatus.WAITING
-        if not seq.num_generated:
+        if not seq.mid_stream:
             self.waiting.append(seq)
             return
         # Resumed from a replica that failed: its client is mid-stream, as a preempted sequence's is, so it goes
         # ahead of every request that has not started (behind those that had, in the order they came).
-        at = next((i for i, s in enumerate(self.waiting) if not s.num_generated), len(self.waiting))
+        at = next((i for i, s in enumerate(self.waiting) if not s.mid_stream), len(self.waiting))
         self.waiting.insert(at, seq)
 
     def finish(self, seq: Sequence) -> None:

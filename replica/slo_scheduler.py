@@ -126,7 +126,7 @@ class SloScheduler(Scheduler):
         gap = 1.0 / ((slo and slo.token_rate) or deployment.token_rate)
         # A stream resumed from a replica that failed is mid-way for its client: like one recomputed after a
         # preemption, its next token is due a floor from now, and it is never given up.
-        last = now if seq.num_generated else None
+        last = now if seq.mid_stream else None
         self._streams[seq.seq_id] = _Stream(seq, now, now + ttft, gap, seq.num_generated, last)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> int:

@@ -46,12 +46,12 @@ class Sim:
     batches: list = field(default_factory=list)
     next_id: int = 0
 
-    def add(self, prompt_len: int, max_new: int, slo: Slo | None = None, resumed: int = 0) -> Sequence:
-        """A request; with `resumed`, one another replica had generated that many tokens of."""
+    def add(self, prompt_len: int, max_new: int, slo: Slo | None = None, resumed: int | None = None) -> Sequence:
+        """A request; with `resumed`, one resumed from another replica that had delivered that many of its tokens."""
         i = self.next_id
         self.next_id += 1
-        tokens = [(i * 7 + j) % 1000 for j in range(prompt_len + resumed)]
-        seq = Sequence(i, tokens, prompt_len, max_new, slo=slo)
+        tokens = [(i * 7 + j) % 1000 for j in range(prompt_len + (resumed or 0))]
+        seq = Sequence(i, tokens, prompt_len, max_new, slo=slo, resumed=resumed is not None)
         self.sched.add(seq)
         self.seqs[i], self.arrival[i], self.tokens[i] = seq, self.clock.now, []
         return seq
@@ -252,14 +252,18 @@ def test_a_stream_resumed_from_a_failed_replica_goes_ahead_of_requests_not_start
         sim.add(200, 4, Slo(ttft_s=5.0))  # the backlog: feasible, and ahead of it in arrival
     sim.step()
     resumed = sim.add(40, 20, Slo(ttft_s=0.001), resumed=10)  # 50 tokens to recompute, then 10 more to generate
+    # A completion of the same resumed request that had nothing delivered yet: it waits no longer than its sibling.
+    sibling = sim.add(40, 20, Slo(ttft_s=0.001), resumed=0)
     sim.run()
     first = {i: next(k for k, b in enumerate(sim.batches) if i in {s.seq_id for s in b.seqs}) for i in sim.seqs}
     # splitfuse finishes the prompt it started first; slo serves the nearest deadline, and the resumed one is nearest.
     # Either way it is admitted before the backlog, its whole context in one chunk.
+    for seq in (resumed, sibling):
+        k = first[seq.seq_id]
+        assert k <= min(first[i] for i in range(1, 6))
+        order = [s.seq_id for s in sim.batches[k].seqs]
+        assert all(order.index(seq.seq_id) < order.index(i) for i in range(1, 6) if i in order)
     k = first[resumed.seq_id]
-    assert k <= min(first[i] for i in range(1, 6))
-    order = [s.seq_id for s in sim.batches[k].seqs]
-    assert all(order.index(resumed.seq_id) < order.index(i) for i in range(1, 6) if i in order)
     assert next(len(s.token_ids) for s in sim.batches[k].seqs if s.seq_id == resumed.seq_id) == 50
     if policy == "slo":
         assert first[resumed.seq_id] == 1
