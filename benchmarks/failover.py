@@ -123,6 +123,28 @@ def compare(refs: list, results: list, streams: int) -> dict:
     }
 
 
+def balancer_migrations(metrics_port: int) -> dict:
+    """What the balancer saw of the moves: how many, and the time from each failure to the first new token from the
+    replica that resumed it (its own clock, free of the client's lag in reading 60 streams), as a mean and the upper
+    bound of the histogram bucket that holds the slowest."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    samples = [s for f in text_string_to_metric_families(body) for s in f.samples]
+    histogram = {s.name: s for s in samples if s.name.startswith("fastgen_balancer_migration_seconds")}
+    count = int(histogram["fastgen_balancer_migration_seconds_count"].value)
+    buckets = sorted(
+        (float(s.labels["le"]), s.value) for s in samples if s.name == "fastgen_balancer_migration_seconds_bucket"
+    )
+    return {
+        "moves": count,
+        "resume_s_mean": round(histogram["fastgen_balancer_migration_seconds_sum"].value / count, 3) if count else None,
+        "resume_s_max_within": next((le for le, n in buckets if n >= count), None) if count else None,
+    }
+
+
 def run(args) -> dict:
     log_dir = args.logs or Path(tempfile.mkdtemp(prefix="fastgen-failover-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -138,12 +160,14 @@ def run(args) -> dict:
         started = time.monotonic()
         results = asyncio.run(run_all(balancer.address, args, fail))
         wall = time.monotonic() - started
+        moves = balancer_migrations(balancer.metrics_port)
     finally:
         for v in victims:
             v.popen.send_signal(signal.SIGCONT)
         for s in (*replicas.values(), balancer):
             s.stop()
     summary = compare(refs, results, args.streams)
+    summary["balancer_migrations"] = moves
     summary.update(n=args.n, fail=args.fail, failed_replica=victims[0].name if victims else None, wall_s=round(wall, 2))
     summary["logs"] = str(log_dir)
     return summary

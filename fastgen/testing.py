@@ -237,6 +237,7 @@ class LocalServer:
     popen: Any  # subprocess.Popen
     address: str
     log_path: Path
+    metrics_port: int = 0  # its Prometheus endpoint on 127.0.0.1
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -275,9 +276,9 @@ def start_server(module: str, name: str, args: list[str], log_dir: Path) -> Loca
     import subprocess
     import sys
 
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     argv = [sys.executable, "-m", f"fastgen.{module}", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--metrics-port", str(free_port()), *args]
+    argv += ["--metrics-port", str(metrics_port), *args]
     log_path = Path(log_dir) / f"{name}.log"
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
@@ -287,7 +288,7 @@ def start_server(module: str, name: str, args: list[str], log_dir: Path) -> Loca
             stdin=subprocess.DEVNULL,
             env={**os.environ, **SINGLE_THREAD_ENV},
         )
-    return LocalServer(name, popen, f"127.0.0.1:{port}", log_path)
+    return LocalServer(name, popen, f"127.0.0.1:{port}", log_path, metrics_port)
 
 
 def wait_grpc_serving(server: LocalServer, timeout: float = 300.0) -> None:
