@@ -24,8 +24,11 @@ Each step:
    and precedence without a cap would serve them all, first come first served, ahead of every request that could
    still be on time); while they do, the others are judged on the rest of the time;
 4. when even the decodes alone are predicted to take longer than the shortest floor (overload), the step carries
-   the decodes and at most OVERLOAD_CHUNK prompt tokens, and with `admission="refuse"` new requests are refused,
-   with the time the shortest running stream needs to finish as the retry hint, until it clears.
+   the decodes and at most OVERLOAD_CHUNK prompt tokens of requests that have sent nothing yet, and with
+   `admission="refuse"` new requests are refused, with the time the shortest running stream needs to finish as the
+   retry hint, until it clears. A stream being recomputed mid-way (preempted, or resumed from a replica that
+   failed) is not held to OVERLOAD_CHUNK: it is stalled past its floor already, and chunking its context would
+   stall it for many steps more to shorten each of everyone else's by little.
 
 Admission, KV allocation, preemption, prefix caching and forks are the SplitFuse scheduler's (this is a subclass).
 Until the model has seen a few steps (a replica calibrates it at start-up) steps are bounded by max_batch_tokens
@@ -88,12 +91,14 @@ class _Order:
 
 @dataclass
 class _Fill:
-    """The step being built: what it carries so far, its predicted time, the time it may take, the tokens left."""
+    """The step being built: what it carries so far, its predicted time, the time it may take, the tokens left (of
+    them, `fresh` for requests that have sent nothing yet)."""
 
     shape: StepShape
     predicted_s: float
     budget_s: float
     tokens: int
+    fresh: int
 
 
 class SloScheduler(Scheduler):
@@ -182,10 +187,9 @@ class SloScheduler(Scheduler):
         budget_s, floor_s = self._time_budget([self._streams[s.seq_id] for s in decodes], decode_s, now)
         self.overloaded = decode_s > floor_s
         tokens = self.config.max_batch_tokens - len(decodes)
-        if self.overloaded:
-            tokens = min(tokens, OVERLOAD_CHUNK)
+        fresh = min(tokens, OVERLOAD_CHUNK) if self.overloaded else tokens
         order = self._order(shape, budget_s, now, admit=not preempted)
-        plan = _Fill(shape, decode_s, budget_s, tokens)
+        plan = _Fill(shape, decode_s, budget_s, tokens, fresh)
         chunks = self._fill(plan, order, now, scheduled, preempted)
         self._plan = StepPlan(
             plan.shape,
@@ -219,6 +223,10 @@ class SloScheduler(Scheduler):
             capped = k < order.capped
             time_left = (cap_s if capped else plan.budget_s) - plan.predicted_s if timed else math.inf
             tokens = plan.tokens - cap_tokens if capped else plan.tokens
+            if stream.last is None:
+                tokens = min(tokens, plan.fresh)
+                if tokens <= 0:
+                    continue  # overloaded: the prompt tokens of requests not started are spent
             if capped and (tokens <= 0 or self._fit(seq, self._next_chunk_start(stream), time_left, tokens) <= 0):
                 continue  # its share of the step is spent
             if seq.status is SeqStatus.RUNNING:
@@ -235,6 +243,7 @@ class SloScheduler(Scheduler):
             served_arrival = max(served_arrival, stream.arrival)
             chunks.append(chunk)
             plan.tokens -= len(chunk.token_ids)
+            plan.fresh = min(plan.fresh - (len(chunk.token_ids) if stream.last is None else 0), plan.tokens)
             plan.shape = plan.shape.plus_chunk(chunk.start, len(chunk.token_ids))
             plan.predicted_s = self.model.predict(plan.shape)
             if timed and chunk.sample and stream.last is None and stream not in order.hopeless:

@@ -340,6 +340,21 @@ def test_overload_is_declared_and_prompts_still_move():
     assert sim.ttft(late.seq_id) > 0
 
 
+def test_overloaded_a_stream_recomputed_mid_way_is_restored_in_one_step_while_new_prompts_stay_capped():
+    """A stream resumed from a replica that failed is stalled already: overload caps the prompt tokens of requests
+    that have sent nothing, not its recompute."""
+    sim = overloaded("keep")
+    new = sim.add(600, 4)
+    resumed = sim.add(250, 60, resumed=50)  # 10 tokens left to generate here
+    batch = sim.step()
+    assert batch.plan.overloaded and batch.num_decodes == 48
+    chunks = {s.seq_id: len(s.token_ids) for s in batch.seqs if s.seq_id in (new.seq_id, resumed.seq_id)}
+    assert chunks[resumed.seq_id] == 300  # its whole context, and its next token at the end of this step
+    assert chunks.get(new.seq_id, 0) <= OVERLOAD_CHUNK
+    sim.run()
+    assert len(sim.tokens[resumed.seq_id]) == 10
+
+
 def test_keep_admits_while_overloaded_and_nothing_refuses_otherwise():
     sim = overloaded("keep")
     sim.step()
