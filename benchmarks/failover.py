@@ -47,7 +47,13 @@ def start(args, log_dir: Path):
 
     model = [] if args.model is None else ["--model", str(cached_tiny_model()) if args.model == "tiny" else args.model]
     replica_args = [*model, "--dtype", args.dtype, "--threads", str(args.threads)]
-    replicas = [start_server("replica", f"r{i}", ["--replica-id", f"r{i}", *replica_args], log_dir) for i in range(2)]
+
+    def trace(i: int) -> list[str]:
+        return ["--step-trace", str(args.step_traces / f"r{i}.csv")] if args.step_traces else []
+
+    replicas = [
+        start_server("replica", f"r{i}", ["--replica-id", f"r{i}", *replica_args, *trace(i)], log_dir) for i in range(2)
+    ]
     for r in replicas:
         wait_grpc_serving(r, args.start_timeout)
     balancer_args = [f"--replica={r.name}={r.address}" for r in replicas] + ["--health-interval", "0.2"]
@@ -192,6 +198,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--logs", type=Path, default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None, help="write the summary here")
+    p.add_argument("--step-traces", type=Path, default=None, help="each replica's steps to DIR/r<i>.csv")
     return p.parse_args(argv)
 
 
