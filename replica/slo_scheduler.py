@@ -17,12 +17,13 @@ Each step:
    longer make their first-token deadline, found as Moore and Hodgson's rule finds the fewest late jobs (in
    deadline order, whenever the work so far overruns a deadline, the largest job so far is given up), go after
    every request that still can, in arrival order; a stream recomputed after a preemption (or resumed from a replica
-   that failed) is never given up: its next token is due a floor after it was queued here. A chunk that ends a
-   prompt also bounds the step by that prompt's own first-token deadline. No starvation: a request that later ones
-   overtook `max_overtakes` times goes first from then on, within STARVING_SHARE of the step's prompt time and
-   tokens while requests that can still be on time wait (behind a backlog every waiting request starves in turn,
-   and precedence without a cap would serve them all, first come first served, ahead of every request that could
-   still be on time); while they do, the others are judged on the rest of the time;
+   that failed) is never given up: its next token is due a floor after its last one (resumed: after it was queued
+   here). A chunk that ends a prompt also bounds the step by that prompt's own first-token deadline. No
+   starvation: a request that later ones overtook `max_overtakes` times goes first from then on, within
+   STARVING_SHARE of the step's prompt time and tokens while requests that can still be on time wait (behind a
+   backlog every waiting request starves in turn, and precedence without a cap would serve them all, first come
+   first served, ahead of every request that could still be on time); while they do, the others are judged on the
+   rest of the time;
 4. when even the decodes alone are predicted to take longer than the shortest floor (overload), the step carries
    the decodes and at most OVERLOAD_CHUNK prompt tokens of requests that have sent nothing yet, and with
    `admission="refuse"` new requests are refused, with the time the shortest running stream needs to finish as the
