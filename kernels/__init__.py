@@ -9,12 +9,17 @@ model and the sampler call only it.
 
 from __future__ import annotations
 
-import torch
+from fastgen import toplevel
 
-from .attention import AttentionMetadata, paged_attention, write_kv
-from .norm import add_rms_norm, rms_norm, silu_mul
-from .rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotary_write_kv
-from .table import TORCH_KERNELS, Kernels
+if toplevel.is_bare(__name__):  # imported as bare `kernels` from the repository root: see fastgen/toplevel.py
+    toplevel.hand_over(__name__, __file__)
+else:
+    import torch
+
+    from .attention import AttentionMetadata, paged_attention, write_kv
+    from .norm import add_rms_norm, rms_norm, silu_mul
+    from .rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotary_write_kv
+    from .table import TORCH_KERNELS, Kernels
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 

@@ -483,6 +483,8 @@ def cmd_stop(args: argparse.Namespace, home: Path) -> int:
     report = deployment.stop(home, args.name, args.timeout)
     forced = f"; {len(report.forced)} needed SIGKILL" if report.forced else ""
     print(f"deployment {args.name!r} stopped ({len(report.stopped)} processes{forced})")
+    if report.unreaped:
+        print(f"note: pids {report.unreaped} have exited but their parent has not reaped them yet", file=sys.stderr)
     return 0
 
 

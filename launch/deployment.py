@@ -53,6 +53,8 @@ from .supervisor import FAILED_START_DRAIN_S, log_tail
 START_GRACE_S = 30.0
 # Beyond stop's --timeout (after which the supervisor SIGKILLs its children), how long before we kill it too.
 STOP_GRACE_S = 5.0
+# How long stop waits for exited processes to be reaped by a parent that is not us (init, after `start`).
+REAP_S = 10.0
 
 
 class DeployError(Exception):
@@ -208,6 +210,7 @@ def wait_for_start(paths: Paths, supervisor: subprocess.Popen, timeout: float) -
 class StopReport:
     stopped: list[int]  # pids that were running when stop began
     forced: list[int]  # pids that needed SIGKILL from the CLI
+    unreaped: list[int]  # pids that exited but that their parent (not us) had not reaped after REAP_S
 
 
 def stop(home: Path, name: str, timeout: float = 60.0) -> StopReport:
@@ -236,8 +239,11 @@ def stop(home: Path, name: str, timeout: float = 60.0) -> StopReport:
     left = probe.wait_gone(forced, 5.0)
     if left:
         raise DeployError(f"could not stop pids {[p.pid for p in left]} of deployment {name!r}; kill them by hand")
+    # Exited is not yet gone: the supervisor's parent (init, once `start` has returned) reaps it a moment later,
+    # and until then its pid answers `kill -0`; a script that stops and starts again must find nothing left.
+    unreaped = probe.wait_reaped(victims + ([sup_proc] if sup_proc else []), REAP_S)
     remove_live_state(paths)
-    return StopReport(stopped=stopped, forced=sorted(p.pid for p in forced))
+    return StopReport(stopped=stopped, forced=sorted(p.pid for p in forced), unreaped=sorted(p.pid for p in unreaped))
 
 
 def restart(

@@ -144,6 +144,17 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+def wait_reaped(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Waits until every process has left the process table (a zombie still holds its pid: `kill -0` and pgrep
+    see it until its parent, often init, reaps it) or timeout passes; returns those still there."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in procs if p.is_running()]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if p.is_running()]
+    return left
+
+
 def kill_all(procs: list[psutil.Process], sig: int) -> None:
     for p in procs:
         try:

@@ -47,6 +47,7 @@ POLL_S = 0.25
 DEFAULT_DRAIN_S = 60.0
 FAILED_START_DRAIN_S = 10.0  # nothing is in flight yet when start-up fails
 LOG_TAIL_LINES = 30
+REAP_S = 10.0  # how long terminate waits for orphaned descendants (TP ranks) to be reaped by init
 
 
 @dataclass(frozen=True)
@@ -373,10 +374,12 @@ def terminate(children: list[Child], timeout: float) -> None:
     """SIGTERM the balancer, wait for it, then the replicas; SIGKILL whatever is left when timeout runs out."""
     deadline = time.monotonic() + timeout
     stages = [[c for c in children if c.spec.role == "balancer"], [c for c in children if c.spec.role != "balancer"]]
+    everyone = []
     for stage in stages:
         procs = [p for c in stage if (p := live_process(c)) is not None]
         # Descendants (e.g. TP ranks) are collected now: once their parent exits they are reparented away.
         family = [q for p in procs for q in probe.tree(p)]
+        everyone += family
         probe.kill_all(procs, signal.SIGTERM)
         left = probe.wait_gone(family, max(0.0, deadline - time.monotonic()))
         if left:
@@ -387,6 +390,10 @@ def terminate(children: list[Child], timeout: float) -> None:
         if c.proc is not None:
             c.proc.poll()  # reap, so no zombie outlives us
         c.restart_at = None
+    # Orphaned descendants are reaped by init: wait for that too, so that whoever waits on us (stop, restart) finds
+    # none of the old pids left.
+    if unreaped := probe.wait_reaped(everyone, REAP_S):
+        log.warning("pids %s exited but were not reaped within %g s", [p.pid for p in unreaped], REAP_S)
 
 
 def live_process(child: Child):

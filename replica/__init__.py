@@ -3,6 +3,11 @@
 `from fastgen.replica import pipeline` (defined in offline.py) loads lazily, so the pure-Python scheduler modules
 import without torch."""
 
+from fastgen import toplevel
+
+if toplevel.is_bare(__name__):  # imported as bare `replica` from the repository root: see fastgen/toplevel.py
+    toplevel.hand_over(__name__, __file__)
+
 
 def __getattr__(name: str):
     if name in ("pipeline", "Pipeline", "Output"):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.launch.probe import port_free
@@ -242,6 +243,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def in_process_table(pid: int) -> bool:
+    """Alive or a zombie not yet reaped: what `kill -0` and pgrep see."""
+    return psutil.pid_exists(pid)
+
+
 # What every end-to-end deployment of the tiny model shares: float32, a small KV pool, one thread, a bounded start.
 TINY_DEPLOYMENT = ("--dtype", "float32", "--kv-cache-memory", "8MiB", "--threads", "1", "--timeout", "120")
 
@@ -287,10 +293,25 @@ def hf_greedy(model_dir, prompts, max_new):
 
 
 def assert_matches(outs, refs):
-    for i, (out, ref) in enumerate(zip(outs, refs)):
+    assert len(outs) == len(refs), f"{len(outs)} outputs for {len(refs)} prompts"
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         n = len(ref) - 1 if len(ref) < len(out.token_ids) else len(ref)  # skip a tied last step
         assert out.token_ids[:n] == ref[:n], f"prompt {i}: {out.token_ids} != {ref}"
 
 
 def random_prompts(n, rng, lo=1, hi=80):
     return [[rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+REQUIRE_TOOLS = "FASTGEN_REQUIRE_TOOLS"
+
+
+def require_tool(present: object, what: str) -> None:
+    """Skips the calling test when a tool or package it needs is missing (`what` says which and how to get it) —
+    except where FASTGEN_REQUIRE_TOOLS is set, as .ci/run sets it, where every test that can run on a CPU must run
+    and a missing tool fails the test."""
+    if present:
+        return
+    if os.environ.get(REQUIRE_TOOLS):
+        pytest.fail(f"{what} ({REQUIRE_TOOLS} is set: CI runs every test that can run on a CPU)")
+    pytest.skip(what)

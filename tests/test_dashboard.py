@@ -3,18 +3,20 @@ generates, every query uses only defined metrics and is templated, the scrape ta
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
 
-import pytest
 import yaml
 
 from fastgen.launch import cli, prometheus, state
 from fastgen.launch.config import DeployConfig
 from fastgen.launch.grafana import DASHBOARD_JSON
 from fastgen.server.metrics import ALL_METRICS
+
+from .helpers import require_tool
 
 SUFFIXES = {"Histogram": ("_bucket", "_sum", "_count"), "Counter": ("",), "Gauge": ("",)}
 
@@ -29,8 +31,9 @@ def queries(board: dict) -> list[tuple[str, str]]:
 
 
 def test_committed_dashboard_is_what_the_code_generates():
-    pytest.importorskip(
-        "grafana_foundation_sdk", reason='grafana-foundation-sdk not installed: pip install -e ".[test]"'
+    require_tool(
+        importlib.util.find_spec("grafana_foundation_sdk"),
+        'grafana-foundation-sdk not installed: pip install -e ".[test]"',
     )
     from fastgen.launch.grafana.dashboard import render
 
@@ -95,8 +98,8 @@ def test_scrape_config_reads_every_deployments_targets(tmp_path):
     assert one["scrape_configs"][0]["file_sd_configs"][0]["files"] == [str(tmp_path / "_prometheus" / "prod.json")]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian package prometheus)")
 def test_promtool_accepts_the_scrape_config_and_targets(tmp_path):
+    require_tool(shutil.which("promtool"), "promtool not installed (Debian package prometheus)")
     paths = state.paths_for(tmp_path, "prod")
     state.write_json_atomic(paths.prometheus_targets, prometheus.targets(DeployConfig(name="prod")))
     (tmp_path / "prometheus.yml").write_text(prometheus.scrape_config(tmp_path))

@@ -16,7 +16,7 @@ import pytest
 from fastgen.launch.probe import port_free
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range, tiny_start
+from .helpers import Deploy, alive, free_port_range, in_process_table, tiny_start
 
 pytestmark = pytest.mark.slow
 
@@ -82,13 +82,24 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
     done = deploy(*other, "--metrics-port", str(free_port_range(2)))
     assert done.returncode != 0 and f"port {port} (balancer gRPC)" in done.stderr
 
+    # restart returns only once the replaced replicas have left the process table
+    replaced = {r["pid"] for r in deploy.status() if r["role"] == "replica"}
+    done = deploy("restart", "--name", "e2e", "--timeout", "20", timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not [p for p in replaced if in_process_table(p)]
+
     pids = {r["pid"] for r in deploy.status()} | deploy.seen_pids
     supervisor = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())["supervisor"]
     family = [psutil.Process(supervisor["pid"])] + psutil.Process(supervisor["pid"]).children(recursive=True)
     done = deploy("stop", "--name", "e2e", "--timeout", "30")
     assert done.returncode == 0, done.stderr
-    assert not [p for p in pids | {q.pid for q in family} if alive(p)]
+    # not even a zombie: a script that stops, then starts on the same ports, finds nothing of the old deployment
+    assert not [p for p in pids | {q.pid for q in family} if in_process_table(p)]
     assert not (Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").exists()
+    done = deploy(*start, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = deploy("stop", "--name", "e2e", "--timeout", "30")
+    assert done.returncode == 0, done.stderr
     done = deploy("status", "--name", "e2e")
     assert done.returncode != 0 and "no deployment named 'e2e'" in done.stderr
     assert "no deployments" in deploy("list").stdout

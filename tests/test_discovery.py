@@ -37,7 +37,7 @@ from fastgen.server import Client, GenerationError
 from fastgen.server.grpc_server import create_server, set_serving
 from fastgen.server.metrics import BalancerMetrics
 
-from .helpers import Proc, free_port, health, start_balancer, start_replica, wait_serving, wait_until
+from .helpers import Proc, free_port, health, require_tool, start_balancer, start_replica, wait_serving, wait_until
 
 NAME = "replicas.fastgen.test"
 LONG_STREAM = 600  # tokens: seconds of decoding on the tiny model, so the stream is still going when A leaves
@@ -236,7 +236,7 @@ def dnsmasq_binary() -> str | None:
 def dnsmasq(tmp_path_factory):
     binary = dnsmasq_binary()
     if binary is None:
-        pytest.skip("dnsmasq is not installed (apt-get install dnsmasq-base; .ci/run does)")
+        require_tool(False, "dnsmasq is not installed (apt-get install dnsmasq-base; .ci/run does)")
     folder = tmp_path_factory.mktemp("dns")
     hosts, port = folder / "hosts", udp_port()
     hosts.write_text("")

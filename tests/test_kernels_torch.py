@@ -14,6 +14,8 @@ from fastgen.kernels import add_rms_norm, paged_attention, rms_norm, rotary_writ
 from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
 from fastgen.testing import cpu_attention_case, dense_attention, make_paged_batch
 
+from .helpers import require_tool
+
 
 @contextlib.contextmanager
 def torch_threads(n):
@@ -149,7 +151,7 @@ def c_attention(forbid):
     from fastgen.kernels import cpu
 
     if cpu.load_library() is None:
-        pytest.skip("no C compiler on this machine")  # the torch path serves there; CI has gcc
+        require_tool(False, "no C compiler on this machine")  # the torch path serves there
     forbid(cpu, "paged_attention", "prefill_attention")
     return cpu
 

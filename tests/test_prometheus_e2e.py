@@ -30,15 +30,17 @@ from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range, tiny_start
+from .helpers import Deploy, alive, free_port_range, require_tool, tiny_start
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("prometheus") is None,
-        reason="the prometheus binary is missing: apt-get install prometheus (.ci/run installs it)",
-    ),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def prometheus_binary():
+    require_tool(
+        shutil.which("prometheus"), "the prometheus binary is missing: apt-get install prometheus (.ci/run does)"
+    )
+
 
 NAME = "e2e"
 PROMPT_RATE = 100.0

@@ -35,7 +35,8 @@ def test_smollm2_greedy_matches_transformers(hf_reference):
     for budget in (8, 32, 256):
         pipe = pipeline("smollm2-135m", dtype="float32", max_batch_tokens=budget, progress=False)
         outs = pipe(PROMPTS, max_new_tokens=16, min_new_tokens=16)  # as generate: EOS banned
-        for out, ref in zip(outs, refs):
+        assert len(outs) == len(refs)
+        for out, ref in zip(outs, refs, strict=True):
             assert out.token_ids == ref
             assert out.text == tok.decode(ref, skip_special_tokens=True)
 

@@ -1,3 +1,5 @@
+"""Fixtures shared by the tests; the repository's conftest.py loads this module as a plugin."""
+
 from pathlib import Path
 
 import pytest
