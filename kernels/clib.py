@@ -9,7 +9,14 @@ The library is built with -march=native, so a build is only good on the CPU it w
 CPU model and its feature flags and the compiler's version as well as the flags and sources, and a JSON record beside
 each library says what it was built for. A library whose record does not match this machine is rebuilt, never
 loaded: a cache shared between machines (an NFS home, a container volume, a CI cache) would otherwise hand one CPU
-instructions that another lacks, and the process would die of SIGILL."""
+instructions that another lacks, and the process would die of SIGILL.
+
+Loading a library runs its code, so the cache is trusted only where nobody else can write to it: the kernels' folder is
+created 0700, and a folder that another user owns or that group or others may write is refused: the kernels fall back
+to torch with a warning that says how to fix it. (Not a rebuild in a private temporary folder: that would compile
+again in every replica and rank at every start and leave the shared folder's problem unseen.) The record beside each
+library also holds the library's sha256, taken when it was built; a library that does not match it, or that is not
+this user's alone, is rebuilt, never loaded."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -289,8 +297,47 @@ def build_target(compiler: str) -> BuildTarget:
     return BuildTarget(model, flags, compiler, version)
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen"))
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fastgen")) / "kernels"
+    return cache_root() / "kernels"
+
+
+def ownership_problem(path: Path) -> str | None:
+    """Why code or weights under `path` (not followed if a link) could be someone else's: it belongs to another user,
+    or group or others may write it. None where only this user can have put it there."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"{path} cannot be inspected: {exc}"
+    if info.st_uid != os.geteuid():
+        return f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by its group or by others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def private_dir(path: Path) -> str | None:
+    """Creates `path` (and a missing $FASTGEN_CACHE above it) mode 0700; the problem that makes it untrustworthy,
+    if any (ownership_problem, or it is not a folder)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        return f"{path} cannot be created: {exc}"
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        return f"{path} is not a folder"
+    return ownership_problem(path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def library_path(target: BuildTarget) -> Path:
@@ -314,6 +361,25 @@ def built_for(library: Path) -> BuildTarget | None:
         return None
 
 
+def recorded_sha256(library: Path) -> str | None:
+    try:
+        return json.loads(record_path(library).read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def unusable(library: Path, target: BuildTarget) -> str | None:
+    """Why the cached `library` must not be loaded for `target` (and is rebuilt); None where it may be."""
+    if built_for(library) != target:
+        return "it is missing or was built for another CPU or compiler" if library.exists() else "it is missing"
+    problem = ownership_problem(library)
+    if problem is not None:
+        return problem
+    if recorded_sha256(library) != file_sha256(library):
+        return "it does not match the sha256 recorded when it was built"
+    return None
+
+
 def compile_library(target: BuildTarget, path: Path) -> bool:
     """Builds the library into `path` with its record beside it; False where the compiler fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -330,9 +396,9 @@ def compile_library(target: BuildTarget, path: Path) -> bool:
             log.warning("building the CPU kernels failed, torch serves instead:\n%s", result.stderr[-2000:])
             return False
         record = Path(tmp) / record_path(path).name
-        record.write_text(target.to_json())
+        record.write_text(json.dumps({**dataclasses.asdict(target), "sha256": file_sha256(built)}, indent=1))
         # Atomic replaces, library first: a process that sees the new record sees the new library. One that sees a
-        # new library with the old record (or none) rebuilds, which is safe.
+        # new library with the old record (or none) finds it unusable and rebuilds, which is safe.
         os.replace(built, path)
         os.replace(record, record_path(path))
     return True
@@ -351,10 +417,24 @@ def load_library() -> CLibrary | None:
         return None
     target = build_target(compiler)
     path = library_path(target)
-    if built_for(path) != target:
+    problem = private_dir(path.parent)
+    if problem is not None:
+        log.warning(
+            "refusing the CPU kernels' cache: %s. Anyone who can write there could run code in this process, so the "
+            "CPU kernels fall back to torch. Make it yours and private (chown $USER, chmod 700) or point "
+            "$FASTGEN_CACHE at a folder only this user can write.",
+            problem,
+        )
+        return None
+    reason = unusable(path, target)
+    if reason is not None:
         if path.exists():
-            log.warning("the cached CPU kernels %s were built for another CPU or compiler: rebuilding", path)
+            log.warning("not loading the cached CPU kernels %s: %s; rebuilding", path, reason)
         if not compile_library(target, path):
+            return None
+        reason = unusable(path, target)
+        if reason is not None:  # changed between its build and now
+            log.warning("not loading the CPU kernels just built in %s: %s; torch serves instead", path, reason)
             return None
     return CLibrary.bind(ctypes.CDLL(str(path)))
 

@@ -262,7 +262,8 @@ def add_k8s(sub) -> None:
         "behind a headless Service), the balancer (a Deployment discovering them by DNS), probes, disruption "
         "budgets, a PodMonitor and the Grafana dashboard. Pods bind every interface (--host is not used); the "
         "internal token comes from the Secret <name>-auth (key token), the API key from the Secret <name>-api-key "
-        "(key api-key) and TLS from --tls-secret, never from flags.",
+        "(key api-key; required unless --allow-unauthenticated) and TLS from --tls-secret (recommended), never from "
+        "flags. NetworkPolicies keep the replicas and every metrics port private to the deployment and Prometheus.",
     )
     kubernetes.add_render_flags(render)
     add_start_flags(render)

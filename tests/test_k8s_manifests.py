@@ -121,6 +121,10 @@ def check_consistent(objects: list[dict]) -> None:
             (endpoint,) = spec["podMetricsEndpoints"]
             assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
             assert {"targetLabel": "deployment", "replacement": obj["metadata"]["name"]} in endpoint["relabelings"]
+        if kind == "NetworkPolicy":  # each guards one pod template, on ports its containers have
+            (matched,) = [t for t in templates if selects(spec["podSelector"]["matchLabels"], t["metadata"]["labels"])]
+            open_ports = {p["containerPort"] for c in matched["spec"]["containers"] for p in c["ports"]}
+            assert {p["port"] for rule in spec["ingress"] for p in rule["ports"]} == open_ports
         if kind == "ConfigMap":
             assert obj["metadata"]["labels"]["grafana_dashboard"] == "1"
             assert '"title": "FastGen"' in obj["data"]["fastgen.json"] or obj["data"]["fastgen.json"].startswith("{")
@@ -158,7 +162,7 @@ def test_each_overlay_validates_against_the_api_schemas(overlay):
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(
         ["Service", "StatefulSet", "PodDisruptionBudget", "Service", "Deployment", "PodDisruptionBudget"]
-        + ["PodMonitor", "ConfigMap"]
+        + ["PodMonitor", "ConfigMap", "NetworkPolicy", "NetworkPolicy"]
     )
 
 
@@ -225,11 +229,7 @@ def test_render_takes_names_namespace_image_and_secrets():
     assert flag(balancer["args"], "--replicas-dns") == "llm-replica:50051"
     assert flag(balancer["args"], "--tls-cert") == "/etc/fastgen/tls/tls.crt"
     assert balancer["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
-    assert balancer["env"][0]["valueFrom"]["secretKeyRef"] == {
-        "name": "llm-api-key",
-        "key": "api-key",
-        "optional": True,
-    }
+    assert balancer["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "llm-api-key", "key": "api-key"}
     assert container(objects, "StatefulSet")["image"] == "registry.example/fastgen:1"
     claim = next(o for o in objects[-2:] if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in claim
@@ -332,3 +332,66 @@ def test_deploy_config_fields_reach_the_replica_args():
     assert flag(replica["args"], "--max-batch-tokens") == "256" and "--no-prefix-caching" in replica["args"]
     assert flag(replica["args"], "--dtype") == "bfloat16"
     assert DeployConfig().port + 1 == int(flag(replica["args"], "--port"))
+
+
+# ---- failing closed ----
+def ingress_rules(objects: list[dict], component: str) -> dict[int, list]:
+    """Port -> who may reach it (None: anyone), of the NetworkPolicy guarding the component's pods."""
+    (policy,) = [
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and o["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == component
+    ]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    return {p["port"]: rule.get("from") for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+
+def test_the_api_key_secret_is_required_unless_unauthenticated_access_is_asked_for():
+    for objects in (render_cli(), render_cli("--tls-secret", "t"), kustomize("cpu")):
+        api_key = container(objects, "Deployment")["env"][0]["valueFrom"]["secretKeyRef"]
+        assert api_key == {"name": "fastgen-api-key", "key": "api-key"}, "the balancer may start without its API key"
+    objects = render_cli("--allow-unauthenticated")
+    validate_core(objects)
+    assert container(objects, "Deployment")["env"][0]["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
+@pytest.mark.parametrize("flags", [(), ("--tp", "2", "--http-port", "0", "--port", "7000", "--metrics-port", "7100")])
+def test_network_policies_keep_replicas_and_metrics_private_to_the_deployment(flags):
+    objects = render_cli("--prometheus-namespace", "observability", *flags)
+    validate_core(objects)
+    check_consistent(objects)
+    port = int(flag(list(flags), "--port")) if flags else 50050
+    metrics = int(flag(list(flags), "--metrics-port")) if flags else 9400
+    prometheus = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+    balancers = [{"podSelector": {"matchLabels": kubernetes.labels(DeployConfig(name="fastgen"), "balancer")}}]
+    # Nothing else reaches a replica: not its TP ranks' rendezvous, not another pod of the cluster.
+    assert ingress_rules(objects, "replica") == {port + 1: balancers, metrics + 1: prometheus}
+    public = {port: None, **({} if flags else {8000: None})}
+    assert ingress_rules(objects, "balancer") == {**public, metrics: prometheus}
+    assert sorted(o["kind"] for o in kustomize("gpu")).count("NetworkPolicy") == 2
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pods_run_without_a_service_account_token_on_a_read_only_root(device):
+    objects = render_cli("--device", device)
+    for template in pod_templates(objects):
+        pod = template["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            writable = {m["mountPath"]: m["name"] for m in c["volumeMounts"] if not m.get("readOnly")}
+            assert "/tmp" in writable and "emptyDir" in volumes[writable["/tmp"]]
+    replica = container(objects, "StatefulSet")
+    cache = {m["mountPath"]: m for m in replica["volumeMounts"]}[kubernetes.CACHE_DIR]
+    assert (
+        not cache.get("readOnly")
+        and {"name": "TRITON_CACHE_DIR", "value": "/var/cache/fastgen/triton"} in (replica["env"])
+    )
