@@ -21,7 +21,11 @@ from .config import (
     DTYPES,
     KERNEL_BACKENDS,
     LOAD_FORMATS,
+    MAX_FAILED_STEPS,
+    MAX_UNSENT_OUTPUTS,
     SCHEDULERS,
+    STALL_TIMEOUT_S,
+    TP_TIMEOUT_S,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -33,6 +37,7 @@ from .config import (
 log = logging.getLogger("fastgen.replica")
 _SCHEDULER, _CACHE, _ENGINE = SchedulerConfig(), CacheConfig(), EngineConfig()
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+EXIT_ENGINE_FAILED = 4  # the engine thread died, its steps kept failing, or CUDA failed: restart the process
 
 
 def size(text: str) -> int:
@@ -147,6 +152,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue-requests", type=positive, default=256)
     p.add_argument("--max-queue-tokens", type=positive, default=262144)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument(
+        "--max-unsent-outputs",
+        type=positive,
+        default=MAX_UNSENT_OUTPUTS,
+        help="outputs per completion a stream may leave unsent before it is cancelled RESOURCE_EXHAUSTED as too slow "
+        "a reader (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=positive_float,
+        default=STALL_TIMEOUT_S,
+        metavar="S",
+        help="health is NOT_SERVING while requests wait and no engine step has completed for S seconds "
+        "(default: %(default)g)",
+    )
+    p.add_argument(
+        "--max-failed-steps",
+        type=positive,
+        default=MAX_FAILED_STEPS,
+        help="the process exits (status 4, for its supervisor to restart it) after this many engine steps failed in "
+        "a row, or at once on a CUDA error (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tp-timeout",
+        type=positive_float,
+        default=TP_TIMEOUT_S,
+        metavar="S",
+        help="with --tp: a collective that waits longer than S seconds for a peer fails, and the group restarts "
+        "(default: %(default)g)",
+    )
     add_replica_security_args(p)  # --auth-token-file, --tls-cert, --tls-key, --tls-ca
     p.add_argument(
         "--sla-prompt-rate",
@@ -164,6 +199,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="SLA: inter-token moving average at most 1 / R seconds; every R given is "
         "exported as its own token_rate label (default: 1 2 4)",
     )
+    p.add_argument(
+        "--allow-client-slo-tightening",
+        action="store_true",
+        help="let a request's slo ask for more than the SLA (a higher token_rate or prompt_rate, a shorter ttft); by "
+        "default the slo scheduler only lets a request loosen it, so that no client can claim the replica for "
+        "itself. Turn on only behind a balancer that decides who may ask for more",
+    )
     return p.parse_args(argv)
 
 
@@ -180,7 +222,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_seqs=args.max_seqs,
             policy=args.scheduler,
             # The floor the scheduler holds is the strictest R the deployment is scored against.
-            slo=SloConfig(args.sla_prompt_rate, max(args.sla_token_rate), args.admission),
+            slo=SloConfig(
+                args.sla_prompt_rate, max(args.sla_token_rate), args.admission, args.allow_client_slo_tightening
+            ),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -237,7 +281,7 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
     from ..server.metrics import ReplicaMetrics, record_build_info, start_metrics_server
     from .builder import build_engine
     from .parallel import TPGroup
-    from .service import EngineLoop, QueueLimits, ReplicaService
+    from .service import EngineLoop, QueueLimits, ReplicaService, Watchdog, watch_engine
     from .step_model import StepTrace
 
     torch.set_num_threads(args.threads)
@@ -268,12 +312,21 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
         warm_up(engine)
         return engine
 
+    stop = asyncio.Event()
+    failed: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        failed.append(exc)
+        stop.set()
+
     loop = EngineLoop(
         build,
         metrics,
-        QueueLimits(args.max_queue_requests, args.max_queue_tokens),
+        QueueLimits(args.max_queue_requests, args.max_queue_tokens, args.max_unsent_outputs),
         asyncio.get_running_loop(),
         StepTrace(args.step_trace) if args.step_trace else None,
+        Watchdog(args.stall_timeout, args.max_failed_steps),
+        on_fatal,
     )
     try:
         await loop.start()
@@ -286,11 +339,17 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
     await set_serving(health, True)
     log.info("replica %s SERVING after %.1f s", args.replica_id, time.monotonic() - started)
 
-    stop = asyncio.Event()
+    watchdog = asyncio.create_task(watch_engine(service, health))
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    watchdog.cancel()
 
+    if failed:  # its requests have failed UNAVAILABLE (the balancer moves them); a new process starts afresh
+        await set_serving(health, False)
+        await server.stop(grace=1.0)
+        log.critical("replica %s exits: its engine failed: %s", args.replica_id, failed[0])
+        return EXIT_ENGINE_FAILED
     log.info("draining %d in-flight requests", loop.in_flight)
     service.draining = True
     await set_serving(health, False)

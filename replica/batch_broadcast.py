@@ -6,8 +6,9 @@ where the model's collectives run on NCCL: the other ranks rebuild the same `Bat
 broadcast has a fixed size that holds most batches whole (a decode step of 64 sequences needs about 600 numbers):
 one round trip per step, where a separate length would cost two. A length of -1 says stop.
 
-The group waits without a deadline: an idle replica sends nothing for hours, and that is not a failure. A peer that
-dies closes its sockets, which ends any wait at once with an error.
+Ranks > 0 wait for the next batch without a deadline: an idle replica sends nothing for hours, and that is not a
+failure. A peer that dies closes its sockets, which ends any wait at once with an error; one that hangs with its
+sockets open is found by rank 0, whose sends (like every rank's model collectives) fail after --tp-timeout.
 """
 
 from __future__ import annotations

@@ -39,6 +39,15 @@ _UNITS = {
 }
 
 
+# A replica's watchdog and limits on what its streams and tensor-parallel peers may hold up (python -m fastgen.replica).
+MAX_UNSENT_OUTPUTS = 1024  # outputs per completion a stream's reader may leave unsent before it is cancelled
+STALL_TIMEOUT_S = 60.0  # requests waiting and no step completed for this long: health NOT_SERVING
+MAX_FAILED_STEPS = 3  # engine steps failed in a row before the process exits for its supervisor to restart it
+# A collective waiting for a tensor-parallel peer longer than this fails (the group restarts). Ranks > 0 still wait
+# for rank 0's next batch without a deadline: an idle replica sends nothing for hours.
+TP_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class SloConfig:
     """The service level the slo scheduler plans for, per request unless the request brings its own (request.Slo):
@@ -48,6 +57,10 @@ class SloConfig:
     prompt_rate: float = 100.0  # P, prompt tokens/s (BENCHMARKS.md's CPU profile; the paper's GPUs: 512)
     token_rate: float = 4.0  # R, tokens/s: the floor every stream is held to
     admission: str = "keep"  # keep | refuse (ADMISSIONS)
+    # A request's own Slo may only loosen these (a lower rate, a later first token) unless this is set: one stream
+    # asking for 1e9 tokens/s would otherwise hold the replica overloaded and starve every other request's prompt.
+    # Who may ask for more is the balancer's policy (per key); a replica behind one that decides it may turn this on.
+    allow_client_tightening: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prompt_rate", "token_rate"):

@@ -121,7 +121,8 @@ MAX_SLO_TTFT_S = 86400.0  # a first-token deadline further out than a day is a m
 class Slo:
     """A request's own service level for the slo scheduler; None fields take the deployment's (SloConfig). The first
     token is due ttft_s after arrival when set, else prompt_tokens / prompt_rate after it; token_rate is the floor of
-    the rate its tokens arrive at (every span-16 moving average of the gaps at most 1 / token_rate)."""
+    the rate its tokens arrive at (every span-16 moving average of the gaps at most 1 / token_rate). A request may
+    only loosen the deployment's service level unless SloConfig.allow_client_tightening is set."""
 
     prompt_rate: float | None = None  # prompt tokens/s
     ttft_s: float | None = None  # seconds

@@ -5,6 +5,7 @@ marked with its index, and ends when the last of them finishes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -21,7 +22,9 @@ import grpc
 from ..proto import fastgen_pb2 as pb
 from ..proto import fastgen_pb2_grpc
 from ..server.errors import RETRY_AFTER_MS, QueueFullError, retry_hint_ms, status_for, trailing_metadata
+from ..server.grpc_server import set_serving
 from .cache_feed import CacheFeed, FellBehind, PrefillRate
+from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S
 from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import Prompt
@@ -49,15 +52,60 @@ FINISH_REASONS = {
 }
 
 
+class ReaderTooSlow(QueueFullError):
+    """A stream's reader left more outputs unsent than its bound: the request was cancelled (RESOURCE_EXHAUSTED)."""
+
+
+class Outputs:
+    """One request's outputs on their way from the engine thread to its handler; event loop only.
+
+    Bounded, because a reader that stops reading (a stalled client, a full HTTP/2 window) would otherwise make the
+    replica hold every step's output for as long as the request runs, and keep its KV blocks busy for nobody. Past
+    `limit` unsent outputs the request is cancelled (`on_overflow`) and the handler gets ReaderTooSlow instead of what
+    was queued. The engine thread only ever schedules `put_nowait`: it never waits for a reader."""
+
+    def __init__(self, key: str, limit: int, on_overflow: Callable[[], None] = lambda: None) -> None:
+        self.key = key  # the engine's id of the request (server-made; the client's id is a label only)
+        self.limit = limit
+        self.overflowed = False
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+        self._on_overflow = on_overflow
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: RequestOutput | Exception) -> None:
+        if self.overflowed:
+            return
+        if len(self._items) >= self.limit and not isinstance(item, Exception):
+            self.overflowed = True
+            self._items.clear()
+            item = ReaderTooSlow(
+                f"reader too slow: over {self.limit} outputs of this stream were left unsent, so the request was "
+                "cancelled; read the stream as it comes (or ask for fewer completions)"
+            )
+            self._on_overflow()
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
 # ---- commands from handlers to the engine thread --------------------------------------------------------
 @dataclass
 class _Add:
-    request_id: str
+    request_id: str  # the engine's key: made by the server, never the client's id (see ReplicaService._outputs)
     prompt: Prompt
     params: SamplingParams
-    outputs: asyncio.Queue  # receives RequestOutput objects, or an Exception that ends the request
+    outputs: Outputs  # receives RequestOutput objects, or an Exception that ends the request
     resume: tuple[Resume, ...] | None = None  # per completion, output a replica that failed delivered
     slo: Slo | None = None  # the request's own service level
+    label: str = ""  # the client's request_id, for logs
 
 
 @dataclass
@@ -67,7 +115,7 @@ class _Abort:
 
 @dataclass
 class _Stream:
-    outputs: asyncio.Queue
+    outputs: Outputs
     unfinished: int  # completions that have not sent their last output
 
 
@@ -75,6 +123,34 @@ class _Stream:
 class QueueLimits:
     max_requests: int = 256  # requests waiting for their first forward pass
     max_prompt_tokens: int = 262144  # prompt tokens of those requests
+    # Outputs per completion a stream may leave unsent before it is cancelled as too slow a reader: about as many
+    # steps of lag (an output is one step's tokens), far more than a live reader falls behind.
+    max_unsent_outputs: int = MAX_UNSENT_OUTPUTS
+
+
+@dataclass(frozen=True)
+class Watchdog:
+    """When the engine counts as broken (EngineLoop.healthy, EngineLoop.fatal)."""
+
+    stall_s: float = STALL_TIMEOUT_S  # work pending and no step completed for this long: NOT_SERVING until one does
+    max_failed_steps: int = MAX_FAILED_STEPS  # failed in a row before the process exits: a broken device stays broken
+
+
+class EngineDown(Exception):
+    """The engine is beyond repair (its thread died, or its steps keep failing): the process exits so that its
+    supervisor restarts it; requests end UNAVAILABLE, which the balancer retries or migrates elsewhere."""
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """A CUDA error (an illegal address, a device-side assert) poisons the context: every later step fails too, and
+    only a new process recovers. An out-of-memory error does not ("CUDA out of memory")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if "CUDA error" in str(exc) or type(exc).__name__ in ("CudaError", "AcceleratorError"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class EngineLoop:
@@ -84,7 +160,10 @@ class EngineLoop:
     The same thread builds, warms up and steps the engine because OpenMP (torch's and the CPU kernels') keeps a pool
     of worker threads per thread that starts parallel work: a model built on one thread and run on another leaves
     two pools, libgomp then counts more threads than cores and stops its workers spinning between parallel regions,
-    and every region pays a wake-up instead of finding its workers spinning (benchmarks/RESULTS.md has the cost)."""
+    and every region pays a wake-up instead of finding its workers spinning (benchmarks/RESULTS.md has the cost).
+
+    `healthy()` says whether the engine still makes progress (the watchdog's view); `on_fatal` runs on the event loop
+    once the engine is beyond repair (`fatal` then holds why), and the replica process exits on it."""
 
     def __init__(
         self,
@@ -93,16 +172,23 @@ class EngineLoop:
         limits: QueueLimits,
         loop: asyncio.AbstractEventLoop,
         trace: StepTrace | None = None,
+        watchdog: Watchdog = Watchdog(),
+        on_fatal: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self.engine: Engine | None = None  # set on the engine thread by build()
         self.trace = trace  # written by the engine thread only: every step's predicted and measured time
         self.metrics = metrics
         self.limits = limits
         self.loop = loop
+        self.watchdog = watchdog
         self.load = EngineLoad()  # replaced whole by the engine thread after every step; read by GetStatus
         self.tokens_generated = 0  # written by the engine thread only
         self.cache_feed = CacheFeed()  # the prefix cache's changes, for WatchCache (event loop only)
         self.prefill_rate = PrefillRate()  # written by the engine thread only
+        self.fatal: BaseException | None = None  # why the engine is beyond repair (set once, by the engine thread)
+        self.progress_at = time.monotonic()  # when the engine thread last finished a step or found nothing to do
+        self._on_fatal = on_fatal
+        self._failed_steps = 0  # consecutive (engine thread only)
         self._build = build
         self._ready: asyncio.Future = loop.create_future()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -127,6 +213,14 @@ class EngineLoop:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def healthy(self, now: float | None = None) -> bool:
+        """False once the engine thread is gone or the engine is beyond repair, and while requests wait on an engine
+        that has not finished a step for watchdog.stall_s (a wedged step, a hung tensor-parallel peer)."""
+        if self.fatal is not None or not self._thread.is_alive():
+            return False
+        stalled_s = (time.monotonic() if now is None else now) - self.progress_at
+        return not (self._in_flight and stalled_s > self.watchdog.stall_s)
+
     def submit(
         self,
         request_id: str,
@@ -134,10 +228,15 @@ class EngineLoop:
         params: SamplingParams,
         resume: tuple[Resume, ...] | None = None,
         slo: Slo | None = None,
-    ) -> asyncio.Queue:
-        outputs: asyncio.Queue = asyncio.Queue()
+        label: str = "",
+    ) -> Outputs:
+        """Queues a request keyed `request_id` (unique: the caller makes it); its outputs come on what it returns."""
+        limit = self.limits.max_unsent_outputs * completions_to_send(params, resume)
+        outputs = Outputs(request_id, limit, lambda: self.abort(request_id))
         self._in_flight += 1
-        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo, label))
+        if self.fatal is not None or not self._thread.is_alive():  # nothing would ever answer it
+            outputs.put_nowait(EngineDown(f"the replica's engine failed ({self.fatal}): retry on another replica"))
         return outputs
 
     def done(self) -> None:
@@ -157,27 +256,60 @@ class EngineLoop:
             return
         self._publish_load()
         self.loop.call_soon_threadsafe(self._ready.set_result, None)
-        while not self._stop:
-            self._apply(block=not self.engine.has_unfinished())
-            if self._stop or not self.engine.has_unfinished():
-                continue
+        try:
+            while not self._stop and self.fatal is None:
+                self._cycle()
+        except BaseException as exc:  # noqa: BLE001 - outside a step the loop's own state may be half updated
+            log.critical("the engine thread failed outside a step", exc_info=True)
+            self._die(exc)
+
+    def _cycle(self) -> None:
+        self.progress_at = time.monotonic()
+        self._apply(block=not self.engine.has_unfinished())
+        if self._stop or not self.engine.has_unfinished():
+            return
+        try:
+            result = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step must not take the replica down
+            self._step_failed(exc)
+            return
+        self._failed_steps = 0
+        for out in result.outputs:
+            self.tokens_generated += len(out.new_token_ids)
+            self._deliver(out)
+        if result.stats is not None:
+            self.metrics.on_step(result.stats)
+            stats = result.stats
+            if self.trace is not None:
+                self.trace.write(time.monotonic(), stats)
+            self.prefill_rate.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_s)
+        self._publish_load()
+        self._publish_cache_events()
+
+    def _step_failed(self, exc: Exception) -> None:
+        self._failed_steps += 1
+        log.exception("engine step failed (%d in a row); failing the requests in flight", self._failed_steps)
+        self._fail_all(RuntimeError(f"engine step failed: {exc}"))
+        if is_device_error(exc):
+            self._die(exc)
+        elif self._failed_steps >= self.watchdog.max_failed_steps:
+            self._die(RuntimeError(f"{self._failed_steps} engine steps failed in a row, the last with: {exc}"))
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine is beyond repair: fails whatever is in flight or queued, and hands `exc` to on_fatal."""
+        self.fatal = exc
+        log.critical("the engine is beyond repair (%s: %s): the replica exits", type(exc).__name__, exc)
+        down = EngineDown(f"the replica's engine failed ({type(exc).__name__}: {exc}): retry on another replica")
+        with contextlib.suppress(Exception):
+            self._fail_all(down)
+        while True:  # requests submitted since, which no step will ever take
             try:
-                result = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step must not take the replica down
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(exc)
-                continue
-            for out in result.outputs:
-                self.tokens_generated += len(out.new_token_ids)
-                self._deliver(out)
-            if result.stats is not None:
-                self.metrics.on_step(result.stats)
-                stats = result.stats
-                if self.trace is not None:
-                    self.trace.write(time.monotonic(), stats)
-                self.prefill_rate.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_s)
-            self._publish_load()
-            self._publish_cache_events()
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self.loop.call_soon_threadsafe(command.outputs.put_nowait, down)
+        self.loop.call_soon_threadsafe(self._on_fatal, exc)
 
     def _apply(self, block: bool) -> None:
         try:
@@ -219,7 +351,7 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
             return
         except Exception as exc:  # noqa: BLE001 - a bug must fail this request, not end the engine thread
-            log.exception("admitting request %s failed", command.request_id)
+            log.exception("admitting request %s (client id %r) failed", command.request_id, command.label)
             with contextlib.suppress(Exception):  # drop whatever part of it was admitted
                 self.engine.abort(command.request_id)
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
@@ -238,13 +370,18 @@ class EngineLoop:
             stream.unfinished -= 1
             if stream.unfinished == 0:
                 del self._streams[out.request_id]
+        else:
+            # A stream sends deltas: the whole text, ids and logprobs so far, copied on every step and queued behind
+            # a slow reader, would hold O(length^2). The last output keeps them, for Generate's answer.
+            out = dataclasses.replace(out, text="", token_ids=[], logprobs=[])
         self.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):
-            self.engine.abort(request_id)
             stream = self._streams.pop(request_id)
-            self.loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+            with contextlib.suppress(Exception):  # a broken engine must not keep the others from being told
+                self.engine.abort(request_id)
+            self.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
 
     def _publish_cache_events(self) -> None:
         cache = self.engine.scheduler.allocator.cache
@@ -260,17 +397,44 @@ class EngineLoop:
         self.load = self.engine.load()
 
 
+async def watch_engine(service: ReplicaService, health, interval_s: float = 1.0) -> None:
+    """Keeps grpc health in step with the engine (EngineLoop.healthy): NOT_SERVING while it is stalled or gone, so
+    the balancer sends it nothing new and moves its streams; SERVING again once its steps complete. Cancelled
+    before draining, which owns health from then on."""
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        healthy = service.engine_loop.healthy()
+        if healthy != serving and not service.draining:
+            serving = healthy
+            if healthy:
+                log.warning("the engine completes steps again: SERVING")
+            else:
+                log.error("the engine has stopped making progress: NOT_SERVING")
+            await set_serving(health, healthy)
+
+
 # ---- proto <-> engine --------------------------------------------------------------------------------------
-def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
+def prompt_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Prompt:
+    """The request's prompt; ValueError for a missing one, or for more token ids or chat messages than max_tokens
+    (the context) holds, counted before they are copied: a message may hold millions of them."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return request.text
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        ids = request.token_ids.ids
+        if len(ids) > max_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {max_tokens} tokens: shorten it")
+        return list(ids)
     if kind == "messages":
-        if not request.messages.messages:
+        messages = request.messages.messages
+        if not messages:
             raise ValueError("messages is empty: send at least one chat message")
-        return [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if len(messages) > max_tokens:  # each renders to at least one token
+            raise ValueError(
+                f"prompt has {len(messages)} chat messages but the context holds {max_tokens} tokens: send fewer"
+            )
+        return [{"role": m.role, "content": m.content} for m in messages]
     raise ValueError("no prompt: set one of text, token_ids or messages")
 
 
@@ -418,6 +582,10 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         self.draining = False
         self._tokenizer_path: str | None = None
 
+    @property
+    def serving(self) -> bool:
+        return not self.draining and self.engine_loop is not None and self.engine_loop.healthy()
+
     async def _outputs(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str):
         """Admits the request and yields (request_id, output, last) for each output of its completions, last on the
         one that finishes the final completion; aborts the request if the caller goes away first."""
@@ -425,12 +593,14 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica is still loading: retry shortly")
         if self.draining:
             await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica is draining: retry elsewhere")
+        if self.engine_loop.fatal is not None:
+            await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica's engine failed: retry elsewhere")
         try:
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters")
-            prompt = prompt_from_proto(request)
-            params = params_from_proto(request.params)
             engine = self.engine_loop.engine
+            prompt = prompt_from_proto(request, engine.max_model_len)
+            params = params_from_proto(request.params)
             engine.prompts.check_size(prompt, engine.max_model_len)
             resume = resume_from_proto(request, engine.max_model_len)
             if method == "Generate" and request.resume.completions:
@@ -439,21 +609,26 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             slo = slo_from_proto(request)
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        request_id = request.request_id or uuid.uuid4().hex
-        outputs = self.engine_loop.submit(request_id, prompt, params, resume, slo)
+        # The engine keys requests by an id of the server's own: clients choose theirs freely, so two may pick the
+        # same, and neither may reach the other's request (cancel it, or learn that it runs). The client's id is only
+        # echoed back. Cancelling is the call's own: its context ending closes this generator.
+        key = uuid.uuid4().hex
+        request_id = request.request_id or key
+        outputs = self.engine_loop.submit(key, prompt, params, resume, slo, label=request.request_id)
         unfinished = completions_to_send(params, resume)
         try:
             while unfinished:
                 out = await outputs.get()
                 if isinstance(out, Exception):
                     unfinished = 0
-                    await self._fail(context, method, status_for(out), str(out), retry_hint_ms(out))
+                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out, EngineDown) else status_for(out)
+                    await self._fail(context, method, code, str(out), retry_hint_ms(out))
                 unfinished -= out.finished
                 yield request_id, out, unfinished == 0
         finally:
             self.engine_loop.done()
             if unfinished:  # cancelled, deadline passed, or the client went away
-                self.engine_loop.abort(request_id)
+                self.engine_loop.abort(key)
                 self.metrics.on_rpc(method, grpc.StatusCode.CANCELLED)
 
     async def _fail(self, context, method: str, code: grpc.StatusCode, message: str, retry_ms: int = RETRY_AFTER_MS):
@@ -482,7 +657,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         load = EngineLoad() if loading else self.engine_loop.load
         status = pb.ReplicaStatus(
             replica=self.replica_id,
-            health=pb.HEALTH_NOT_SERVING if self.draining or loading else pb.HEALTH_SERVING,
+            health=pb.HEALTH_SERVING if self.serving else pb.HEALTH_NOT_SERVING,
             queued_requests=load.queued,
             running_requests=load.running,
             kv_blocks_used=load.kv_blocks_used,

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from .batch import Batch, ScheduledSeq, StepPlan
 from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
-from .request import SamplingParams, SeqStatus, Sequence
+from .request import SamplingParams, SeqStatus, Sequence, Slo
 from .scheduler import Scheduler
 from .step_model import StepModel, StepShape
 
@@ -125,11 +125,15 @@ class SloScheduler(Scheduler):
     # ---- streams -------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         super().add(seq)
-        slo, deployment = seq.slo, self.config.slo
-        rate = (slo and slo.prompt_rate) or deployment.prompt_rate
-        ttft = slo.ttft_s if slo and slo.ttft_s is not None else seq.num_prompt_tokens / rate
+        slo, deployment = seq.slo or Slo(), self.config.slo
+        prompt_rate = slo.prompt_rate or deployment.prompt_rate
+        token_rate = slo.token_rate or deployment.token_rate
+        ttft = slo.ttft_s if slo.ttft_s is not None else seq.num_prompt_tokens / prompt_rate
+        if not deployment.allow_client_tightening:  # a request may loosen the deployment's service level only
+            token_rate = min(token_rate, deployment.token_rate)
+            ttft = max(ttft, seq.num_prompt_tokens / deployment.prompt_rate)
         now = self.clock()
-        gap = 1.0 / ((slo and slo.token_rate) or deployment.token_rate)
+        gap = 1.0 / token_rate
         # A stream resumed from a replica that failed is mid-way for its client: like one recomputed after a
         # preemption, its next token is due a floor from now, and it is never given up.
         last = now if seq.mid_stream else None

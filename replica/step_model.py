@@ -29,13 +29,17 @@ within a factor of DRIFT_LIMIT, so one stall moves it little and a shift is foll
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import logging
 import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("fastgen.replica")
 
 FEATURES = ("fixed", "prompt_tokens", "decode_seqs", "decode_context", "prompt_context")
 FORGETTING = 0.995  # weight of a step's timing after each later step: about the last 200 steps count
@@ -218,6 +222,8 @@ def _ridge_solve(xtx: list[list[float]], xty: list[float], active: list[int]) ->
 
 
 # ---- the record of predictions against measurements ------------------------------------------------------------
+# A step trace stops here (a row is about 60 bytes: some 4 million steps, days of a busy replica).
+TRACE_MAX_BYTES = 256 << 20
 TRACE_COLUMNS = (
     "time",
     "prompt_tokens",
@@ -235,19 +241,27 @@ class StepTrace:
     """Appends one CSV row per engine step (TRACE_COLUMNS) to a file: the step's shape, the model's prediction and
     the measured step time, for the model's error figure and plot (`python -m fastgen.replica --step-trace F`).
     A step planned without the model (the fixed-budget schedules) has its prompt tokens, decodes and measured time,
-    and no context, prediction or budget: every schedule's steps can be compared."""
+    and no context, prediction or budget: every schedule's steps can be compared.
 
-    def __init__(self, path: str | Path) -> None:
+    A trace is a diagnostic, never a reason to stop serving: it stops (once, with a warning) at max_bytes, or when
+    writing fails (a full disk), and the replica goes on without it."""
+
+    def __init__(self, path: str | Path, max_bytes: int = TRACE_MAX_BYTES) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.max_bytes = max_bytes
         new = not path.exists() or path.stat().st_size == 0
         self._file = path.open("a", newline="", buffering=1)  # line by line: a reader sees every finished step
         self._writer = csv.writer(self._file)
+        self.stopped: str | None = None  # why the trace stopped (None while it runs)
         if new:
-            self._writer.writerow(TRACE_COLUMNS)
+            self._row(TRACE_COLUMNS)
 
     def write(self, time: float, stats) -> None:
         """One step's StepStats (with its plan, where the scheduler made one)."""
+        if self.stopped is not None:
+            return
         plan = stats.plan
         if plan is None:
             row = (stats.num_prefill_tokens, stats.num_decode_tokens, "", "", "nan", f"{stats.step_s:.6g}", "inf", 0)
@@ -263,10 +277,27 @@ class StepTrace:
                 f"{plan.budget_s:.6g}",
                 int(plan.overloaded),
             )
-        self._writer.writerow((f"{time:.6f}", *row))
+        self._row((f"{time:.6f}", *row))
+
+    def _row(self, row) -> None:
+        try:
+            if self._file.tell() >= self.max_bytes:
+                self._stop(f"it reached {self.max_bytes} bytes; move it away and restart to trace again")
+                return
+            self._writer.writerow(row)
+        except OSError as exc:  # ENOSPC, EIO, a file system gone read-only
+            self._stop(f"writing failed: {exc}")
+
+    def _stop(self, why: str) -> None:
+        self.stopped = why
+        log.warning("step trace %s stopped: %s; the replica goes on without it", self.path, why)
+        with contextlib.suppress(OSError):  # closing flushes, and the buffered line may fail the same way
+            self._file.close()
 
     def flush(self) -> None:
-        self._file.flush()
+        if self.stopped is None:
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):
+            self._file.close()

@@ -20,16 +20,18 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .batch_broadcast import EXIT_GROUP_BROKEN, BatchBroadcast, exit_now
+from .batch_broadcast import EXIT_GROUP_BROKEN, IDLE_TIMEOUT, BatchBroadcast, exit_now
 from .builder import build_runner
-from .config import EngineConfig
+from .config import TP_TIMEOUT_S, EngineConfig
 from .parallel import TPGroup
 
 log = logging.getLogger("fastgen.replica")
@@ -65,13 +67,42 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if d.type == "cuda" else d
 
 
-def init_process_group(env: RankEnv, device: torch.device) -> None:
-    """Joins the group at MASTER_ADDR:MASTER_PORT (rank 0 hosts the rendezvous)."""
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port alone (a name: its first address)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(sockaddr, family=family, backlog=128)
+
+
+def rendezvous_store(env: RankEnv, environ: Mapping[str, str], timeout: timedelta) -> dist.TCPStore | None:
+    """The group's store at MASTER_ADDR:MASTER_PORT, hosted by rank 0. torch's own server would listen on every
+    interface whatever MASTER_ADDR says, so anyone who reaches the host could join or feed the group: rank 0 binds
+    MASTER_ADDR alone (127.0.0.1 for the groups fastgen-deploy starts on one host, the address the other hosts use
+    under torchrun) and hands that socket to the store. `timeout`: env:// gives its store the group's too. None under
+    a torchrun agent that hosts the store itself (env:// then joins it, as before)."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    if env.rank != 0:
+        return dist.TCPStore(host, port, env.world_size, False, timeout, multi_tenant=True)
+    try:
+        fd = listen_on(host, port).detach()  # the store owns the descriptor from here
+    except OSError as exc:  # taken meanwhile: the group cannot form here, and its launcher picks another port
+        raise RuntimeError(f"cannot host the rendezvous on {host}:{port}: {exc}") from exc
+    return dist.TCPStore(host, port, env.world_size, True, timeout, multi_tenant=True, master_listen_fd=fd)
+
+
+def init_process_group(env: RankEnv, device: torch.device, timeout: timedelta) -> None:
+    """Joins the group at MASTER_ADDR:MASTER_PORT (rank 0 hosts the rendezvous). Its collectives (the model's
+    all-reduces) fail after `timeout`: a peer that hangs without closing its sockets (a wedged GPU, a stopped process)
+    must surface as an error that restarts the group, not hold rank 0 in a step forever."""
+    store = rendezvous_store(env, os.environ, timeout)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=env.rank, world_size=env.world_size, device_id=device)
+        dist.init_process_group(
+            "nccl", store=store, rank=env.rank, world_size=env.world_size, device_id=device, timeout=timeout
+        )
     else:
-        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+        dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def run_tensor_parallel(
@@ -90,9 +121,12 @@ def run_tensor_parallel(
     device = rank_device(args.device, env.local_rank)
     args = argparse.Namespace(**{**vars(args), "device": str(device)})
     torch.set_num_threads(args.threads)
+    timeout = timedelta(seconds=getattr(args, "tp_timeout", TP_TIMEOUT_S))
     try:
-        init_process_group(env, device)
-        broadcast = BatchBroadcast(env.rank)
+        init_process_group(env, device, timeout)
+        # Rank 0's sends are bounded like any collective; the other ranks wait for its next batch without a deadline
+        # (an idle replica sends nothing for hours), and learn of its end when its sockets close.
+        broadcast = BatchBroadcast(env.rank, timeout if env.rank == 0 else IDLE_TIMEOUT)
     except RuntimeError as exc:  # a peer died while the group was forming: the group is broken before it served
         log.critical("rank %d could not form its tensor-parallel group: %s", env.rank, exc)
         exit_now(EXIT_GROUP_BROKEN)

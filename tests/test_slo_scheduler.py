@@ -123,6 +123,7 @@ def slo_sim(
     admission: str = "keep",
     coefficients=CPU,
     max_overtakes: int = 16,
+    allow_client_tightening: bool = True,
 ) -> Sim:
     clock = Clock()
     model = StepModel(coefficients, learn=False)
@@ -132,7 +133,8 @@ def slo_sim(
         "slo",
         max_model_len=10**6,
         max_overtakes=max_overtakes,
-        slo=SloConfig(prompt_rate, token_rate, admission),
+        # The scenarios give requests deadlines of their own, tighter ones too: as a trusted caller may.
+        slo=SloConfig(prompt_rate, token_rate, admission, allow_client_tightening),
     )
     return Sim(SloScheduler(config, BlockAllocator(num_blocks, block_size), model, clock), clock, model)
 
@@ -374,6 +376,33 @@ def test_a_request_with_its_own_floor_bounds_the_steps_it_decodes_in():
     sim.add(3000, 2)  # a long prompt arrives while the strict stream decodes
     sim.run()
     assert max(sim.gaps(strict.seq_id)) <= HEADROOM * 0.1 + 1e-9
+
+
+def test_a_request_may_only_loosen_the_deployments_service_level():
+    """One stream asking for 1e9 tokens/s must not hold the replica overloaded, every other prompt at OVERLOAD_CHUNK
+    tokens a step, nor a first token due at once go ahead of everyone: unless the replica allows tightening, a
+    request's own slo is clamped to the deployment's (token_rate at most its floor, the first token no sooner than
+    prompt_tokens / prompt_rate), and may loosen it."""
+
+    def scenario(allow: bool):
+        sim = slo_sim(token_rate=2.0, allow_client_tightening=allow)
+        greedy = sim.add(16, 40, Slo(prompt_rate=1e9, ttft_s=1e-3, token_rate=1e9))
+        loose = sim.add(16, 40, Slo(ttft_s=100.0, token_rate=0.5))
+        for _ in range(3):
+            sim.step()
+        long = sim.add(3000, 2)
+        batch = sim.step()
+        chunk = sum(len(s.token_ids) for s in batch.seqs if s.seq_id == long.seq_id)
+        streams = sim.sched._streams
+        return streams[greedy.seq_id], streams[loose.seq_id], batch.plan.overloaded, chunk
+
+    greedy, loose, overloaded, chunk = scenario(allow=False)
+    assert (greedy.gap, greedy.first_due) == (1 / 2.0, 16 / 100.0)  # the deployment's floor and first-token time
+    assert (loose.gap, loose.first_due) == (1 / 0.5, 100.0)  # looser than the deployment's: as asked
+    assert not overloaded and chunk > OVERLOAD_CHUNK
+    greedy, _, overloaded, chunk = scenario(allow=True)
+    assert (greedy.gap, greedy.first_due) == (1e-9, 1e-3)
+    assert overloaded and chunk <= OVERLOAD_CHUNK
 
 
 def test_without_a_model_it_packs_like_splitfuse():
