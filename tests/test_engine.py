@@ -75,8 +75,8 @@ def test_preemption_with_a_tiny_kv_pool(models, scheduler):
     )
     outs = pipe(prompts, max_new_tokens=16, min_new_tokens=16)
     assert_matches(outs, refs)
-    if scheduler == "splitfuse":
-        assert pipe.engine.scheduler.num_preemptions > 0
+    # static reserves each request's lifetime of blocks at admission, so it never preempts; the others must here
+    assert (pipe.engine.scheduler.num_preemptions > 0) == (scheduler != "static")
     assert pipe.engine.scheduler.allocator.num_free == 20
 
 

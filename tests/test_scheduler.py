@@ -103,7 +103,16 @@ def test_long_prompt_spans_steps_and_decodes_go_first():
 
 def test_preemption_happens_and_recomputes():
     sched_tokens, _, batches = simulate("splitfuse", 64, 8, 12, 4, [(20, 20)] * 4)
-    assert any(b.preempted for b in batches)
+    preempted = [(i, seq_id) for i, b in enumerate(batches) for seq_id in b.preempted]
+    assert preempted
+    for i, seq_id in preempted:
+        # its next pass recomputes it as a prompt from a block boundary (those before it may be prefix-cache hits),
+        # not as a decode of its next token
+        again = next(s for b in batches[i + 1 :] for s in b.seqs if s.seq_id == seq_id)
+        assert again.start % 4 == 0 and len(again.token_ids) > 1
+    roomy_tokens, _, roomy = simulate("splitfuse", 64, 8, 1000, 4, [(20, 20)] * 4)
+    assert not any(b.preempted for b in roomy)
+    assert sched_tokens == roomy_tokens  # and every request ends exactly as it does without preemption
 
 
 def test_big_request_is_not_starved_by_a_stream_of_small_ones():
