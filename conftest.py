@@ -48,3 +48,17 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
     if module_path.resolve().parent == TESTS:
         return InstalledNameModule.from_parent(parent, path=module_path)
     return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `cuda` marker's skip, in one place: a test marked cuda needs a CUDA device, unless marked
+    cuda(interpreted=True) (Triton kernels run under TRITON_INTERPRET=1 on a CPU, compiled on a GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    needs_device = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is not None and not marker.kwargs.get("interpreted", False):
+            item.add_marker(needs_device)

@@ -5,7 +5,6 @@ The padded static-buffer path itself also runs on CPU, under the Triton interpre
 import random
 
 import pytest
-import torch
 
 from fastgen.replica import pipeline
 from fastgen.replica.cuda_graphs import bucket_sizes
@@ -25,9 +24,6 @@ def test_buckets_cover_every_batch_size_with_little_padding():
             assert next(b for b in buckets if b >= n) - n <= 7
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("graphs") / "llama", heads=4, kv_heads=2, tie=True)
@@ -37,7 +33,6 @@ def cuda_pipe(model, **kw):
     return pipeline(str(model), dtype="float32", device="cuda", progress=False, **kw)
 
 
-@cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheduler", ["splitfuse", "prefill_first", "static", "slo"])
 def test_engine_on_cuda_matches_transformers(model, scheduler):
@@ -49,7 +44,6 @@ def test_engine_on_cuda_matches_transformers(model, scheduler):
         assert_matches(pipe(prompts, max_new_tokens=12, min_new_tokens=12), refs)
 
 
-@cuda
 @pytest.mark.cuda
 def test_engine_on_cuda_with_preemption_matches_transformers(model):
     prompts = random_prompts(12, random.Random(7), 20, 60)
@@ -59,7 +53,6 @@ def test_engine_on_cuda_with_preemption_matches_transformers(model):
     assert pipe.engine.scheduler.num_preemptions > 0
 
 
-@cuda
 @pytest.mark.cuda
 def test_graph_replay_gives_the_tokens_of_eager_steps(model):
     """Greedy and seeded sampled tokens, batch sizes that fill a bucket and ones that pad it."""

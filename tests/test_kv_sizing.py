@@ -91,7 +91,6 @@ def test_profile_step_runs_and_cpu_keeps_the_memory_budget(tiny_model_dir):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pool_is_sized_from_device_memory(tiny_model_dir, caplog):
     config = EngineConfig(
         model=str(tiny_model_dir),

@@ -267,7 +267,6 @@ def test_no_row_asking_gives_none_everywhere():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_options_give_the_same_tokens_and_logprobs_on_cuda_and_cpu():
     logits = random_logits(9, 2, vocab=4096)
     rows = [dataclasses.replace(r, logprobs=i % 4 * 5 if i % 3 else None) for i, r in enumerate(mixed_batch(logits))]

@@ -389,7 +389,6 @@ def test_logprobs_are_the_same_alone_and_in_any_batch(tiny_model_dir):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_draws_are_the_same_on_cuda_and_cpu():
     seeds = torch.tensor([0, 1, 2**63 - 1, 987654321])
     positions = torch.tensor([0, 3, 4095, 77])

@@ -30,7 +30,7 @@ import fastgen.kernels as K
 from fastgen.kernels import rope_cos_sin, rope_inv_freq
 from fastgen.testing import make_paged_batch
 
-pytestmark = [pytest.mark.slow, pytest.mark.cuda]  # the Triton interpreter on CPU; compiled kernels on a GPU
+pytestmark = [pytest.mark.slow, pytest.mark.cuda(interpreted=True)]  # the Triton interpreter on CPU, compiled on a GPU
 ON_CUDA = torch.cuda.is_available()
 
 MODULE = "fastgen.kernels.triton_kernels"
