@@ -212,6 +212,15 @@ def test_optional_flags_left_out_and_tp_passed_through():
     assert rep[rep.index("--tp") + 1] == "2"
 
 
+def test_prompt_length_and_tenant_keys_reach_the_balancer():
+    bal = cfg.plan(DeployConfig(replicas=1), "PY")[0].argv
+    assert "--max-model-len" not in bal and "--api-keys-file" not in bal
+    bal = cfg.plan(DeployConfig(replicas=1, max_model_len=4096, api_keys_file="/keys"), "PY")[0].argv
+    assert bal[bal.index("--max-model-len") + 1] == "4096" and bal[bal.index("--api-keys-file") + 1] == "/keys"
+    args = cli.build_parser().parse_args(["start", "--api-keys-file", "keys.txt"])
+    assert cli.config_from(args).api_keys_file == "keys.txt"
+
+
 def test_wildcard_host_is_reached_on_loopback():
     bal = cfg.plan(DeployConfig(host="0.0.0.0", replicas=1), "PY")[0].argv
     assert "replica-0=127.0.0.1:50051" in bal and bal[bal.index("--host") + 1] == "0.0.0.0"
