@@ -53,7 +53,8 @@ class DeployConfig:
     model: str = DEFAULT_MODEL
     replicas: int = 2
     tp: int = 1
-    policy: str = "prefix_aware"  # measured best on the chat workload (benchmarks/RESULTS.md section 9)
+    # least_loaded beat prefix_aware in every chat run that measured both (benchmarks/RESULTS.md, "Prefix caching")
+    policy: str = "least_loaded"
     host: str = "127.0.0.1"
     port: int = 50050
     metrics_port: int = 9400

@@ -163,7 +163,7 @@ def test_port_layout_and_commands():
         "replica-1=127.0.0.1:7002",
         "replica-2=127.0.0.1:7003",
     ]
-    assert bal[bal.index("--policy") + 1] == "prefix_aware"
+    assert bal[bal.index("--policy") + 1] == "least_loaded"
     rep = specs[2].argv
     sla = rep.index("--sla-prompt-rate")  # last, as --sla-token-rate takes several values
     rep, sla = rep[:sla], rep[sla:]
