@@ -122,6 +122,7 @@ class CLibrary:
         v_cache=POINTER,
         tables=POINTER,
         seq_lens=POINTER,
+        starts=POINTER,
         out=POINTER,
         seqs=INT,
         heads=INT,
@@ -130,6 +131,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        softcap=FLOAT,
         threads=INT,
     )
     decode_attention_f32: Callable[..., int] = entry(
@@ -138,6 +140,7 @@ class CLibrary:
         v_cache=POINTER,
         tables=POINTER,
         seq_lens=POINTER,
+        starts=POINTER,
         out=POINTER,
         seqs=INT,
         heads=INT,
@@ -146,6 +149,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        softcap=FLOAT,
         threads=INT,
     )
     prefill_attention_available: Callable[[], int] = entry()
