@@ -394,6 +394,7 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or cos_sin.dtype != torch.float32
         or not cos_sin.is_contiguous()
+        or cos_sin.shape[1] != head_dim  # partial rotary: torch
         or head_dim % 2
     ):
         return rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)

@@ -137,6 +137,8 @@ def rotary_write_kv(
 ) -> torch.Tensor:
     """Rotates q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) by position, writes rotated k and v
     into the cache; returns the rotated q (a new tensor: q itself is left as it was, like the torch version)."""
+    if cos_sin.shape[-1] != q.shape[-1]:  # partial rotary (Phi, Falcon): torch's ops, still graph-safe
+        return TORCH_KERNELS.rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
     q, k, v, cos_sin = (_last_dim_contiguous(x) for x in (q, k, v, cos_sin))
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]

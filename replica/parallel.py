@@ -91,6 +91,7 @@ class ColumnParallelLinear(ParallelLinear):
     def __init__(
         self, in_features: int, parts: list[int], bias: bool, tp: TPGroup, kernels: Kernels = TORCH_KERNELS
     ) -> None:
+        self.parts = parts
         self.local_parts = [_divide(p, tp.size, "output features") for p in parts]
         out = sum(self.local_parts)
         super().__init__(_frozen(out, in_features), _frozen(out) if bias else None, kernels)
@@ -153,6 +154,7 @@ class QKVParallelLinear(ParallelLinear):
         self.kv_heads = max(1, kv_heads // tp.size)
         self.head_dim = head_dim
         self.kv_head_start = tp.rank * kv_heads // tp.size
+        self.parts = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]  # of a fused checkpoint tensor
         self.local_parts = [self.heads * head_dim, self.kv_heads * head_dim, self.kv_heads * head_dim]
         out = sum(self.local_parts)
         super().__init__(_frozen(out, hidden), _frozen(out) if bias else None, kernels)

@@ -73,6 +73,21 @@ FAMILIES = {
             },
         ),
     ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            sliding_window=WINDOW,
+            original_max_position_embeddings=64,  # past every test sequence: transformers keeps the short factors
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,  # Phi-4-mini's: 12 of 16 dims rotate
+                "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                "long_factor": [3.0 + 0.5 * i for i in range(6)],
+            },
+        ),
+    ),
 }
 
 
@@ -205,7 +220,7 @@ print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new
 
 @pytest.mark.slow
 @pytest.mark.cuda(interpreted=True)
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3-window"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3-window", "phi3"])
 def test_families_match_on_the_triton_kernels(family_models, family):
     """Triton's window and soft-capping in the engine, graphed decode path included: interpreted on a CPU (a
     subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled on a GPU."""
@@ -223,3 +238,23 @@ def test_families_match_on_the_triton_kernels(family_models, family):
     assert out.returncode == 0, out.stderr[-3000:]
     tokens = json.loads(out.stdout.strip().splitlines()[-1])
     assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
+
+
+def test_longrope_table_is_transformers_short_then_long(tmp_path):
+    """Positions before the original context rotate by transformers' short-factor frequencies, later ones by its
+    long-factor frequencies, both scaled by its attention factor; partial rotary keeps 12 of 16 dims."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fastgen.replica.models.decoder import rope_table
+
+    folder = make_family_model(tmp_path / "phi3", "phi3")
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    c = ModelConfig.from_hf(load_hf_config(folder))
+    assert c.rotary_dim == 12 and c.sliding_layers == (True,) * 3 and c.rope_longrope[2] == 64
+    table = rope_table(c, c.rope_theta)  # (positions, 12)
+    for seq_len, rows in ((None, slice(0, 64)), (65, slice(64, 256))):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, seq_len=seq_len)
+        freqs = torch.arange(256, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        expected = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor
+        assert torch.allclose(table[rows], expected[rows], atol=1e-6)

@@ -26,6 +26,8 @@ PUBLISHED_PARAMETERS = {
     "gemma-2-9b": 9_241_705_984,
     # Gemma 3 12B's card counts its vision tower too (12.2B); this is its text decoder, which the preset is.
     "gemma-3-12b": 11_766_034_176,
+    "phi-3-mini": 3_821_079_552,
+    "phi-4": 14_659_507_200,
 }
 
 
@@ -56,6 +58,7 @@ def test_presets_are_the_published_architectures():
     assert gemma3.sliding_layers[:6] == (True,) * 5 + (False,) and gemma3.window(0) == 1024 and gemma3.window(5) == 0
     assert gemma3.local_rope_theta == 10000.0 and gemma3.rope_linear_factor == 8.0
     assert preset_config("qwen3-8b").qk_norm and preset_config("qwen3-8b").head_dim == 128
+    assert preset_config("phi-3-mini").window(31) == 2047 and preset_config("phi-4").sliding_window is None
 
 
 def test_a_preset_needs_the_dummy_load_format():

@@ -57,6 +57,9 @@ class ModelConfig:
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden))
     local_rope_theta: float | None = None  # rope base of the sliding-window layers, where it differs (Gemma 3)
     rope_linear_factor: float = 1.0  # linear position interpolation of the global layers (Gemma 3)
+    rotary_dim: int = 0  # dims of each head that rotate, the first ones (0: all; partial rotary: Phi)
+    # LongRoPE (Phi-3 "longrope"/"su"): (short factors, long factors, original context, attention factor)
+    rope_longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -105,6 +108,21 @@ def sliding_layers(hf: dict[str, Any], default: list[bool]) -> tuple[bool, ...]:
     """Which layers slide: config.json's layer_types where it has them, else the family's default."""
     types = hf.get("layer_types")
     return tuple(t == "sliding_attention" for t in types) if types else tuple(default)
+
+
+def rope_table(cfg: ModelConfig, theta: float, local: bool = False) -> torch.Tensor:
+    """The (positions, rotary_dim) cos|sin table of a rope base: llama3, linear (global layers only) or LongRoPE
+    scaled. LongRoPE rotates positions before the original context by the short factors and later ones by the long,
+    per position (as vLLM does; transformers switches a whole sequence to the long factors once it is longer)."""
+    dim, positions = cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings
+    if cfg.rope_longrope is not None:
+        short, long, original, attention_factor = cfg.rope_longrope
+        powers = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        short_table = rope_cos_sin(1.0 / (torch.tensor(short, dtype=torch.float32) * powers), min(original, positions))
+        long_table = rope_cos_sin(1.0 / (torch.tensor(long, dtype=torch.float32) * powers), positions)[original:]
+        return torch.cat([short_table, long_table]) * attention_factor
+    inv_freq = rope_inv_freq(dim, theta, None if local else cfg.rope_llama3)
+    return rope_cos_sin(inv_freq if local else inv_freq / cfg.rope_linear_factor, positions)
 
 
 class RMSNorm(nn.Module):
@@ -215,11 +233,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer_cls(cfg, i, tp, kernels) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
         self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels)
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_llama3) / cfg.rope_linear_factor
-        self.register_buffer("cos_sin", rope_cos_sin(inv_freq, cfg.max_position_embeddings), persistent=False)
+        self.register_buffer("cos_sin", rope_table(cfg, cfg.rope_theta), persistent=False)
         if cfg.local_rope_theta is not None:
-            local = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta)
-            self.register_buffer("cos_sin_local", rope_cos_sin(local, cfg.max_position_embeddings), persistent=False)
+            self.register_buffer("cos_sin_local", rope_table(cfg, cfg.local_rope_theta, local=True), persistent=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions (tokens,) -> final hidden states (tokens, hidden)."""
@@ -276,14 +292,17 @@ class DecoderModel(nn.Module):
                 continue
             module_name, _, param = name.rpartition(".")
             prefix, _, leaf = module_name.rpartition(".")
-            part = 0
+            parts = [(0, tensor)]
             if leaf in fused:
                 leaf, part = fused[leaf]
-                module_name = f"{prefix}.{leaf}"
+                module_name, parts = f"{prefix}.{leaf}", [(part, tensor)]
+            elif leaf in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint too (Phi-3): split as ours is
+                parts = list(enumerate(tensor.split(modules[module_name].parts)))
             if module_name not in modules:
                 raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
-            modules[module_name].load(param, tensor, part)
-            seen.add((module_name, param, part))
+            for part, piece in parts:
+                modules[module_name].load(param, piece, part)
+                seen.add((module_name, param, part))
         tied_head = self.lm_head if self.config.tie_word_embeddings else None
         expected = sum(
             len(getattr(m, "local_parts", [0])) for m in modules.values() if hasattr(m, "load") and m is not tied_head
