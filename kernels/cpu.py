@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import clib
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .dense import argmax
-from .norm import add_rms_norm, gelu_tanh_mul, rms_norm, silu_mul
+from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .rotary import rotary_write_kv
 from .table import Kernels
 
@@ -672,6 +672,8 @@ CPU_KERNELS = Kernels(
     paged_attention=paged_attention_cpu,
     rms_norm=rms_norm_cpu,
     add_rms_norm=add_rms_norm_cpu,
+    layer_norm=layer_norm,
+    add_layer_norm=add_layer_norm,
     silu_mul=silu_mul_cpu,
     gelu_tanh_mul=gelu_tanh_mul,
     pack_linear=pack_weight,

@@ -218,13 +218,18 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(ParallelLinear):
     """Logits over the vocabulary split across ranks, gathered so every rank sees the full row. With tied
-    embeddings it reads the embedding's own shard."""
+    embeddings it reads the embedding's own shard. A bias (Phi-2) is split by vocabulary as the rows are."""
 
     def __init__(
-        self, embedding: VocabParallelEmbedding, tied: bool, tp: TPGroup, kernels: Kernels = TORCH_KERNELS
+        self,
+        embedding: VocabParallelEmbedding,
+        tied: bool,
+        tp: TPGroup,
+        kernels: Kernels = TORCH_KERNELS,
+        bias: bool = False,
     ) -> None:
         weight = embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
-        super().__init__(weight, None, kernels)
+        super().__init__(weight, _frozen(embedding.local_vocab) if bias else None, kernels)
         self.tp = tp
         self.vocab_size = embedding.vocab_size
         self.vocab_start = embedding.vocab_start
@@ -232,8 +237,8 @@ class ParallelLMHead(ParallelLinear):
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.vocab_start)
-        self.weight.data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
+        getattr(self, name).data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(self.project(x, None))  # (rows, local_vocab * tp)
+        logits = self.tp.all_gather_last(self.project(x, self.bias))  # (rows, local_vocab * tp)
         return logits[:, : self.vocab_size]

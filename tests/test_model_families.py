@@ -88,6 +88,23 @@ FAMILIES = {
             },
         ),
     ),
+    "phi2": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, dropout=0.0, enable_bias=True)),
+    "falcon-7b": (  # multi-query, parallel attention and MLP on one norm
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False),
+    ),
+    "falcon-40b": (  # new decoder architecture: grouped KV heads, a norm for each branch
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, ffn_hidden_size=128),
+    ),
+    "falcon-mha": (  # no multi-query: q, k, v interleaved per head; sequential blocks
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(multi_query=False, parallel_attn=False, new_decoder_architecture=False, bias=True),
+    ),
 }
 
 
@@ -220,7 +237,7 @@ print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new
 
 @pytest.mark.slow
 @pytest.mark.cuda(interpreted=True)
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3-window", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3-window", "phi3", "phi2", "opt", "falcon-40b"])
 def test_families_match_on_the_triton_kernels(family_models, family):
     """Triton's window and soft-capping in the engine, graphed decode path included: interpreted on a CPU (a
     subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled on a GPU."""
@@ -258,3 +275,17 @@ def test_longrope_table_is_transformers_short_then_long(tmp_path):
         freqs = torch.arange(256, dtype=torch.float32)[:, None] * inv_freq[None, :]
         expected = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * factor
         assert torch.allclose(table[rows], expected[rows], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_loads_through_its_index(family_models, tmp_path):
+    """A checkpoint in several safetensors files with its index (and a stray file the index does not name) loads
+    as the single file does."""
+    import transformers
+
+    folder, prompts, refs = family_models["gemma2"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "consolidated.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    assert_matches(run(tmp_path, prompts, max_batch_tokens=7)[1], refs)

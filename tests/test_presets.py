@@ -28,16 +28,17 @@ PUBLISHED_PARAMETERS = {
     "gemma-3-12b": 11_766_034_176,
     "phi-3-mini": 3_821_079_552,
     "phi-4": 14_659_507_200,
+    # Falcon-7B's card says 7.2B: its checkpoint stores the LM head beside the embedding it is tied to.
+    "falcon-7b": 6_921_720_704,
 }
 
 
 def parameters(c: ModelConfig) -> int:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    layer += (4 if c.sandwich_norms else 2) * c.hidden_size + ((q + 2 * kv) if c.qkv_bias else 0)
-    layer += 2 * c.head_dim if c.qk_norm else 0
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * layer + c.hidden_size
+    """The parameters of the model FastGen builds from the config (on the meta device: no memory), a tied LM head
+    counted once."""
+    with torch.device("meta"):
+        model = LlamaModel(c, TPGroup(), TORCH_KERNELS)
+    return sum(p.numel() for p in model.parameters())
 
 
 def preset_config(name: str) -> ModelConfig:

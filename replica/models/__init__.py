@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gemma, llama, phi3, qwen3
+from . import falcon, gemma, llama, opt, phi, phi3, qwen3
 from .decoder import DecoderModel, ModelConfig
 
-FAMILIES = (llama, qwen3, gemma, phi3)
+FAMILIES = (llama, qwen3, gemma, phi3, phi, opt, falcon)
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
 
 

@@ -1,19 +1,23 @@
 """The decoder skeleton every family shares: embedding, N x (attention + MLP) over ragged batches, final norm, LM head.
 A family is a `ModelConfig` read from its checkpoint's config.json (replica/models/<family>.py) whose fields name its
-differences: q/k norms, (1 + w) norms, sandwich norms, the MLP's activation, the attention scale, soft-capping,
-sliding-window layers, a local rope base. Every linear layer is tensor-parallel (one rank: a plain layer)."""
+differences: RMSNorm or LayerNorm, q/k norms, (1 + w) norms, sandwich norms, a gated or plain MLP and its activation,
+attention and MLP in parallel, biases, the attention scale, soft-capping, sliding-window layers, rope variants, and
+how its checkpoint names tensors. Every linear layer is tensor-parallel (one rank: a plain layer)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import AttentionMetadata, Kernels, rope_cos_sin, rope_inv_freq
 from ..parallel import (
+    ColumnParallelLinear,
     GateUpParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -60,6 +64,20 @@ class ModelConfig:
     rotary_dim: int = 0  # dims of each head that rotate, the first ones (0: all; partial rotary: Phi)
     # LongRoPE (Phi-3 "longrope"/"su"): (short factors, long factors, original context, attention factor)
     rope_longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
+    norm: str = "rms"  # "rms" or "layer" (LayerNorm with bias: Phi-2, Falcon, OPT)
+    mlp: str = "gated"  # "gated": down(act(gate) * up); "plain": fc2(act(fc1)) (Phi-2, Falcon, OPT)
+    mlp_bias: bool = False  # the plain MLP's biases
+    parallel_block: bool = False  # x + attn(norm(x)) + mlp(norm(x)): one norm, both branches read it (Phi-2)
+    lm_head_bias: bool = False
+    ln_mlp: bool = False  # a parallel block's MLP reads a norm of its own (Falcon's new decoder architecture)
+    rope: bool = True  # False: no rotary embedding (OPT's learned positions instead)
+    learned_positions_offset: int | None = None  # a learned position table, read at position + offset (OPT: 2)
+    scale_queries: bool = False  # q is scaled before q k^T, not the scores after it (OPT: the same bits as its)
+    # How a checkpoint's fused query_key_value rows lie: "concat" (q, k, v), "grouped" (per KV head: its queries, k,
+    # v; Falcon's new decoder architecture), "interleaved" (per head: q, k, v; Falcon without multi-query)
+    qkv_layout: str = "concat"
+    # (checkpoint's, ours) substrings of tensor names where a family names a module otherwise (e.g. Phi-2's dense)
+    renames: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -104,6 +122,12 @@ def hf_common(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
     )
 
 
+def gpt_style(bias: bool, activation: str) -> dict[str, Any]:
+    """What the GPT-style families (Phi-2, OPT, Falcon) share: LayerNorm, a plain MLP, biases on every linear layer
+    of a block or on none."""
+    return dict(norm="layer", mlp="plain", mlp_activation=activation, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
 def sliding_layers(hf: dict[str, Any], default: list[bool]) -> tuple[bool, ...]:
     """Which layers slide: config.json's layer_types where it has them, else the family's default."""
     types = hf.get("layer_types")
@@ -115,6 +139,8 @@ def rope_table(cfg: ModelConfig, theta: float, local: bool = False) -> torch.Ten
     scaled. LongRoPE rotates positions before the original context by the short factors and later ones by the long,
     per position (as vLLM does; transformers switches a whole sequence to the long factors once it is longer)."""
     dim, positions = cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings
+    if not cfg.rope:  # an empty table: the kernels rotate no dim
+        return torch.zeros(positions, 0, dtype=torch.float32)
     if cfg.rope_longrope is not None:
         short, long, original, attention_factor = cfg.rope_longrope
         powers = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
@@ -145,6 +171,45 @@ class RMSNorm(nn.Module):
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with bias, RMSNorm's interface (the residual add fused in)."""
+
+    def __init__(self, hidden: int, eps: float, kernels: Kernels) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden), requires_grad=False)
+        self.eps = eps
+        self.kernels = kernels
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        getattr(self, name).data.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.kernels.layer_norm(x, self.weight, self.bias, self.eps), x
+        return self.kernels.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig, hidden: int, kernels: Kernels) -> RMSNorm | LayerNorm:
+    if cfg.norm == "layer":
+        return LayerNorm(hidden, cfg.rms_norm_eps, kernels)
+    return RMSNorm(hidden, cfg.rms_norm_eps, kernels, cfg.norm_offset)
+
+
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' "gelu_new" (GPT-2, Phi-2), written as it writes it so that float32 results are its bits."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+# The plain MLP's activations, by their transformers (ACT2FN) names.
+ACTIVATIONS = {
+    "gelu_new": gelu_new,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
@@ -156,6 +221,7 @@ class Attention(nn.Module):
         self.scale = cfg.query_scale or cfg.head_dim**-0.5
         self.window = cfg.window(layer)
         self.softcap = cfg.attn_softcap
+        self.scale_queries = cfg.scale_queries
         self.local_rope = bool(self.window) and cfg.local_rope_theta is not None  # reads the model's local table
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels, cfg.norm_offset)
@@ -171,9 +237,12 @@ class Attention(nn.Module):
         if self.qk_norm:  # each head normalised on its own: rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(-1, self.kv_heads, self.head_dim)
+        if self.scale_queries:
+            q = q * self.scale
         q = self.kernels.rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, meta.slot_mapping)
         # (tokens, heads, head_dim); window and softcap are 0 (off) for most layers of most families
-        o = self.kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
+        scale = 1.0 if self.scale_queries else self.scale
+        o = self.kernels.paged_attention(q, k_cache, v_cache, meta, scale, self.window, self.softcap)
         return self.o_proj(o.flatten(1))  # (tokens, hidden)
 
 
@@ -190,21 +259,54 @@ class MLP(nn.Module):
         return self.down_proj(h)  # (tokens, hidden)
 
 
+class PlainMLP(nn.Module):
+    """fc2(act(fc1(x))) with biases: the MLP of Phi-2, Falcon and OPT."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
+        super().__init__()
+        if cfg.mlp_activation not in ACTIVATIONS:
+            raise ValueError(
+                f"unsupported activation {cfg.mlp_activation!r}: FastGen supports {', '.join(ACTIVATIONS)}"
+            )
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size], cfg.mlp_bias, tp, kernels)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, kernels)
+        self.act = ACTIVATIONS[cfg.mlp_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # (tokens, intermediate / tp) -> (tokens, hidden)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm layer (Llama): x + attn(norm(x)), then + mlp(norm(.)). The residual add is fused into the next norm."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, kernels)
         self.self_attn = Attention(cfg, layer, tp, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
-        self.mlp = MLP(cfg, tp, kernels)
+        if not cfg.parallel_block:
+            self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, kernels)
+        self.mlp = PlainMLP(cfg, tp, kernels) if cfg.mlp == "plain" else MLP(cfg, tp, kernels)
 
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, cos_sin, meta, k_cache, v_cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+class ParallelDecoderLayer(DecoderLayer):
+    """Attention and MLP side by side on one norm's output (Phi-2, Falcon-7B): x + attn(norm(x)) + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels) -> None:
+        super().__init__(cfg, layer, tp, kernels)
+        if cfg.ln_mlp:
+            self.ln_mlp = make_norm(cfg, cfg.hidden_size, kernels)
+        self.two_norms = cfg.ln_mlp
+
+    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
+        h, residual = self.input_layernorm(x, residual)
+        h_mlp = self.ln_mlp(residual)[0] if self.two_norms else h
+        return self.self_attn(h, positions, cos_sin, meta, k_cache, v_cache) + self.mlp(h_mlp), residual
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -229,10 +331,15 @@ class DecoderModel(nn.Module):
         self.config = cfg
         self.kernels = kernels
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        if cfg.learned_positions_offset is not None:
+            positions = cfg.max_position_embeddings + cfg.learned_positions_offset
+            self.embed_positions = VocabParallelEmbedding(positions, cfg.hidden_size, tp)
+        layer_cls = (
+            SandwichDecoderLayer if cfg.sandwich_norms else ParallelDecoderLayer if cfg.parallel_block else DecoderLayer
+        )
         self.layers = nn.ModuleList(layer_cls(cfg, i, tp, kernels) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
-        self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels)
+        self.norm = make_norm(cfg, cfg.hidden_size, kernels)
+        self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels, cfg.lm_head_bias)
         self.register_buffer("cos_sin", rope_table(cfg, cfg.rope_theta), persistent=False)
         if cfg.local_rope_theta is not None:
             self.register_buffer("cos_sin_local", rope_table(cfg, cfg.local_rope_theta, local=True), persistent=False)
@@ -242,6 +349,8 @@ class DecoderModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the activations' dtype, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if self.config.learned_positions_offset is not None:  # OPT
+            x = x + self.embed_positions(positions + self.config.learned_positions_offset)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos_sin = self.cos_sin_local if layer.self_attn.local_rope else self.cos_sin
             x, residual = layer(x, residual, positions, cos_sin, meta, k_cache, v_cache)
@@ -265,7 +374,7 @@ class DecoderModel(nn.Module):
         device), so nothing is read and nothing crosses from the CPU. Norm weights are ones, as a trained model's
         roughly are; every other weight is N(0, DUMMY_STD). Seeded, so every start builds the same model; each
         tensor-parallel rank draws its own shards, so the weights differ with --tp."""
-        norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm | LayerNorm)}
         generator = None
         for param in self.parameters():  # a tied LM head is the embedding, drawn once
             if generator is None or generator.device != param.device:
@@ -274,6 +383,19 @@ class DecoderModel(nn.Module):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, DUMMY_STD, generator=generator)
+
+    def fused_parts(self, leaf: str, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """A checkpoint's fused tensor (rows first) as our parts: q, k, v or gate, up, each whole (every rank
+        then takes its own shard of each part)."""
+        layout, cfg = self.config.qkv_layout, self.config
+        if leaf != "qkv_proj" or layout == "concat":
+            return list(tensor.split(sizes))
+        d = cfg.head_dim
+        if layout == "grouped":  # (kv_heads, queries per group + 2, head_dim, ...)
+            grouped = tensor.unflatten(0, (cfg.num_kv_heads, -1, d))
+            return [grouped[:, :-2].flatten(0, 2), grouped[:, -2].flatten(0, 1), grouped[:, -1].flatten(0, 1)]
+        interleaved = tensor.unflatten(0, (cfg.num_heads, 3, d))  # (heads, q k v, head_dim, ...)
+        return [interleaved[:, i].flatten(0, 1) for i in range(3)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
@@ -288,6 +410,8 @@ class DecoderModel(nn.Module):
         seen = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
+            for theirs, ours in self.config.renames:
+                name = name.replace(theirs, ours)
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             module_name, _, param = name.rpartition(".")
@@ -296,8 +420,8 @@ class DecoderModel(nn.Module):
             if leaf in fused:
                 leaf, part = fused[leaf]
                 module_name, parts = f"{prefix}.{leaf}", [(part, tensor)]
-            elif leaf in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint too (Phi-3): split as ours is
-                parts = list(enumerate(tensor.split(modules[module_name].parts)))
+            elif leaf in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint too (Phi-3, Falcon): split by part
+                parts = list(enumerate(self.fused_parts(leaf, tensor, modules[module_name].parts)))
             if module_name not in modules:
                 raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
             for part, piece in parts:
