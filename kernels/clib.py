@@ -206,6 +206,7 @@ class CLibrary:
     elementwise_available: Callable[[], int] = entry()
     add_rms_norm_bf16: Callable[..., int] = entry(**ADD_RMS_NORM)
     silu_mul_bf16: Callable[..., int] = entry(**SILU_MUL)
+    gelu_tanh_mul_bf16: Callable[..., int] = entry(**SILU_MUL)
     rotary_write_kv_bf16: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     argmax_bf16: Callable[..., int] = entry(x=POINTER, rows=INT, vocab=INT, stride=INT64, out=POINTER, threads=INT)
     linear_bf16: Callable[..., int] = entry(
@@ -223,6 +224,7 @@ class CLibrary:
     elementwise_f32_available: Callable[[], int] = entry()
     add_rms_norm_f32: Callable[..., int] = entry(**ADD_RMS_NORM)
     silu_mul_f32: Callable[..., int] = entry(**SILU_MUL)
+    gelu_tanh_mul_f32: Callable[..., int] = entry(**SILU_MUL)
     rotary_write_kv_f32: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     linear_f32_available: Callable[[], int] = entry()
     linear_f32: Callable[..., int] = entry(

@@ -299,6 +299,7 @@ class Elementwise:
     dtype: torch.dtype
     add_rms_norm: Callable[..., int]
     silu_mul: Callable[..., int]
+    gelu_tanh_mul: Callable[..., int]
     rotary_write_kv: Callable[..., int]
 
 
@@ -307,10 +308,22 @@ def _elementwise_for(dtype: torch.dtype) -> Elementwise | None:
     """The fused elementwise kernels for activations of dtype where they run on this CPU, else None (torch serves)."""
     if dtype == torch.bfloat16 and _elementwise() is not None:
         library = _elementwise()
-        return Elementwise(dtype, library.add_rms_norm_bf16, library.silu_mul_bf16, library.rotary_write_kv_bf16)
+        return Elementwise(
+            dtype,
+            library.add_rms_norm_bf16,
+            library.silu_mul_bf16,
+            library.gelu_tanh_mul_bf16,
+            library.rotary_write_kv_bf16,
+        )
     library = _get_library()
     if dtype == torch.float32 and library is not None and library.elementwise_f32_available():
-        return Elementwise(dtype, library.add_rms_norm_f32, library.silu_mul_f32, library.rotary_write_kv_f32)
+        return Elementwise(
+            dtype,
+            library.add_rms_norm_f32,
+            library.silu_mul_f32,
+            library.gelu_tanh_mul_f32,
+            library.rotary_write_kv_f32,
+        )
     return None
 
 
@@ -366,15 +379,26 @@ def add_rms_norm_cpu(
     return out, total
 
 
-def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    """Same contract as norm.silu_mul."""
+def _gated(gate_up: torch.Tensor, which: str, reference: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """act(gate) * up by the elementwise kernel `which` (silu_mul, gelu_tanh_mul), else by the torch reference."""
     kernels = _elementwise_for(gate_up.dtype)
     if kernels is None or not _rows(gate_up, kernels.dtype) or gate_up.shape[1] % 2:
-        return silu_mul(gate_up)
+        return reference(gate_up)
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
+    kernel = getattr(kernels, which)
+    kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
     return out
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as norm.silu_mul."""
+    return _gated(gate_up, "silu_mul", silu_mul)
+
+
+def gelu_tanh_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as norm.gelu_tanh_mul (GeGLU), within a few ulp of torch's GELU."""
+    return _gated(gate_up, "gelu_tanh_mul", gelu_tanh_mul)
 
 
 def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
@@ -675,7 +699,7 @@ CPU_KERNELS = Kernels(
     layer_norm=layer_norm,
     add_layer_norm=add_layer_norm,
     silu_mul=silu_mul_cpu,
-    gelu_tanh_mul=gelu_tanh_mul,
+    gelu_tanh_mul=gelu_tanh_mul_cpu,
     pack_linear=pack_weight,
     linear=linear,
     pack_gate_up=pack_gate_up,

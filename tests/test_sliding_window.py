@@ -131,3 +131,17 @@ def test_gelu_tanh_mul_is_transformers_geglu():
     gate_up = torch.randn(7, 2 * 24)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(gelu_tanh_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [24, 100])  # 100: a masked tail
+def test_c_gelu_tanh_mul_matches_torch(dtype, inter):
+    from fastgen.kernels import cpu
+
+    if cpu._elementwise_for(dtype) is None:
+        require_tool(False, "no C compiler, or a CPU without the elementwise kernels")
+    gate_up = (torch.randn(9, 2 * inter + 8) * 3).to(dtype)[:, : 2 * inter]  # rows with a stride of their own
+    ref = gelu_tanh_mul(gate_up.float()).to(dtype) if dtype == torch.float32 else gelu_tanh_mul(gate_up)
+    out = cpu.gelu_tanh_mul_cpu(gate_up)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
