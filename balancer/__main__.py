@@ -231,8 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--policy",
         choices=sorted(POLICIES),
         default="least_loaded",
-        help="routing policy (default: %(default)s); prefix_aware routes a prompt where its prefix is cached unless the "
-        "wait there costs more than the prefill it saves",
+        help="routing policy (default: %(default)s); prefix_aware routes a prompt where its prefix is cached unless "
+        "the wait there costs more than the prefill it saves",
     )
     p.add_argument(
         "--tokenizer",
