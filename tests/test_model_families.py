@@ -90,6 +90,11 @@ FAMILIES = {
     ),
     "phi2": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, dropout=0.0, enable_bias=True)),
+    "opt-350m": (  # post-norm layers, embeddings narrower than the layers
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(ffn_dim=128, dropout=0.0, do_layer_norm_before=False, word_embed_proj_dim=32),
+    ),
     "falcon-7b": (  # multi-query, parallel attention and MLP on one norm
         "FalconConfig",
         "FalconForCausalLM",

@@ -76,6 +76,8 @@ class ModelConfig:
     # How a checkpoint's fused query_key_value rows lie: "concat" (q, k, v), "grouped" (per KV head: its queries, k,
     # v; Falcon's new decoder architecture), "interleaved" (per head: q, k, v; Falcon without multi-query)
     qkv_layout: str = "concat"
+    post_norm: bool = False  # norms after each residual add, none at the end (OPT-350m)
+    embedding_dim: int = 0  # the embeddings' width where it is not hidden_size: projected in and out (OPT-350m)
     # (checkpoint's, ours) substrings of tensor names where a family names a module otherwise (e.g. Phi-2's dense)
     renames: tuple[tuple[str, str], ...] = ()
 
@@ -309,6 +311,16 @@ class ParallelDecoderLayer(DecoderLayer):
         return self.self_attn(h, positions, cos_sin, meta, k_cache, v_cache) + self.mlp(h_mlp), residual
 
 
+class PostNormDecoderLayer(DecoderLayer):
+    """Norms after each residual add (OPT-350m): norm(x + attn(x)), then norm(. + mlp(.)). The layer hands on
+    finished hidden states: nothing is left to add."""
+
+    def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
+        x = x if residual is None else x + residual
+        x = self.input_layernorm(self.self_attn(x, positions, cos_sin, meta, k_cache, v_cache), x)[0]
+        return self.post_attention_layernorm(self.mlp(x), x)[0], None
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma's layer: attention's and the MLP's outputs are normalised too before they join the residual
     (post_attention_layernorm is the norm after attention here, pre_feedforward_layernorm the one before the MLP)."""
@@ -330,15 +342,25 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.kernels = kernels
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        width = cfg.embedding_dim or cfg.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, width, tp)
+        if width != cfg.hidden_size:  # small projections, whole on every rank (a group of one)
+            self.project_in = ColumnParallelLinear(width, [cfg.hidden_size], False, TPGroup(), kernels)
+            self.project_out = ColumnParallelLinear(cfg.hidden_size, [width], False, TPGroup(), kernels)
         if cfg.learned_positions_offset is not None:
             positions = cfg.max_position_embeddings + cfg.learned_positions_offset
             self.embed_positions = VocabParallelEmbedding(positions, cfg.hidden_size, tp)
         layer_cls = (
-            SandwichDecoderLayer if cfg.sandwich_norms else ParallelDecoderLayer if cfg.parallel_block else DecoderLayer
+            SandwichDecoderLayer
+            if cfg.sandwich_norms
+            else ParallelDecoderLayer
+            if cfg.parallel_block
+            else PostNormDecoderLayer
+            if cfg.post_norm
+            else DecoderLayer
         )
         self.layers = nn.ModuleList(layer_cls(cfg, i, tp, kernels) for i in range(cfg.num_layers))
-        self.norm = make_norm(cfg, cfg.hidden_size, kernels)
+        self.norm = None if cfg.post_norm else make_norm(cfg, cfg.hidden_size, kernels)
         self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels, cfg.lm_head_bias)
         self.register_buffer("cos_sin", rope_table(cfg, cfg.rope_theta), persistent=False)
         if cfg.local_rope_theta is not None:
@@ -347,6 +369,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions (tokens,) -> final hidden states (tokens, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.config.embedding_dim:
+            x = self.project_in(x)
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the activations' dtype, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self.config.learned_positions_offset is not None:  # OPT
@@ -354,7 +378,9 @@ class DecoderModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos_sin = self.cos_sin_local if layer.self_attn.local_rope else self.cos_sin
             x, residual = layer(x, residual, positions, cos_sin, meta, k_cache, v_cache)
-        return self.norm(x, residual)[0]
+        if self.norm is not None:
+            x = self.norm(x, residual)[0]
+        return self.project_out(x) if self.config.embedding_dim else x
 
     def pack_weights(self) -> None:
         """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any)."""

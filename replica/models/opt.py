@@ -1,5 +1,6 @@
-"""OPT (OPTForCausalLM, pre-norm: every size but 350m): learned positional embeddings read at position + 2, no
-rotary, LayerNorm, a plain ReLU MLP, biases, q scaled before q k^T (as OPT does), tied embeddings."""
+"""OPT (OPTForCausalLM): learned positional embeddings read at position + 2, no rotary, LayerNorm, a plain ReLU MLP,
+biases, q scaled before q k^T (as OPT does), tied embeddings; OPT-350m's post-norm layers and its embeddings
+narrower than the layers (word_embed_proj_dim, projected in and out)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,10 @@ RENAMES = (
 
 def config_from_hf(hf: dict[str, Any], architecture: str) -> ModelConfig:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    unsupported = {
-        "do_layer_norm_before": not hf.get("do_layer_norm_before", True),  # OPT-350m's post-norm layers
-        "word_embed_proj_dim": hf.get("word_embed_proj_dim") not in (None, hidden),
-        "_remove_final_layer_norm": hf.get("_remove_final_layer_norm", False),
-        "layer_norm_elementwise_affine": not hf.get("layer_norm_elementwise_affine", True),
-    }
-    if any(unsupported.values()):
-        names = ", ".join(k for k, v in unsupported.items() if v)
-        raise ValueError(f"unsupported OPT variant ({names}): FastGen serves pre-norm OPT without projections")
+    pre_norm = bool(hf.get("do_layer_norm_before", True))
+    if hf.get("_remove_final_layer_norm") and pre_norm or not hf.get("layer_norm_elementwise_affine", True):
+        raise ValueError("unsupported OPT variant (no final or no affine LayerNorm): FastGen serves OPT's releases")
+    embedding = hf.get("word_embed_proj_dim") or hidden
     return ModelConfig(
         architecture="opt",
         vocab_size=hf["vocab_size"],
@@ -51,4 +47,6 @@ def config_from_hf(hf: dict[str, Any], architecture: str) -> ModelConfig:
         learned_positions_offset=2,
         scale_queries=True,
         renames=RENAMES,
+        post_norm=not pre_norm,
+        embedding_dim=embedding if embedding != hidden else 0,
     )
