@@ -33,7 +33,7 @@ DUMMY_SEED = 0
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3
+    architecture: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, phi, opt, falcon
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,7 +41,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's eps, LayerNorm's too
     rope_theta: float
     rope_llama3: tuple[float, float, float, int] | None  # (factor, low, high, original context) or None
     max_position_embeddings: int
@@ -54,7 +54,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
     norm_offset: float = 0.0  # every RMSNorm scales by (offset + w) (Gemma: 1)
     sandwich_norms: bool = False  # norms after attention and around the MLP as well (Gemma 2/3)
-    mlp_activation: str = "silu"  # of the gate: "silu" or "gelu_tanh" (GeGLU)
+    # The gated MLP's: "silu" or "gelu_tanh" (GeGLU); the plain MLP's: a transformers name in ACTIVATIONS
+    mlp_activation: str = "silu"
     query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before the softmax (0: off)
     final_softcap: float = 0.0  # the same on the logits
