@@ -64,6 +64,11 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def splits_at(self, *columns: int) -> bool:
+        """Whether every one of these column offsets falls between blocks (a shard may start or end there)."""
+        weights, _ = block_shape(self.qtype)
+        return all(c % weights == 0 for c in columns)
+
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         """Rows (dim 0) or whole blocks of columns (dim 1) [start, start + length)."""
         rows, cols = self.shape
