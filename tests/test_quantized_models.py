@@ -121,3 +121,51 @@ def test_quantized_layers_hold_the_files_blocks():
     assert held == file_blocks
     assert dense < 0.01 * held  # norms only
     assert np.isclose(held / 2**20, 91, atol=2)  # MiB
+
+
+def requantized(source, target, qtype_name: str):
+    """A copy of a GGUF file with every quantized tensor (weights the file holds in a block type) dequantized and
+    quantized again to `qtype_name` with gguf's own quantizers: a model in another block type, made here from the
+    embedded file (nothing downloaded)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(str(target), arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    qtype = GGMLQuantizationType[qtype_name]
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(t.name, np.array(t.data))
+            continue
+        dense = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        writer.add_tensor(t.name, quantize(dense, qtype), raw_dtype=qtype)  # the shape read from the bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q5_1"])
+def test_requantized_file_matches_transformers_on_its_dequantized_checkpoint(tmp_path, qtype_name):
+    """The same model in another block type, made here with gguf's quantizers: served in its own blocks, greedy
+    tokens are transformers' on the same file dequantized, up to near ties."""
+    source, _ = embedded()
+    gguf = requantized(source, tmp_path / f"smollm2.{qtype_name}.gguf", qtype_name)
+    from fastgen.kernels.quant import QuantLinear
+
+    pipe = pipeline(str(gguf), dtype="float32", quantization="auto", progress=False)
+    head = pipe.engine.runner.model.lm_head
+    assert isinstance(head.packed, QuantLinear) and head.packed.formats[0].startswith(qtype_name.lower())
+    refs = reference_greedy(resolve_model(str(gguf)), PROMPTS[:2], 16)
+    outs = pipe(PROMPTS[:2], max_new_tokens=16, min_new_tokens=16)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_same_up_to_near_ties(out.token_ids, ref)
