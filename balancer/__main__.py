@@ -15,12 +15,19 @@ HTTP require `authorization: Bearer <key>` (health checks excepted); --auth-toke
 token, which the balancer sends to the replicas (and also accepts). --tls-cert/--tls-key serve gRPC and HTTP over
 TLS; --tls-ca makes the calls to the replicas mutual TLS. SIGTERM (or SIGINT) stops taking new calls, lets calls in
 flight finish (up to --grace seconds) and exits 0.
+
+--api-keys-file gives one key per tenant (one a line): with more than one client key, each tenant's requests get their
+own prefix-cache salt (tenants.py), so tenants cannot probe each other's cached prompts; with a single key every caller
+shares the cache, as before. Serving without any key on an address other than loopback is logged as a warning.
+--max-model-len tells the balancer the replicas' context, so that longer prompts are refused before any work
+(limits.py); without it only prompts no model takes are.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -45,6 +52,7 @@ from ..server.metrics import BalancerMetrics, BuildInfo, HttpMetrics, record_bui
 from ..server.tls import TlsFiles, server_ssl_context
 from .discovery import DEFAULT_INTERVAL, Discovery, DnsSource, FileSource, Source, split_host_port
 from .journal import DEFAULT_MIGRATION_LIMIT, DEFAULT_MIGRATION_MAX_LEN, MigrationSettings
+from .limits import PromptLimits
 from .openai_api import API_KEY_ENV, ApiSettings, OpenAIApi, start_http
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
@@ -71,16 +79,60 @@ class Security:
     server: ServerSecurity  # what callers of the balancer must present
     upstream: ChannelSecurity  # what the balancer presents to the replicas
     http_tls: TlsFiles | None  # the HTTP API's certificate (clients need none)
+    api_keys: tuple[str, ...] = ()  # the clients' keys: --api-key and --api-keys-file
+    operator_tokens: tuple[str, ...] | None = None  # who sees replica addresses in GetStatus (None: every caller)
+
+    @property
+    def per_tenant(self) -> bool:
+        return len(self.api_keys) > 1
 
 
 def security_from_args(args: argparse.Namespace) -> Security:
     """ValueError for a missing or unusable file."""
     tls, token = tls_from_args(args), token_from_args(args)
+    keys = client_keys(args)
     # The internal token opens the balancer too: whoever can read it can already call the replicas directly.
-    tokens = tuple(t for t in (args.api_key, token) if t) if args.api_key else ()
+    tokens = tuple(t for t in (*keys, token) if t) if keys else ()
     public = TlsFiles(tls.cert, tls.key) if tls else None  # public callers present no certificate
     upstream = ChannelSecurity(bearer_metadata(token), tls if tls and tls.ca else None)
-    return Security(ServerSecurity(tokens, API_KEY_HINT, public), upstream, public)
+    operators = tuple(t for t in (token,) if t) if keys else None
+    return Security(ServerSecurity(tokens, API_KEY_HINT, public), upstream, public, keys, operators)
+
+
+def client_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key and the keys of --api-keys-file (one a line, '#' comments), in order, each once."""
+    keys = [args.api_key] if args.api_key else []
+    if args.api_keys_file:
+        try:
+            text = Path(args.api_keys_file).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read the API keys file {args.api_keys_file}: {e.strerror or e}") from None
+        lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+        if any(" " in line for line in lines):
+            raise ValueError(f"the API keys file {args.api_keys_file} must hold one key a line, without spaces")
+        keys += [line for line in lines if line]
+    return tuple(dict.fromkeys(keys))
+
+
+def warn_if_exposed(args: argparse.Namespace) -> None:
+    """A warning when anyone who reaches the host can use the deployment: no API key on a non-loopback address."""
+    if args.api_key or getattr(args, "api_keys_file", None) or is_loopback(args.host):
+        return
+    log.warning(
+        "serving on %s without an API key: anyone who can reach this address can generate and read the deployment's "
+        "status; set %s (or --api-keys-file), or listen on 127.0.0.1",
+        args.host,
+        API_KEY_ENV,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
 
 
 def _replica_arg(text: str) -> ReplicaSpec:
@@ -178,9 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policy",
         choices=sorted(POLICIES),
-        default="prefix_aware",
-        help="routing policy; prefix_aware routes a prompt where its prefix is cached unless the wait there costs more "
-        "than the prefill it saves",
+        default="least_loaded",
+        help="routing policy (default: %(default)s); prefix_aware routes a prompt where its prefix is cached unless the "
+        "wait there costs more than the prefill it saves",
     )
     p.add_argument(
         "--tokenizer",
@@ -198,7 +250,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"key gRPC and the HTTP API require as authorization: Bearer <key> (default: ${API_KEY_ENV}; prefer "
         "the environment variable, since ps shows a command line)",
     )
+    p.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="more client keys, one a line ('#' comments): one per tenant. With more than one key in all, each "
+        "tenant's prompts are cached apart from the others'",
+    )
     add_security_args(p, TOKEN_HELP, CA_HELP, CERT_HELP)
+    p.add_argument(
+        "--max-model-len",
+        type=_non_negative_int,
+        default=0,
+        help="the replicas' context length: longer prompts are refused at the balancer before any work (default 0: "
+        "unknown; only prompts no model takes are refused here, the replicas refuse the rest)",
+    )
     p.add_argument(
         "--served-model-name",
         action="append",
@@ -268,17 +335,27 @@ async def serve(args: argparse.Namespace) -> int:
     discovery = Discovery(pool, discovery_sources(args), args.discovery_interval, metrics)
     metrics.set_discovered("static", len(args.replica))
     migration = MigrationSettings(args.migration_limit, args.migration_max_len)
-    service = BalancerService(pool, Router(args.policy, len(args.replica)), metrics, args.max_retries, migration)
+    service = BalancerService(
+        pool,
+        Router(args.policy, len(args.replica)),
+        metrics,
+        args.max_retries,
+        migration,
+        PromptLimits.for_model_len(args.max_model_len),
+        security.per_tenant,
+        security.operator_tokens,
+    )
     http = None
     try:
         server, health = create_server(service, args.host, args.port, security.server)
         metrics_port = start_metrics_server(registry, args.host, args.metrics_port)
         if args.http_port:
-            http = await serve_http(args, service, registry, security.http_tls)
+            http = await serve_http(args, service, registry, security)
     except PortInUseError as e:
         await pool.close()
         print(f"fastgen balancer: error: {e}", file=sys.stderr)
         return 1
+    warn_if_exposed(args)
     await set_serving(health, False)
     await server.start()
     pool.start()
@@ -304,10 +381,16 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 async def serve_http(
-    args: argparse.Namespace, service: BalancerService, registry: CollectorRegistry, tls: TlsFiles | None = None
+    args: argparse.Namespace, service: BalancerService, registry: CollectorRegistry, security: Security
 ):
-    settings = ApiSettings(api_key=args.api_key, served_model_names=tuple(args.served_model_name))
+    settings = ApiSettings(
+        api_key=args.api_key,
+        served_model_names=tuple(args.served_model_name),
+        api_keys=security.api_keys,
+        limits=service.balancer.limits,
+    )
     api = OpenAIApi(service.balancer, settings, HttpMetrics(registry))
+    tls = security.http_tls
     ssl_context = server_ssl_context(tls) if tls else None
     runner, _port = await start_http(api, args.host, args.http_port, args.grace, ssl_context)
     return runner
@@ -327,12 +410,13 @@ def _members_note(args: argparse.Namespace, discovery: Discovery) -> str:
 def _security_note(security: Security) -> str:
     notes = ["TLS"] if security.server.tls else []
     notes += ["API key required"] if security.server.tokens else []
+    notes += [f"{len(security.api_keys)} tenants' keys, prefix caches apart"] if security.per_tenant else []
     notes += ["mutual TLS to the replicas"] if security.upstream.tls else []
     return f" ({', '.join(notes)})" if notes else ""
 
 
 def _http_note(args: argparse.Namespace) -> str:
-    auth = " (API key required)" if args.api_key else ""
+    auth = " (API key required)" if args.api_key or args.api_keys_file else ""
     scheme = "HTTPS" if args.tls_cert else "HTTP"
     return f", OpenAI-compatible {scheme} API on port {args.http_port}{auth}"
 

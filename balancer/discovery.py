@@ -5,7 +5,8 @@ Each source owns the replicas it found and nothing else: a replica it no longer 
 requests at once, closed once its in-flight requests finish: pool.py); a new one joins and takes traffic once its
 health check says SERVING. Static `--replica` flags stay as they are. A lookup that fails (the DNS server does not
 answer, the file is missing or half written) changes nothing; a DNS name that does not exist, or has no addresses,
-means no replicas (a StatefulSet scaled to zero).
+means no replicas (a StatefulSet scaled to zero), but only once MISSES_BEFORE_REMOVAL answers in a row say so: one
+NXDOMAIN from a resolver restarting, or a record briefly missing while pods roll, must not empty the pool.
 
     --replicas-dns fastgen-replica:50051     every address of the name is a replica at that port, its id "ADDRESS:PORT"
     --replicas-file replicas.txt             one replica a line, "ID=HOST:PORT" or "HOST:PORT"; '#' starts a comment
@@ -32,6 +33,8 @@ log = logging.getLogger("fastgen.balancer")
 
 DEFAULT_INTERVAL = 2.0  # seconds between lookups: a Kubernetes DNS record lives 5 s (CoreDNS's default TTL)
 DNS_TIMEOUT = 2.0  # seconds one lookup through --dns-server may take
+# DNS answers in a row that must leave a replica out before it leaves the pool (a file is read as written: one).
+MISSES_BEFORE_REMOVAL = 3
 # getaddrinfo's answers for a name that does not exist or has no addresses: no replicas, not a failure.
 NO_ADDRESSES = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
@@ -42,6 +45,7 @@ class LookupFailed(Exception):
 
 class Source(Protocol):
     kind: ClassVar[str]  # the `source` label of the discovery metrics
+    misses_before_removal: ClassVar[int]  # lookups in a row without a replica before it is removed
 
     def describe(self) -> str: ...
 
@@ -81,6 +85,7 @@ class DnsSource:
     port: int
     nameserver: tuple[str, int] | None = None
     kind: ClassVar[str] = "dns"
+    misses_before_removal: ClassVar[int] = MISSES_BEFORE_REMOVAL
 
     def describe(self) -> str:
         via = f" via {host_port(*self.nameserver)}" if self.nameserver else ""
@@ -144,6 +149,7 @@ class FileSource:
 
     path: Path
     kind: ClassVar[str] = "file"
+    misses_before_removal: ClassVar[int] = 1
 
     def describe(self) -> str:
         return f"file {self.path}"
@@ -167,6 +173,7 @@ class Discovery:
     ):
         self.pool, self.sources, self.interval, self._metrics = pool, sources, interval, metrics
         self._owned: list[dict[str, ReplicaSpec]] = [{} for _ in sources]  # per source: the replicas it added
+        self._misses: list[dict[str, int]] = [{} for _ in sources]  # per source: lookups in a row without a replica
         self._errors: list[str | None] = [None for _ in sources]  # per source: its last failure, logged once
         self._tasks: list[asyncio.Task] = []
 
@@ -206,11 +213,21 @@ class Discovery:
         await self._apply(index, specs)
 
     async def _apply(self, index: int, specs: list[ReplicaSpec]) -> None:
-        owned, wanted = self._owned[index], {s.id: s for s in specs}
+        owned, wanted, misses = self._owned[index], {s.id: s for s in specs}, self._misses[index]
+        needed = getattr(self.sources[index], "misses_before_removal", 1)
         for rid, spec in list(owned.items()):
-            if wanted.get(rid) != spec:  # gone, or its address changed
+            if wanted.get(rid) == spec:
+                misses.pop(rid, None)
+                continue
+            misses[rid] = misses.get(rid, 0) + 1
+            if rid in wanted or misses[rid] >= needed:  # its address changed, or it is gone for good
                 del owned[rid]
+                misses.pop(rid, None)
                 await self.pool.remove(rid)
+            else:
+                log.info(
+                    "%s no longer lists %s (%d of %d lookups)", self.sources[index].describe(), rid, misses[rid], needed
+                )
         for rid, spec in wanted.items():
             if rid in owned:
                 continue

@@ -5,8 +5,9 @@ A resumed call sends the prompt again with the delivered tokens (fastgen.v1 Resu
 cache, rebuilds their text token by token and continues at the next position with the same seed, so the client's
 stream goes on with no token twice and none missing. A request for n > 1 completions moves whole: each unfinished
 completion continues from its own last delivered token with its own seed, and the finished ones are not run again.
-Past `max_len` delivered tokens (over all completions) the journal lets go of them and the stream can no longer move
-(the re-prefill would cost more than it saves, and the memory is bounded).
+Past `max_len` delivered tokens (over all completions), or `max_bytes` of them with their logprobs (a token with 20
+alternatives weighs a hundred times a bare one), the journal lets go of them and the stream can no longer move (the
+re-prefill would cost more than it saves, and the memory is bounded).
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..proto import fastgen_pb2
+from .limits import MAX_N
 
 DEFAULT_MIGRATION_LIMIT = 3
 DEFAULT_MIGRATION_MAX_LEN = 8192
+# Serialized bytes of delivered output kept per stream: 8192 tokens with 20 alternatives each are about 3 MiB.
+DEFAULT_MIGRATION_MAX_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
 class MigrationSettings:
     limit: int = DEFAULT_MIGRATION_LIMIT  # moves per request; 0 turns migration off
     max_len: int = DEFAULT_MIGRATION_MAX_LEN  # delivered tokens past which a stream is no longer resumable
+    max_bytes: int = DEFAULT_MIGRATION_MAX_BYTES  # the same in bytes kept, logprobs included
 
 
 DEFAULT_MIGRATION = MigrationSettings()
@@ -44,14 +49,18 @@ class Delivered:
 class Journal:
     request: fastgen_pb2.GenerateRequest  # as first sent upstream, seed included
     max_len: int
+    max_bytes: int = DEFAULT_MIGRATION_MAX_BYTES
     request_id: str = ""  # the id the client saw on the first chunk; later replicas' chunks are relabelled with it
     completions: list[Delivered] = field(default_factory=list)  # by index, one per completion (n of them)
     chunks: int = 0  # chunks delivered
+    kept_bytes: int = 0  # serialized size of the chunks whose output is kept
     migrations: int = 0
     untracked: bool = False  # output not kept: more than max_len tokens delivered, or migration off
 
     def __post_init__(self) -> None:
-        self.completions = self.completions or [Delivered() for _ in range(max(1, self.request.params.n))]
+        # n is checked where the request enters (limits.py); the cap keeps a journal bounded whatever reaches it.
+        n = min(max(1, self.request.params.n), MAX_N)
+        self.completions = self.completions or [Delivered() for _ in range(n)]
 
     @property
     def delivered(self) -> bool:
@@ -79,12 +88,14 @@ class Journal:
         c.logprobs.extend(chunk.logprobs)
         c.text_chars += len(chunk.text)
         c.finished = c.finished or chunk.finish_reason != fastgen_pb2.FINISH_REASON_UNSPECIFIED
-        if self.tokens > self.max_len:
+        self.kept_bytes += chunk.ByteSize()
+        if self.tokens > self.max_len or self.kept_bytes > self.max_bytes:
             self._let_go()
         return chunk
 
     def _let_go(self) -> None:
         self.untracked = True
+        self.kept_bytes = 0
         self.completions = [Delivered() for _ in self.completions]
 
     def resumed_request(self) -> fastgen_pb2.GenerateRequest:
@@ -116,7 +127,7 @@ def unresumable_reason(journal: Journal, settings: MigrationSettings) -> str | N
 
 def journal_for(request: fastgen_pb2.GenerateRequest, settings: MigrationSettings) -> Journal:
     """The journal of a stream. One that can never move keeps no output: --migration-limit 0 turns migration off."""
-    return Journal(request, settings.max_len, untracked=settings.limit <= 0)
+    return Journal(request, settings.max_len, settings.max_bytes, untracked=settings.limit <= 0)
 
 
 def with_seed(request: fastgen_pb2.GenerateRequest) -> fastgen_pb2.GenerateRequest:

@@ -9,7 +9,11 @@ event followed by [DONE]. A client that disconnects has its handler cancelled (a
 which cancels the upstream call: the replica aborts the request and frees its KV blocks.
 
 With an API key, every route but /health needs `Authorization: Bearer <key>`, as in vLLM (the same check as the
-gRPC side's, server/auth.py); with an ssl.SSLContext it serves HTTPS.
+gRPC side's, server/auth.py); with several (one per tenant) each tenant's requests get their own prefix-cache salt
+(tenants.py). With an ssl.SSLContext it serves HTTPS.
+
+Bodies are bounded before they are parsed: MAX_BODY_BYTES, and a count of JSON containers and values (a body of
+empty lists costs fifty times its size as Python objects); nesting too deep for the parser is a 400 too.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from aiohttp import web
 
 from .. import __version__
 from ..proto import fastgen_pb2
-from ..server.auth import token_accepted
+from ..server.auth import bearer_token, token_accepted
 from ..server.grpc_server import PortInUseError
 from ..server.metrics import HTTP_ROUTES, HttpMetrics
+from .limits import DEFAULT_PROMPT_LIMITS, PromptLimits
 from .openai_protocol import (
     CHAT,
     COMPLETION,
@@ -56,6 +61,10 @@ log = logging.getLogger("fastgen.balancer.http")
 
 API_KEY_ENV = "FASTGEN_API_KEY"
 MAX_BODY_BYTES = 64 << 20  # long token-id prompts; the same limit as gRPC messages
+# JSON values a body may hold, counted by their separators and brackets before parsing: a million-token prompt as ids
+# fits; 64 MiB of "[]," or "1," would be over a gigabyte of Python objects.
+MAX_JSON_VALUES = 2 << 20
+MAX_JSON_CONTAINERS = 1 << 20
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_LEFT = web.RequestKey("fastgen.client_left", bool)  # the client disconnected mid-stream
 CLIENT_CLOSED_STATUS = 499  # what the metrics record for a request the client abandoned (nginx's code)
@@ -69,6 +78,12 @@ ID_PREFIXES = {CHAT: "chatcmpl", COMPLETION: "cmpl"}
 class ApiSettings:
     api_key: str | None = None
     served_model_names: tuple[str, ...] = ()  # accepted besides the model the replicas report (e.g. --model)
+    api_keys: tuple[str, ...] = ()  # further keys accepted (one per tenant), besides api_key
+    limits: PromptLimits = DEFAULT_PROMPT_LIMITS
+
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        return tuple(k for k in (self.api_key, *self.api_keys) if k)
 
 
 class OpenAIApi:
@@ -112,10 +127,11 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await read_json(request)
         meta = Meta(f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}", int(time.time()), self._model(requested_model(body)))
-        api = PARSERS[kind](body, meta.id)
+        api = PARSERS[kind](body, meta.id, self._settings.limits)
+        caller = bearer_token(request.headers.get("Authorization"))
         if api.stream:
-            return await self._stream(request, api, meta)
-        responses = await self._generate_all(api.prompts)
+            return await self._stream(request, api, meta, caller)
+        responses = await self._generate_all(api.prompts, caller)
         return json_response(REPLIES[kind](meta, api, responses))
 
     def _model(self, requested: str | None) -> str:
@@ -128,15 +144,18 @@ class OpenAIApi:
             raise unknown_model(requested, served)
         return requested
 
-    async def _generate_all(self, prompts: Sequence[fastgen_pb2.GenerateRequest]) -> list:
+    async def _generate_all(self, prompts: Sequence[fastgen_pb2.GenerateRequest], caller: str | None) -> list:
         try:
-            return await gather_or_cancel([self._balancer.generate(p) for p in prompts])
+            return await gather_or_cancel([self._balancer.generate(p, caller=caller) for p in prompts])
         except RequestFailed as f:
             raise error_from_failure(f.code, f.details, f.retry_after_ms) from None
 
-    async def _stream(self, request: web.Request, api: ApiRequest, meta: Meta) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, api: ApiRequest, meta: Meta, caller: str | None
+    ) -> web.StreamResponse:
         stream = STREAMS[api.kind](meta, api)
-        async with contextlib.aclosing(merged([self._balancer.stream(p) for p in api.prompts])) as upstream:
+        streams = [self._balancer.stream(p, caller=caller) for p in api.prompts]
+        async with contextlib.aclosing(merged(streams)) as upstream:
             try:
                 first = await anext(upstream, None)
             except RequestFailed as f:  # nothing sent yet: a plain HTTP error
@@ -178,16 +197,12 @@ class OpenAIApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        key = self._settings.api_key
-        if key and request.path != "/health" and not bearer_matches(request.headers.get("Authorization", ""), key):
+        keys = self._settings.accepted_keys
+        if keys and request.path != "/health" and not token_accepted(request.headers.get("Authorization", ""), keys):
             raise ApiError(
                 401, "Incorrect or missing API key: send Authorization: Bearer <key>", code="invalid_api_key"
             )
         return await handler(request)
-
-
-def bearer_matches(header: str, key: str) -> bool:
-    return token_accepted(header, (key,))
 
 
 def route_of(request: web.Request) -> str:
@@ -202,10 +217,28 @@ def _slug(e: web.HTTPException) -> str:
 
 
 async def read_json(request: web.Request) -> object:
+    raw = await request.read()
+    check_json_size(raw)
     try:
-        return json.loads(await request.text())
+        return json.loads(raw)
     except ValueError as e:  # malformed JSON or text that is not UTF-8
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
+
+
+def check_json_size(raw: bytes) -> None:
+    """A 413 for a body that would parse into too many Python objects. Brackets and commas inside strings count
+    too: the bound is generous enough for any prompt within the limits."""
+    containers = raw.count(b"[") + raw.count(b"{")
+    values = raw.count(b",")
+    if containers > MAX_JSON_CONTAINERS or values > MAX_JSON_VALUES:
+        raise ApiError(
+            413,
+            f"the request body holds too many JSON values ({values} commas, {containers} arrays and objects; at most "
+            f"{MAX_JSON_VALUES} and {MAX_JSON_CONTAINERS}): send fewer or shorter prompts",
+            code="request_too_large",
+        )
 
 
 def json_response(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -16,15 +16,23 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..proto import fastgen_pb2
+from .limits import (
+    DEFAULT_PROMPT_LIMITS,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    PromptLimits,
+    RequestRefused,
+    check_message_count,
+    check_prompt_chars,
+    check_prompt_count,
+    check_prompt_ids,
+)
 
 CHAT, COMPLETION = "chat", "completion"
-MAX_N = 128  # completions per prompt
-MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
-# The replica's per-request limits (replica/request.py, which the balancer does not import; a test keeps them equal).
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024
 MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
 MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32
 MAX_UINT32 = 2**32 - 1  # the other integers travel as uint32: any field without its own bound has this one
@@ -48,6 +56,7 @@ HTTP_STATUS_OF = {
 }
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a replica's queue drains in about that
 MAX_ERROR_CHARS = 500  # an error quotes the bad value: cut, so a huge body is not sent back
+MAX_TOKEN_ID_DIGITS = len(str(MAX_TOKEN_ID))  # int() of a longer string costs, and past 4300 digits raises
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
@@ -83,6 +92,23 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS] + " ..."
     return ApiError(400, message, param=param)
+
+
+def refused(e: RequestRefused) -> ApiError:
+    return bad_request(str(e), e.param)
+
+
+def utf8_text(value: str, name: str) -> str:
+    """`value` when it can travel as UTF-8; a 400 for a lone surrogate (JSON's "\\ud800" escape), which no
+    protobuf string field takes."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(
+                f"{name} holds {value[e.start]!r}, a lone surrogate, which is not valid UTF-8", name
+            ) from None
+    return value
 
 
 def error_from_failure(code: grpc.StatusCode, details: str, retry_after_ms: int | None = None) -> ApiError:
@@ -171,7 +197,7 @@ class Fields:
             return default
         if not isinstance(value, str):
             raise bad_request(f"{name} must be a string, got {value!r}", name)
-        return value
+        return utf8_text(value, name)
 
     def token_ids(self, name: str) -> list[int]:
         value = self.body.get(name)
@@ -206,10 +232,10 @@ def requested_model(body: object) -> str | None:
     return Fields(_object(body)).text("model")
 
 
-def parse_chat(body: object, request_id: str) -> ApiRequest:
+def parse_chat(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
     f = Fields(_object(body))
     f.text("model")  # its value is the caller's to check (requested_model)
-    messages = parse_messages(f.get("messages"))
+    messages = parse_messages(f.get("messages"), limits)
     logprobs = f.flag("logprobs")
     top = f.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
@@ -225,10 +251,10 @@ def parse_chat(body: object, request_id: str) -> ApiRequest:
     return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top)
 
 
-def parse_completion(body: object, request_id: str) -> ApiRequest:
+def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
     f = Fields(_object(body))
     f.text("model")
-    prompts = parse_prompts(f.get("prompt"))
+    prompts = parse_prompts(f.get("prompt"), limits)
     top = f.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
     echo = f.flag("echo")
     if echo and top is not None:
@@ -236,6 +262,10 @@ def parse_completion(body: object, request_id: str) -> ApiRequest:
     if f.get("suffix") is not None:
         raise bad_request("suffix is not supported", "suffix")
     n = f.integer("n", 1, 1, MAX_N)
+    try:
+        check_prompt_count(len(prompts), n)
+    except RequestRefused as e:
+        raise refused(e) from None
     best_of = f.integer("best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad_request("best_of is not supported (leave it out, or equal to n)", "best_of")
@@ -352,7 +382,7 @@ def parse_stop(value: object) -> list[str]:
         raise bad_request(f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(value)}", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in value):
         raise bad_request(f"stop strings may have at most {MAX_STOP_CHARS} characters", "stop")
-    return value
+    return [utf8_text(s, "stop") for s in value]
 
 
 def parse_logit_bias(value: object) -> dict[int, float]:
@@ -365,7 +395,9 @@ def parse_logit_bias(value: object) -> dict[int, float]:
         raise bad_request(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(value)}", "logit_bias")
     biases = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        # ASCII digits only: str.isdigit() is also true of "²" and "١", which int() refuses or reads as another number.
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS
+        token = int(key) if digits else None
         if token is None or token > MAX_TOKEN_ID:
             raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {key!r}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
@@ -374,27 +406,51 @@ def parse_logit_bias(value: object) -> dict[int, float]:
     return biases
 
 
-def parse_prompts(value: object) -> list[str | list[int]]:
-    """A completion prompt: a string, a list of strings, a list of token ids or a list of token-id lists."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(p, str) for p in value):
-            return list(value)
-        if all(_is_token_id(t) for t in value):
-            return [[int(t) for t in value]]
-        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+def parse_prompts(value: object, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> list[str | list[int]]:
+    """A completion prompt: a string, a list of strings, a list of token ids or a list of token-id lists. Counts and
+    lengths are checked before any prompt is walked or copied."""
+    try:
+        if isinstance(value, str):
+            check_prompt_chars(len(value), limits)
+            return [utf8_text(value, "prompt")]
+        if isinstance(value, list) and value:
+            if isinstance(value[0], (str, list)):
+                check_prompt_count(len(value), 1)
+            else:
+                check_prompt_ids(len(value), limits)
+            return _prompts_of(value, limits)
+    except RequestRefused as e:
+        raise refused(e) from None
+    raise bad_request(PROMPT_SHAPES, "prompt")
+
+
+PROMPT_SHAPES = (
+    "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists (none of them empty)"
+)
+
+
+def _prompts_of(value: list, limits: PromptLimits) -> list[str | list[int]]:
+    if all(isinstance(p, str) for p in value):
+        for p in value:
+            check_prompt_chars(len(p), limits)
+        return [utf8_text(p, "prompt") for p in value]
+    if all(_is_token_id(t) for t in value):
+        return [[int(t) for t in value]]
+    if all(isinstance(p, list) for p in value):
+        for p in value:
+            check_prompt_ids(len(p), limits)
+        if all(p and all(_is_token_id(t) for t in p) for p in value):
             return [[int(t) for t in p] for p in value]
-    raise bad_request(
-        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists "
-        "(none of them empty)",
-        "prompt",
-    )
+    raise bad_request(PROMPT_SHAPES, "prompt")
 
 
-def parse_messages(value: object) -> list[fastgen_pb2.ChatMessage]:
+def parse_messages(value: object, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> list[fastgen_pb2.ChatMessage]:
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    try:
+        check_message_count(len(value), limits)
+    except RequestRefused as e:
+        raise refused(e) from None
     return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
 
 
@@ -404,7 +460,10 @@ def _message(m: object, where: str) -> fastgen_pb2.ChatMessage:
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise bad_request(f"{where}.role must be a string such as user, system or assistant", f"{where}.role")
-    return fastgen_pb2.ChatMessage(role=role, content=_content(m.get("content"), role, f"{where}.content"))
+    content = _content(m.get("content"), role, f"{where}.content")
+    return fastgen_pb2.ChatMessage(
+        role=utf8_text(role, f"{where}.role"), content=utf8_text(content, f"{where}.content")
+    )
 
 
 def _content(content: object, role: str, where: str) -> str:

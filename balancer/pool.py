@@ -236,11 +236,12 @@ class ReplicaPool:
     def unavailable_message(self) -> str:
         if not self.replicas:
             return "no healthy replica: none configured or discovered yet; retry later or check the balancer's log"
-        reasons = "; ".join(f"{r.id} at {r.address}: {r.last_error}" for r in self.replicas)
+        # Clients see each replica's id and the kind of failure; its address and the full error are in the log.
+        reasons = "; ".join(f"{r.id}: {r.last_error.partition(':')[0]}" for r in self.replicas)
         n = len(self.replicas)
         return (
             f"no healthy replica: {n} replica{'s' if n != 1 else ''} configured, all failing health checks "
-            f"({reasons}); retry later or check the replicas' logs"
+            f"({reasons}); retry later or check the balancer's and replicas' logs"
         )
 
     @contextlib.asynccontextmanager

@@ -16,6 +16,12 @@ leaves health while the call waits (hung, or draining for a restart) and another
 no healthy replica) fails as before. A unary call holds no output until its end, so it moves by
 running again elsewhere: with the same seed, the answer is the same.
 
+Limits before work: a request over a limit (limits.py) is refused INVALID_ARGUMENT before anything is built for it
+(its journal, its prefix key, any upstream call); a prompt long enough to cost is tokenized and hashed for
+prefix-aware routing on a worker thread, never on the event loop. Messages to clients name replicas by id, never by
+address; GetStatus shows addresses and tokenizer paths to operators only (the deployment's internal token, or every
+caller of a deployment without an API key).
+
 `Balancer` holds these rules without any transport; `BalancerService` (gRPC) and `openai_api` (HTTP) call it.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,12 +38,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..proto import fastgen_pb2, fastgen_pb2_grpc
+from ..server.auth import AUTHORIZATION, bearer_token, token_accepted
 from ..server.errors import RETRY_AFTER_MS, retry_after_ms, trailing_metadata
 from ..server.metrics import BalancerMetrics
 from .journal import DEFAULT_MIGRATION, Journal, MigrationSettings, journal_for, unresumable_reason, with_seed
+from .limits import DEFAULT_PROMPT_LIMITS, PromptLimits, RequestRefused, check_request
 from .policy import Router, estimate_prompt_tokens
 from .pool import Replica, ReplicaPool
 from .prefix_index import PromptKey
+from .tenants import salted_for
 
 log = logging.getLogger("fastgen.balancer")
 
@@ -45,6 +55,11 @@ RETRY_ONCE_ON_OTHER_REPLICA = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 RETRY_CODES = tuple(sorted(RETRY_ON_OTHER_REPLICA | RETRY_ONCE_ON_OTHER_REPLICA, key=lambda c: c.name))
 # Failures after output that move a stream: the replica broke (or, resuming, the next one was full).
 MIGRATE_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Prompts (in estimated tokens) up to which prefix-aware routing tokenizes and hashes on the event loop: about a
+# millisecond of work. Longer ones go to a worker thread so that other calls keep flowing meanwhile.
+INLINE_KEY_TOKENS = 2048
+# IP addresses (with a port, or gRPC's ipv4:/ipv6: target prefix) in upstream errors, which clients must not see.
+ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.%]+\]|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?")
 
 
 class ReplicaLost(Exception):
@@ -101,21 +116,27 @@ class Balancer:
         metrics: BalancerMetrics,
         max_retries: int,
         migration: MigrationSettings = DEFAULT_MIGRATION,
+        limits: PromptLimits = DEFAULT_PROMPT_LIMITS,
+        per_tenant_salt: bool = False,
     ):
         self.pool = pool
         self._router = router
         self._metrics = metrics
         self._max_retries = max_retries
         self.migration = migration
+        self.limits = limits
+        self.per_tenant_salt = per_tenant_salt  # API keys are per tenant: each has its own prefix cache (tenants.py)
         # prefix_aware's prediction of the prompt tokens the chosen replica has yet to prefill, by id() of the request
         # object, from the pick to the lease: a cached prefix must not weigh on its holder as queued work.
         self._uncached: dict[int, int] = {}
 
     async def generate(
-        self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None
+        self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None, caller: str | None = None
     ) -> fastgen_pb2.GenerateResponse:
-        request = with_seed(request)  # wherever a retry lands, it draws the same tokens
+        """`caller`: the API key the request came with (its tenant, when keys are per tenant)."""
+        request = with_seed(self._admit(request, caller))  # wherever a retry lands, it draws the same tokens
         attempts = Attempts(self._max_retries, request=request)
+        await self._key_prompt(attempts)
         moves = 0
         replica = self._pick(attempts)
 
@@ -136,11 +157,12 @@ class Balancer:
                 replica = self._pick_other_than(replica, attempts, "no healthy replica to move the call to")
 
     async def stream(
-        self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None
+        self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None, caller: str | None = None
     ) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
-        request = with_seed(request)  # so that another replica can continue the stream
+        request = with_seed(self._admit(request, caller))  # so that another replica can continue the stream
         journal = journal_for(request, self.migration)
         attempts = Attempts(self._max_retries, request=request)
+        await self._key_prompt(attempts)
         replica, upstream = self._pick(attempts), request
         failed_at = None  # when a replica of this stream failed, until the next one sends a token
 
@@ -169,6 +191,26 @@ class Balancer:
                 failure, cause = None, "unhealthy"
             failed_at = failed_at or time.monotonic()
             replica, upstream = await self._move(replica, failure, cause, journal, attempts)
+
+    def _admit(self, request: fastgen_pb2.GenerateRequest, caller: str | None) -> fastgen_pb2.GenerateRequest:
+        """The request as it goes upstream (its tenant's salt); RequestFailed when it is over a limit, before
+        anything is built for it."""
+        try:
+            check_request(request, self.limits)
+        except RequestRefused as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return salted_for(request, caller, self.per_tenant_salt)
+
+    async def _key_prompt(self, attempts: Attempts) -> None:
+        """prefix_aware: the prompt's key, computed once per request; a long prompt's on a worker thread."""
+        if self._router.policy != "prefix_aware" or attempts.request is None:
+            return
+        request = attempts.request
+        if estimate_prompt_tokens(request) <= INLINE_KEY_TOKENS:
+            attempts.key = self.pool.prefix_key(request)
+        else:
+            attempts.key = await asyncio.to_thread(self.pool.prefix_key, request)
+        attempts.keyed = True
 
     def status(self) -> fastgen_pb2.StatusResponse:
         replicas = [self._replica_status(r) for r in self.pool.replicas]
@@ -298,10 +340,9 @@ class Balancer:
         uncached = self._uncached.pop(id(request), None)
         return estimate_prompt_tokens(request) if uncached is None else uncached
 
-    def _prefix_key(self, attempts: Attempts) -> PromptKey | None:
-        """The request's prompt hashed as the replicas' cache blocks (prefix_aware only; computed once)."""
-        if not attempts.keyed and self._router.policy == "prefix_aware" and attempts.request is not None:
-            attempts.key, attempts.keyed = self.pool.prefix_key(attempts.request), True
+    @staticmethod
+    def _prefix_key(attempts: Attempts) -> PromptKey | None:
+        """The request's prompt hashed as the replicas' cache blocks (prefix_aware only; _key_prompt computed it)."""
         return attempts.key
 
     async def _after_failure(self, replica: Replica, e: grpc.aio.AioRpcError, attempts: Attempts) -> None:
@@ -326,7 +367,10 @@ class Balancer:
             if self.migration.limit <= 0:
                 return "not resumed, as migration is off (--migration-limit 0)"
             return f"not resumed: it moved {self.migration.limit} times already (--migration-limit)"
-        return f"not resumed: over {self.migration.max_len} tokens were delivered (--migration-max-len)"
+        return (
+            f"not resumed: over {self.migration.max_len} tokens (--migration-max-len) or "
+            f"{self.migration.max_bytes} bytes of output were delivered"
+        )
 
     @staticmethod
     def _failed_after_output(replica: Replica, e: grpc.aio.AioRpcError | None, why: str) -> RequestFailed:
@@ -337,14 +381,15 @@ class Balancer:
             )
         return RequestFailed(
             e.code(),
-            f"replica {replica.id} failed after part of the output was sent ({e.details()}); {why}: send the request "
-            "again",
+            f"replica {replica.id} failed after part of the output was sent ({without_addresses(e.details() or '')}); "
+            f"{why}: send the request again",
         )
 
     def _pass_through_message(self, replica: Replica, e: grpc.aio.AioRpcError, attempts: Attempts) -> str:
+        details = without_addresses(e.details() or "")
         if e.code() in RETRY_ON_OTHER_REPLICA and attempts.retries:
-            return f"replica {replica.id} failed: {e.details()} (after {attempts.retries} retries on other replicas)"
-        return e.details() or f"replica {replica.id} answered {e.code().name}"
+            return f"replica {replica.id} failed: {details} (after {attempts.retries} retries on other replicas)"
+        return details or f"replica {replica.id} answered {e.code().name}"
 
     def _no_replica_message(self, attempts: Attempts) -> str:
         if not self.pool.any_healthy():
@@ -360,6 +405,32 @@ class Balancer:
         status.health = replica.health_enum()
         status.in_flight = replica.in_flight
         return status
+
+
+def without_addresses(text: str) -> str:
+    """An upstream error's message as a client may see it: IP addresses (gRPC's own connection errors name them)
+    replaced; the balancer's log keeps the original."""
+    return ADDRESS.sub("<replica address>", text)
+
+
+def status_for_caller(status: fastgen_pb2.StatusResponse, operator: bool) -> fastgen_pb2.StatusResponse:
+    """GetStatus as a caller may see it: an operator everything; any other caller no replica address or path."""
+    if operator:
+        return status
+    shown = fastgen_pb2.StatusResponse()
+    shown.CopyFrom(status)
+    for replica in shown.replicas:
+        replica.ClearField("address")
+        replica.ClearField("tokenizer_path")
+    return shown
+
+
+def caller_token(context: grpc.aio.ServicerContext) -> str | None:
+    """The bearer token a call came with (the auth interceptor has already accepted it), or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == AUTHORIZATION:
+            return bearer_token(value.decode(errors="replace") if isinstance(value, bytes) else value)
+    return None
 
 
 def time_left(deadline: float | None) -> float | None:
@@ -388,13 +459,19 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
         metrics: BalancerMetrics,
         max_retries: int,
         migration: MigrationSettings = DEFAULT_MIGRATION,
+        limits: PromptLimits = DEFAULT_PROMPT_LIMITS,
+        per_tenant_salt: bool = False,
+        operator_tokens: tuple[str, ...] | None = None,
     ):
-        self.balancer = Balancer(pool, router, metrics, max_retries, migration)
+        """operator_tokens: the callers GetStatus shows replica addresses to (None: every caller, as a deployment
+        without an API key has no tenants to hide them from)."""
+        self.balancer = Balancer(pool, router, metrics, max_retries, migration, limits, per_tenant_salt)
         self._metrics = metrics
+        self._operator_tokens = operator_tokens
 
     async def Generate(self, request, context):
         try:
-            response = await self.balancer.generate(request, deadline_of(context))
+            response = await self.balancer.generate(request, deadline_of(context), caller_token(context))
         except asyncio.CancelledError:
             self._metrics.on_rpc("Generate", grpc.StatusCode.CANCELLED)
             raise
@@ -406,7 +483,8 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
         try:
-            async with contextlib.aclosing(self.balancer.stream(request, deadline_of(context))) as chunks:
+            stream = self.balancer.stream(request, deadline_of(context), caller_token(context))
+            async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except (asyncio.CancelledError, GeneratorExit):
@@ -419,4 +497,14 @@ class BalancerService(fastgen_pb2_grpc.GenerationServicer):
 
     async def GetStatus(self, request, context):
         self._metrics.on_rpc("GetStatus", grpc.StatusCode.OK)
-        return self.balancer.status()
+        return status_for_caller(self.balancer.status(), self._is_operator(context))
+
+    def _is_operator(self, context: grpc.aio.ServicerContext) -> bool:
+        if self._operator_tokens is None:
+            return True
+        token = caller_token(context)
+        return (
+            bool(self._operator_tokens)
+            and token is not None
+            and token_accepted(f"Bearer {token}", self._operator_tokens)
+        )

@@ -1,14 +1,19 @@
 """Fuzzing the wire: hypothesis-generated GenerateRequests (random and extreme field values, huge and empty prompts,
 odd unicode, out-of-vocabulary ids, huge stop lists, NaN and infinite floats, every prompt kind, unary and stream)
-and raw bytes that do not parse, sent to a live replica and to the balancer in front of it.
+and raw bytes that do not parse, sent to a live replica and to the balancer in front of it; and JSON bodies sent to
+the balancer's OpenAI-compatible HTTP API. Sizes and counts are drawn past every limit (limits.py): n up to 2**32-1,
+hundreds of thousands of prompts, prompts of millions of token ids or characters, stop lists and logit_bias maps of
+a hundred thousand entries, max_tokens past uint32, and JSON nested past the parser's recursion or made of millions
+of tiny values.
 
     python -m fastgen.benchmarks.fuzz --examples 10000 --json benchmarks/results/fuzz.json
 
-Every answer must be OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED: never INTERNAL, UNKNOWN or a missed deadline, no
-process may die, and a greedy request sent before the fuzzing is answered with the same tokens after it. The command
-starts its own replica (the tests' tiny random model with SmolLM2's tokenizer) and balancer, prints the answers
-counted by status code and writes them, with any request that broke a rule, to --json with the command, commit,
-date and machine. tests/test_fuzz.py runs the same strategies and checks with a few hundred examples.
+Every answer must be OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED (over HTTP: 200 or a 4xx, counted as those): never
+INTERNAL, UNKNOWN, a 5xx or a missed deadline, no process may die, and a greedy request sent before the fuzzing is
+answered with the same tokens after it. The command starts its own replica (the tests' tiny random model with
+SmolLM2's tokenizer) and balancer, prints the answers counted by status code and writes them, with any request that
+broke a rule, to --json with the command, commit, date and machine. tests/test_fuzz.py runs the same strategies and
+checks with a few hundred examples.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,10 +99,16 @@ texts = st.one_of(st.text(max_size=40), st.sampled_from(ODD_TEXT), st.lists(st.s
 # Repeats rather than long draws: hypothesis draws long lists slowly, and a repeat is as big a message.
 huge_texts = st.builds(lambda s, k: s * k, st.text(min_size=1, max_size=4), st.integers(2_000, 400_000))
 long_strings = st.builds(lambda c, k: c * k, st.characters(), st.integers(200, 5_000))
+# Past the balancer's limits on a prompt (balancer/limits.py: 2**20 token ids, 8 Mi characters).
+past_limit_texts = st.builds(lambda k: "x" * k, st.integers(8 << 20, 12 << 20))
 
 
 def repeated(element, lo: int, hi: int):
     return st.builds(lambda x, k: [x] * k, element, st.integers(lo, hi))
+
+
+def _bias_map(count: int, bias: float) -> dict[int, float]:
+    return dict.fromkeys(range(count), bias)
 
 
 def _with_text(text: str) -> pb.GenerateRequest:
@@ -117,8 +130,9 @@ messages = st.builds(pb.ChatMessage, role=st.one_of(st.sampled_from(CHAT_ROLES),
 prompts = st.one_of(
     st.builds(_with_text, st.one_of(texts, huge_texts)),
     st.builds(_with_ids, st.one_of(st.lists(in_vocab, max_size=24), st.lists(any_id, max_size=8))),
-    st.builds(_with_ids, repeated(in_vocab, 1_000, 200_000)),
-    st.builds(_with_messages, st.one_of(st.lists(messages, max_size=4), repeated(messages, 1_000, 20_000))),
+    st.builds(_with_ids, st.one_of(repeated(in_vocab, 1_000, 200_000), repeated(in_vocab, 1_000_000, 3_000_000))),
+    st.builds(_with_text, past_limit_texts),
+    st.builds(_with_messages, st.one_of(st.lists(messages, max_size=4), repeated(messages, 1_000, 100_000))),
     st.just(pb.GenerateRequest()),  # no prompt at all
 )
 # Valid values, so that most requests run: a handful of tokens each keeps a run quick.
@@ -156,7 +170,7 @@ WILD = {
     "seed": st.one_of(st.integers(0, 2**64 - 1), st.sampled_from((0, 2**63 - 1, 2**63, 2**64 - 1))),
     "stop": st.one_of(
         st.lists(texts, max_size=3),
-        repeated(st.text(min_size=1, max_size=3), 17, 5_000),
+        repeated(st.text(min_size=1, max_size=3), 17, 100_000),
         st.lists(long_strings, max_size=2),
     ),
     "presence_penalty": floats,
@@ -165,9 +179,9 @@ WILD = {
     "min_p": floats,
     "logit_bias": st.one_of(
         st.dictionaries(any_id, floats, max_size=6),
-        st.builds(lambda k, b: dict.fromkeys(range(k), b), st.integers(1_000, 20_000), st.floats(-100, 100, width=32)),
+        st.builds(_bias_map, st.integers(1_000, 200_000), st.floats(-100, 100, width=32)),
     ),
-    "stop_token_ids": st.one_of(st.lists(any_id, max_size=6), repeated(in_vocab, 1_000, 20_000)),
+    "stop_token_ids": st.one_of(st.lists(any_id, max_size=6), repeated(in_vocab, 1_000, 100_000)),
     "n": st.sampled_from((128, 129, 2**32 - 1)),
     "top_logprobs": st.one_of(st.integers(0, 21), st.sampled_from(U32_EXTREMES)),
     "cache_salt": long_strings,
@@ -199,6 +213,8 @@ def generate_requests(draw) -> pb.GenerateRequest:
     params = draw(st.one_of(st.none(), sampling_params()))
     if params is not None:
         request.params.CopyFrom(params)
+    if draw(st.integers(0, 19)) == 0:  # output "already delivered", which only the balancer may set
+        request.resume.token_ids.extend(draw(st.one_of(st.lists(in_vocab, max_size=4), repeated(in_vocab, 1, 100_000))))
     return request
 
 
@@ -217,28 +233,136 @@ raw_messages = st.one_of(
 )
 
 
+# ---- HTTP bodies: a small valid request with sizes and counts past the limits, and JSON that is odd in itself ------
+HTTP_SMALL = {"max_tokens": st.integers(1, 4), "temperature": st.sampled_from((0, 0.7)), "seed": st.integers(0, 99)}
+HTTP_SIZES = {
+    "n": st.sampled_from((2, 128, 129, 2**32 - 1, 2**64, -1)),
+    "max_tokens": st.sampled_from((2**31, 2**32 - 1, 2**32, 2**64, 10**400)),
+    "prompt": st.one_of(
+        repeated(st.just("a"), 257, 300_000),  # many prompts: each would be an upstream call
+        repeated(repeated(in_vocab, 1, 2), 257, 100_000),
+        repeated(in_vocab, 1_000_000, 3_000_000),  # one long token-id prompt
+        repeated(st.sampled_from(("a\ud800", "\udfff", "ok")), 1, 3),  # lone surrogates
+    ),
+    "messages": st.one_of(
+        repeated(st.just({"role": "user", "content": "x"}), 16_385, 100_000),
+        st.just([{"role": "user", "content": "\ud800"}]),
+    ),
+    "stop": st.one_of(repeated(st.just("x"), 17, 100_000), st.builds(lambda k: ["x" * k], st.integers(257, 100_000))),
+    "logit_bias": st.one_of(
+        st.builds(lambda k: {str(i): 1 for i in range(k)}, st.integers(1_025, 200_000)),
+        st.sampled_from(({"\u00b2": 1}, {"\u0661": 1}, {"1" * 5_000: 1}, {" 5": 1}, {"-1": 1}, {"5": 1e400})),
+    ),
+    "stop_token_ids": repeated(in_vocab, 1_025, 100_000),
+    "top_logprobs": st.sampled_from((21, 2**32, -1)),
+    "cache_salt": st.one_of(long_strings, st.just("\ud800")),
+}
+
+
+def _http_body(kind: str, fields: dict) -> bytes:
+    base = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+    # ensure_ascii: a lone surrogate travels as the JSON escape a client would send.
+    return json.dumps({**base, **fields}, ensure_ascii=True).encode()
+
+
+@st.composite
+def http_bodies(draw, kind: str) -> bytes:
+    fields = draw(st.fixed_dictionaries({}, optional=HTTP_SMALL))
+    other_route = "prompt" if kind == "chat" else "messages"
+    sizes = sorted(set(HTTP_SIZES) - {other_route})
+    for name in draw(st.lists(st.sampled_from(sizes), max_size=2, unique=True)):
+        fields[name] = draw(HTTP_SIZES[name])
+    return _http_body(kind, fields)
+
+
+odd_json = st.one_of(
+    st.builds(lambda k: b"[" * k + b"]" * k, st.integers(1_000, 200_000)),  # nested past the parser's recursion
+    st.builds(lambda k: b'{"prompt": ' + b"[]," * k + b"[]}", st.integers(100_000, 3_000_000)),  # tiny values
+    st.builds(lambda k: b'{"prompt": [' + b"1," * k + b"1]}", st.integers(100_000, 3_000_000)),
+    st.sampled_from(
+        (
+            b"",
+            b"null",
+            b'"prompt"',
+            b"1e400",
+            b'{"prompt": "hi", "n": NaN}',
+            b'{"prompt": "hi", "temperature": Infinity}',
+            b'{"prompt": "hi", "prompt": ["a", 1]}',
+            b'{"prompt": "hi\\ud800"}',  # a lone surrogate, as a JSON escape
+            b'{"prompt": "\xff\xfe"}',
+            b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5_000 + b"}",
+        )
+    ),
+)
+
+
 @dataclass(frozen=True)
 class Case:
-    """One call: what to send (a message, or raw bytes), where and how."""
+    """One call: what to send (a message, raw bytes, or an HTTP body), where and how."""
 
-    target: str  # "replica" | "balancer"
-    method: str  # "unary" | "stream"
+    target: str  # "replica" | "balancer" | "http" (the balancer's HTTP API)
+    method: str  # "unary" | "stream"; over HTTP "chat" | "completion"
     request: pb.GenerateRequest | None = None
     raw: bytes | None = None
+    body: bytes | None = None
 
     def describe(self, limit: int = 600) -> str:
-        body = repr(self.raw) if self.raw is not None else str(self.request).replace("\n", " ")
+        if self.body is not None:
+            body = repr(self.body)
+        else:
+            body = repr(self.raw) if self.raw is not None else str(self.request).replace("\n", " ")
         return f"{self.target} {self.method}: {body[:limit]}{' ...' if len(body) > limit else ''}"
 
 
 TARGETS = ("replica", "balancer")
 METHODS = ("unary", "stream")
+HTTP_ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 message_cases = st.builds(Case, st.sampled_from(TARGETS), st.sampled_from(METHODS), request=generate_requests())
 raw_cases = st.builds(Case, st.sampled_from(TARGETS), st.sampled_from(METHODS), raw=raw_messages)
-cases = st.one_of(message_cases, message_cases, message_cases, raw_cases)  # one in four does not parse
+http_cases = st.sampled_from(sorted(HTTP_ROUTES)).flatmap(
+    lambda kind: st.builds(Case, st.just("http"), st.just(kind), body=st.one_of(http_bodies(kind), odd_json))
+)
+grpc_cases = st.one_of(message_cases, message_cases, message_cases, raw_cases)  # one in four does not parse
+cases = st.one_of(grpc_cases, grpc_cases, http_cases)  # one in three at the HTTP API
 
 
 # ---- sending and checking -----------------------------------------------------------------------------------------
+class HttpEndpoint:
+    """The balancer's OpenAI-compatible HTTP API at http://address."""
+
+    def __init__(self, address: str):
+        self.url = f"http://{address}"
+
+    def post(self, path: str, body: bytes, timeout: float) -> tuple[int, str]:
+        request = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def close(self) -> None:
+        pass
+
+
+def http_call(endpoint: HttpEndpoint, case: Case, timeout: float) -> tuple[grpc.StatusCode, str]:
+    """The HTTP answer in gRPC's terms: 200 is OK, 429 RESOURCE_EXHAUSTED, another 4xx INVALID_ARGUMENT, anything
+    else (a 5xx) UNKNOWN with its body; a timeout is DEADLINE_EXCEEDED."""
+    try:
+        status, text = endpoint.post(HTTP_ROUTES[case.method], case.body, timeout)
+    except TimeoutError:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "no HTTP answer in time"
+    except OSError as e:  # the connection broke: the balancer may have died
+        return grpc.StatusCode.UNAVAILABLE, f"HTTP connection failed: {e}"
+    if status == 200:
+        return grpc.StatusCode.OK, "" if text else "an empty 200"
+    if status == 429:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, text[:300]
+    if 400 <= status < 500:
+        return grpc.StatusCode.INVALID_ARGUMENT, text[:300]
+    return grpc.StatusCode.UNKNOWN, f"HTTP {status}: {text[:300]}"
+
+
 class Endpoint:
     """Typed and raw-bytes stubs of Generation at one address."""
 
@@ -253,9 +377,11 @@ class Endpoint:
         self.channel.close()
 
 
-def call(endpoint: Endpoint, case: Case, timeout: float = CALL_TIMEOUT_S) -> tuple[grpc.StatusCode, str]:
+def call(endpoint, case: Case, timeout: float = CALL_TIMEOUT_S) -> tuple[grpc.StatusCode, str]:
     """Sends the case; returns its status and the error's message, or for an OK answer what is wrong with it ("" if
     nothing)."""
+    if case.target == "http":
+        return http_call(endpoint, case, timeout)
     try:
         if case.raw is not None:
             if case.method == "unary":
@@ -324,6 +450,11 @@ def reference_tokens(endpoint: Endpoint) -> list[int]:
     return list(endpoint.stub.Generate(REFERENCE, timeout=CALL_TIMEOUT_S).token_ids)
 
 
+def references(endpoints: dict) -> dict[str, list[int]]:
+    """The reference request's tokens from every gRPC endpoint."""
+    return {t: reference_tokens(e) for t, e in endpoints.items() if isinstance(e, Endpoint)}
+
+
 def run_cases(endpoints: dict[str, Endpoint], examples: int, tally: Tally, seed: int | None = None) -> None:
     """Sends `examples` generated cases (generation only: no shrinking, every answer is counted)."""
 
@@ -346,8 +477,9 @@ def run_cases(endpoints: dict[str, Endpoint], examples: int, tally: Tally, seed:
 
 # ---- the command --------------------------------------------------------------------------------------------------
 def start_deployment(log_dir: Path):
-    """A replica of the tiny model and a balancer in front of it; returns both once they serve."""
-    from ..testing import cached_tiny_model, start_server, wait_grpc_serving
+    """A replica of the tiny model and a balancer in front of it (with its HTTP API); returns both and the HTTP
+    address once they serve."""
+    from ..testing import cached_tiny_model, free_port, start_server, wait_grpc_serving
 
     replica = start_server(
         "replica",
@@ -357,9 +489,11 @@ def start_deployment(log_dir: Path):
         log_dir,
     )
     wait_grpc_serving(replica)
-    balancer = start_server("balancer", "balancer", ["--replica", f"r0={replica.address}"], log_dir)
+    http_port = free_port()
+    args = ["--replica", f"r0={replica.address}", "--http-port", str(http_port)]
+    balancer = start_server("balancer", "balancer", args, log_dir)
     wait_grpc_serving(balancer)
-    return replica, balancer
+    return replica, balancer, f"127.0.0.1:{http_port}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -386,14 +520,18 @@ def main(argv=None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     # A timeout's SIGTERM unwinds through the finally below, which stops the servers it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    replica, balancer = start_deployment(log_dir)
-    endpoints = {"replica": Endpoint(replica.address), "balancer": Endpoint(balancer.address)}
+    replica, balancer, http_address = start_deployment(log_dir)
+    endpoints = {
+        "replica": Endpoint(replica.address),
+        "balancer": Endpoint(balancer.address),
+        "http": HttpEndpoint(http_address),
+    }
     tally = Tally()
     started = time.monotonic()
     try:
-        before = {t: reference_tokens(e) for t, e in endpoints.items()}
+        before = references(endpoints)
         run_cases(endpoints, args.examples, tally, seed)
-        after = {t: reference_tokens(e) for t, e in endpoints.items() if replica.alive() and balancer.alive()}
+        after = references(endpoints) if replica.alive() and balancer.alive() else {}
         alive = {"replica": replica.alive(), "balancer": balancer.alive()}
     finally:
         for e in endpoints.values():

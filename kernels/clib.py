@@ -123,6 +123,7 @@ class CLibrary:
         v_cache=POINTER,
         tables=POINTER,
         seq_lens=POINTER,
+        starts=POINTER,
         out=POINTER,
         seqs=INT,
         heads=INT,
@@ -131,6 +132,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        softcap=FLOAT,
         threads=INT,
     )
     decode_attention_f32: Callable[..., int] = entry(
@@ -139,6 +141,7 @@ class CLibrary:
         v_cache=POINTER,
         tables=POINTER,
         seq_lens=POINTER,
+        starts=POINTER,
         out=POINTER,
         seqs=INT,
         heads=INT,
@@ -147,6 +150,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        softcap=FLOAT,
         threads=INT,
     )
     prefill_attention_available: Callable[[], int] = entry()

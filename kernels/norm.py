@@ -1,4 +1,4 @@
-"""RMSNorm, alone and fused with the residual add that precedes it; the MLP's gated activation."""
+"""RMSNorm, alone and fused with the residual add that precedes it; the MLP's gated activations."""
 
 from __future__ import annotations
 
@@ -25,3 +25,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up (tokens, 2 * intermediate), gate in the first half: (tokens, intermediate)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up (GeGLU, Gemma's gelu_pytorch_tanh): the same contract as silu_mul."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -3,7 +3,7 @@
 A GGUF file is converted once through transformers (which dequantizes it) into a cached Hugging Face folder, so
 later starts read safetensors in seconds. A preset (replica/presets/<name>/config.json) is a real-size architecture
 without weights: it runs with load_format "dummy", random weights made in place on the device
-(LlamaModel.init_random_weights).
+(DecoderModel.init_random_weights).
 
 The conversions' cache is trusted as the compiled kernels' is (kernels/clib.py): its models folder is created 0700
 and refused where another user owns it or others may write it, and a conversion carries the sha256 of each of its

@@ -1,6 +1,7 @@
-"""Fuzzed GenerateRequests against a live replica and the balancer in front of it (benchmarks/fuzz.py's strategies):
-only OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED, no process death, and a greedy request answered as before after.
-The full count is `python -m fastgen.benchmarks.fuzz --examples 10000`."""
+"""Fuzzed GenerateRequests against a live replica and the balancer in front of it, and JSON bodies against the
+balancer's HTTP API (benchmarks/fuzz.py's strategies, sizes and counts past every limit included): only OK,
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED (over HTTP 200 or a 4xx), no process death, and a greedy request answered as
+before after. The full count is `python -m fastgen.benchmarks.fuzz --examples 10000`."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from fastgen.benchmarks import fuzz
 from fastgen.proto import fastgen_pb2 as pb
 
-from .helpers import start_balancer, start_replica, wait_serving
+from .helpers import free_port, start_balancer, start_replica, wait_serving
 
 EXAMPLES = 300
 
@@ -21,9 +22,14 @@ def deployment(tiny_model_dir, tmp_path_factory):
     balancer = None
     try:
         wait_serving(replica)
-        balancer = start_balancer({"r0": replica.address}, logs)
+        http_port = free_port()
+        balancer = start_balancer({"r0": replica.address}, logs, extra_args=["--http-port", str(http_port)])
         wait_serving(balancer)
-        endpoints = {"replica": fuzz.Endpoint(replica.address), "balancer": fuzz.Endpoint(balancer.address)}
+        endpoints = {
+            "replica": fuzz.Endpoint(replica.address),
+            "balancer": fuzz.Endpoint(balancer.address),
+            "http": fuzz.HttpEndpoint(f"127.0.0.1:{http_port}"),
+        }
         yield replica, balancer, endpoints
         for e in endpoints.values():
             e.close()
@@ -36,7 +42,7 @@ def deployment(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_fuzzed_requests_are_answered_ok_or_invalid_and_nothing_breaks(deployment):
     replica, balancer, endpoints = deployment
-    before = {t: fuzz.reference_tokens(e) for t, e in endpoints.items()}
+    before = fuzz.references(endpoints)
     tally = fuzz.Tally()
 
     # derandomize: the same examples on every run, so a failure here is never a flake.
@@ -51,7 +57,7 @@ def test_fuzzed_requests_are_answered_ok_or_invalid_and_nothing_breaks(deploymen
 
     one()
     assert replica.alive() and balancer.alive()
-    assert {t: fuzz.reference_tokens(e) for t, e in endpoints.items()} == before
+    assert fuzz.references(endpoints) == before
     counts = tally.by_code()
     assert counts.get("OK", 0) > EXAMPLES // 20 and counts.get("INVALID_ARGUMENT", 0) > EXAMPLES // 4, counts
 

@@ -32,5 +32,16 @@ static inline __m512 silu_ps(__m512 g) {
     return _mm512_mul_round_ps(g, sig, _MM_FROUND_CUR_DIRECTION);
 }
 
+/* cap * tanh(x / cap) (attention logit soft-capping), tanh from e = exp(-2|y|), which cannot overflow:
+ * sign(y) (1 - e) / (1 + e); absolute error ~1e-7 of cap. */
+static inline __m512 softcap_ps(__m512 x, float cap) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
+    __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+    return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
 #endif
 #endif
