@@ -17,6 +17,12 @@
    MLP's gate/up layer counts with its SiLU(gate) * up: sgemm then the C silu_mul, against the fused kernel.
 5. The gate/up layers alone, float32: the linear kernel then the C silu_mul (two passes, the (rows, 2 intermediate)
    products through memory) against the fused kernel (kernels/csrc/linear_f32.c linear_f32_silu_mul).
+6. Quantized linear layers (--quant-only): every linear layer of SmolLM2-135M in each GGUF block type the quantized
+   kernels read (kernels/csrc/linear_quant.c; the embedded file's own Q4_1 layers with its Q8_0 LM head, and the
+   same shapes in every other type, random blocks), at 1 to 430 rows: ms per pass over all layers, weight GB/s
+   against the host's read bandwidth (a float32 sum over 1 GiB), beside today's bfloat16 (oneDNN) pass.
+7. One stream's decode through the whole engine (--quant-only): tokens/s of the embedded model served quantized
+   (quantization auto) against dequantized to bfloat16 (none), the same prompt, greedy, EOS ignored.
 The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
@@ -227,20 +233,116 @@ def gate_up_f32_table(repeats: int) -> list[str]:
     return rows
 
 
+def read_bandwidth_gbs(repeats: int) -> float:
+    """The host's memory read bandwidth: a float32 sum over 1 GiB, on the torch threads."""
+    big = torch.ones(1 << 28)
+    return big.numel() * 4 / median_s(big.sum, repeats) / 1e9
+
+
+def quant_table(repeats: int) -> list[str]:
+    from fastgen.kernels import quant
+    from fastgen.replica import pipeline
+    from fastgen.replica.parallel import ParallelLinear
+
+    model = pipeline("smollm2-135m", dtype="float32", quantization="auto", progress=False).engine.runner.model
+    layers = [m.packed for m in model.modules() if isinstance(m, ParallelLinear)]
+    if not all(isinstance(p, quant.QuantLinear) for p in layers):
+        return ["(the quantized kernels do not run on this machine)"]
+    bandwidth = read_bandwidth_gbs(repeats)
+    isa = quant.ISA_NAMES[quant.quant_kernels()[3].isa]
+    rows = [
+        f"Host read bandwidth (float32 sum over 1 GiB): {bandwidth:.1f} GB/s; quantized kernels' path: {isa}",
+        "",
+        "| weights | rows | MiB | ms per pass | weight GB/s | share of read bandwidth | GFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def in_type(name: str, packed: quant.QuantLinear) -> quant.QuantLinear:
+        number, weights, size = quant.GGML_TYPES[name]
+        k = packed.in_features
+        if k % weights:  # K-quants need 256 | k (ffn_down only in SmolLM2): llama.cpp falls back to Q5_0/Q8_0 there
+            number, weights, size = quant.GGML_TYPES["Q8_0" if name == "Q6_K" else "Q5_0"]
+        data = torch.randint(0, 256, (packed.out_features, k // weights * size), dtype=torch.uint8)
+        blocks = data.view(packed.out_features, -1, size)
+        half_at = [size - 2] if name == "Q6_K" else [0, 2]
+        for at in half_at:  # sane float16 scales
+            blocks[:, :, at : at + 2] = (
+                torch.full(blocks.shape[:2], 0.01, dtype=torch.float16).view(torch.uint8).view(*blocks.shape[:2], 2)
+            )
+        tensor = quant.QuantizedTensor(data, number, (packed.out_features, k))
+        return quant.pack_quantized([(0, tensor)], packed.out_features)
+
+    sets = {"file (Q4_1, Q8_0 head)": layers}
+    for name in quant.GGML_TYPES:
+        sets[name] = [in_type(name, p) for p in layers]
+    for label, chosen in sets.items():
+        nbytes = sum(p.nbytes for p in chosen)
+        for m in (1, 8, 64, 430):
+            xs = {p.in_features: torch.randn(m, p.in_features) for p in chosen}
+            flops = sum(2 * m * p.out_features * p.in_features for p in chosen)
+
+            def run(xs=xs, chosen=chosen):
+                for p in chosen:
+                    quant.quant_linear(xs[p.in_features], p, None)
+
+            t = median_s(run, repeats if m <= 64 else max(1, repeats // 2))
+            rows.append(
+                f"| {label} | {m} | {nbytes / 2**20:.0f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} "
+                f"| {nbytes / t / 1e9 / bandwidth:.0%} | {flops / t / 1e9:.0f} |"
+            )
+    return rows
+
+
+def decode_table(repeats: int) -> list[str]:
+    from fastgen.replica import pipeline
+
+    prompt, tokens = "Write a long story about a lighthouse keeper.", 128
+    rows = ["| weights | one stream decode tok/s (median) |", "|---|---|"]
+    pipes = {
+        "GGUF Q4_1 served quantized (auto)": pipeline(
+            "smollm2-135m", dtype="bfloat16", quantization="auto", progress=False
+        ),
+        "dequantized to bfloat16 (none)": pipeline(
+            "smollm2-135m", dtype="bfloat16", quantization="none", progress=False
+        ),
+    }
+    results: dict[str, list[float]] = {name: [] for name in pipes}
+    for pipe in pipes.values():
+        pipe([prompt], max_new_tokens=8, ignore_eos=True)  # warm-up
+    for _ in range(repeats):  # interleaved
+        for name, pipe in pipes.items():
+            start = time.perf_counter()
+            out = pipe([prompt], max_new_tokens=tokens, min_new_tokens=tokens)[0]
+            results[name].append(len(out.token_ids) / (time.perf_counter() - start))
+    for name, values in results.items():
+        rows.append(f"| {name} | {statistics.median(values):.1f} |")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-only", action="store_true", help="only the prompt-attention table")
     p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear tables")
+    p.add_argument("--quant-only", action="store_true", help="only the quantized linear and decode tables")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.prompt_only:
+    if args.quant_only:
+        tables = [quant_table, decode_table]
+    elif args.prompt_only:
         tables = [prompt_attention_table]
     elif args.linear_f32_only:
         tables = [linear_f32_table, gate_up_f32_table]
     else:
-        tables = [linear_table, attention_table, prompt_attention_table, linear_f32_table, gate_up_f32_table]
+        tables = [
+            linear_table,
+            attention_table,
+            prompt_attention_table,
+            linear_f32_table,
+            gate_up_f32_table,
+            quant_table,
+        ]
     print("\n\n".join("\n".join(table(args.repeats)) for table in tables))
 
 

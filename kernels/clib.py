@@ -48,6 +48,7 @@ SOURCES = [
         "linear.c",
         "linear_f32.c",
         "elementwise_f32.c",
+        "linear_quant.c",
     )
 ]
 HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
@@ -239,6 +240,23 @@ class CLibrary:
         k=INT,
         threads=INT,
     )
+    linear_quant_isa: Callable[[], int] = entry()
+    linear_quant_row_bytes: Callable[..., int] = entry(type=INT, k=INT)
+    linear_quant_f32: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        w=POINTER,
+        w_stride=INT64,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        type=INT,
+        threads=INT,
+    )
+    dequantize_rows_f32: Callable[..., int] = entry(w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT)
     linear_f32_silu_mul_available: Callable[[], int] = entry()
     linear_f32_silu_mul: Callable[..., int] = entry(
         x=POINTER, x_stride=INT64, packed=POINTER, h=POINTER, h_stride=INT64, m=INT, inter=INT, k=INT, threads=INT

@@ -39,6 +39,7 @@ from . import clib
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .dense import argmax
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
+from .quant import QuantLinear, pack_quantized, quant_linear
 from .rotary import rotary_write_kv
 from .table import Kernels
 
@@ -659,6 +660,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> torch.Tensor:
     """x W^T + b, through the packed weight when there is one (weight may then be None: packed.holds_weight)."""
+    if isinstance(packed, QuantLinear):
+        return quant_linear(x, packed, bias)
     if packed is not None and packed.f32 is not None:
         y = linear_f32(x, packed.f32, bias)
         if y is not None:
@@ -682,6 +685,8 @@ def pack_gate_up(weight: torch.Tensor) -> PackedWeight | None:
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     """SiLU(x Wg^T) * (x Wu^T) for the gate/up weight [Wg; Wu] (weight may be None: packed.holds_weight)."""
+    if isinstance(packed, QuantLinear):
+        return silu_mul_cpu(quant_linear(x, packed, None))
     if packed is not None and packed.f32 is not None and packed.f32.gated:
         h = linear_f32_silu_mul(x, packed.f32)
         if h is not None:
@@ -704,5 +709,6 @@ CPU_KERNELS = Kernels(
     linear=linear,
     pack_gate_up=pack_gate_up,
     linear_silu_mul=linear_silu_mul,
+    pack_quantized=pack_quantized,
     argmax=argmax_rows,
 )

@@ -53,6 +53,10 @@ class Kernels:
     pack_gate_up: Callable[[torch.Tensor], Packed | None]
     # (x, weight or None (packed.holds_weight), packed or None) -> SiLU(x Wg^T) * (x Wu^T), (tokens, intermediate)
     linear_silu_mul: Callable[..., torch.Tensor]
+    # A layer's quantized weight, [(first output row, QuantizedTensor)] covering its out_features rows, packed once at
+    # load for this backend's quantized kernel of each part's format on this CPU (kernels/quant.py); None where it
+    # has none, and the layer dequantizes. `linear` and `linear_silu_mul` read what this returns.
+    pack_quantized: Callable[[list, int], Packed | None]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
@@ -79,5 +83,6 @@ TORCH_KERNELS = Kernels(
     linear=linear,
     pack_gate_up=no_packing,
     linear_silu_mul=linear_silu_mul,
+    pack_quantized=lambda parts, out_features: None,
     argmax=argmax,
 )

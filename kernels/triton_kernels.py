@@ -480,6 +480,7 @@ TRITON_KERNELS = Kernels(
     linear=TORCH_KERNELS.linear,
     pack_gate_up=TORCH_KERNELS.pack_gate_up,
     linear_silu_mul=TORCH_KERNELS.linear_silu_mul,
+    pack_quantized=TORCH_KERNELS.pack_quantized,  # quantized checkpoints are dequantized on CUDA
     argmax=TORCH_KERNELS.argmax,
     graph_safe=True,
 )

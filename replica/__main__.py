@@ -23,6 +23,7 @@ from .config import (
     LOAD_FORMATS,
     MAX_FAILED_STEPS,
     MAX_UNSENT_OUTPUTS,
+    QUANTIZATIONS,
     SCHEDULERS,
     STALL_TIMEOUT_S,
     TP_TIMEOUT_S,
@@ -89,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=LOAD_FORMATS,
         help="auto: read the checkpoint; dummy: random weights made on the device (any model, and the presets, "
         "which ship without weights)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=_ENGINE.quantization,
+        choices=QUANTIZATIONS,
+        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: weight-only "
+        "int8; fp8: CUDA only (default: %(default)s)",
     )
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step op by op (vLLM's flag)"
@@ -216,6 +224,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         kernels=args.kernels,
         load_format=args.load_format,
+        quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(args.scheduler),

@@ -14,7 +14,7 @@ from . import weights
 from .batch import Batch, ScheduledSeq
 from .batch_broadcast import BatchBroadcast
 from .block_allocator import BlockAllocator
-from .config import EngineConfig
+from .config import QUANTIZATIONS, EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine
 from .host_memory import keep_freed_memory
@@ -51,6 +51,22 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
 
 
+def quantized_source(config: EngineConfig, device: torch.device):
+    """The GGUF file to read quantized (`quantization` auto of a GGUF model on the CPU), else None: the model loads
+    the dequantized folder. fp8 and int8 are refused here until they exist, with what to use instead."""
+    if config.quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {config.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if config.quantization == "fp8":
+        raise ValueError(
+            "quantization fp8 needs CUDA (float8 matrix units); on the CPU use auto (a GGUF's own blocks) or none"
+        )
+    if config.quantization == "int8":
+        raise ValueError("quantization int8 is not available yet: use auto (a GGUF's own blocks) or none")
+    if config.quantization != "auto" or config.load_format == "dummy" or device.type != "cpu":
+        return None
+    return weights.gguf_file(config.model)
+
+
 def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None):
     """This rank's shards of the weights and its KV cache (for its KV heads), in a model runner; returns the runner
     and the number of KV blocks, the same on every rank."""
@@ -58,6 +74,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # Triton launches on the current device, which must be the tensors'
     dtype = weights.parse_dtype(config.dtype, device)
+    gguf = quantized_source(config, device)
     folder = weights.resolve_model(config.model, config.load_format)
     model_config = ModelConfig.from_hf(weights.load_hf_config(folder))
     kernels = select_kernels(config.kernels, device)
@@ -73,6 +90,9 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
         torch.set_default_dtype(previous)
     if config.load_format == "dummy":  # random weights made where the parameters live: no read, no CPU copy
         model.init_random_weights()
+    elif gguf is not None:  # the file's blocks as they are: the layers keep what the kernels read quantized
+        hf_config = weights.load_hf_config(folder)
+        model.load_weights(weights.iter_gguf(gguf, hf_config, progress=config.progress and tp.rank == 0))
     else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
         model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
     model.eval()

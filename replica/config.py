@@ -17,6 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where the 
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda where a GPU is found, else cpu (a replica also takes cuda:N)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # auto: triton on CUDA, cpu elsewhere
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names; dummy: random weights on the device, no checkpoint read
+# vLLM's flag. auto: a checkpoint served in the format it ships in (a GGUF's block types, on the CPU kernels); none:
+# dequantized to the dtype; int8: weight-only int8 of a float checkpoint; fp8: CUDA only.
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 # Real-size architectures shipped as config.json only (no weights): `--model llama-3-8b --load-format dummy`.
 PRESETS_DIR = Path(__file__).parent / "presets"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -152,6 +155,7 @@ class EngineConfig:
     device: str = "cpu"
     kernels: str = "auto"  # auto | torch | cpu | triton
     load_format: str = "auto"  # auto: the checkpoint | dummy: random weights (any model, presets too)
+    quantization: str = "auto"  # QUANTIZATIONS
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     max_model_len: int | None = None  # None: the model's own context

@@ -84,6 +84,7 @@ def pipeline(
     kernels: str = EngineConfig.kernels,
     progress: bool = True,
     load_format: str = EngineConfig.load_format,
+    quantization: str = EngineConfig.quantization,
     prefix_caching: bool = CacheConfig.prefix_caching,
     enforce_eager: bool = EngineConfig.enforce_eager,
     slo: SloConfig | None = None,
@@ -99,6 +100,7 @@ def pipeline(
         device=resolve_device(device),
         kernels=kernels,
         load_format=load_format,
+        quantization=quantization,
         scheduler=SchedulerConfig(
             max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler, slo=slo or SloConfig()
         ),

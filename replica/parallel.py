@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import TORCH_KERNELS, Kernels
+from ..kernels.quant import QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,11 @@ def _frozen(*shape: int) -> nn.Parameter:
 class ParallelLinear(nn.Module):
     """What every linear layer holds, whatever its split: this rank's weight shard (out, in), its bias or None, the
     weight packed once at load for the kernels (`pack`; where the packed form holds the whole weight, the plain one is
-    dropped and `weight` is None), and the kernels' matrix multiply (`project`)."""
+    dropped and `weight` is None), and the kernels' matrix multiply (`project`).
+
+    A checkpoint's weight may come quantized (a GGUF block type, kernels/quant.py's QuantizedTensor): its rows are
+    kept as they are (`quantized`: first output row -> rows) and packed for the kernels' quantized linear, or, where
+    the kernels have none for it, dequantized into the plain weight at pack time."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels: Kernels) -> None:
         super().__init__()
@@ -67,8 +72,24 @@ class ParallelLinear(nn.Module):
         self.bias = bias
         self.kernels = kernels
         self.packed = None
+        self.quantized: list[tuple[int, QuantizedTensor]] = []
+
+    def put(self, name: str, start: int, rows: torch.Tensor | QuantizedTensor) -> None:
+        """Rows [start, start + len) of parameter `name` from a checkpoint's (already sharded) tensor."""
+        if isinstance(rows, QuantizedTensor):
+            self.quantized.append((start, rows))
+        else:
+            getattr(self, name).data[start : start + rows.shape[0]].copy_(rows)
 
     def pack(self) -> None:
+        if self.quantized:
+            self.packed = self.kernels.pack_quantized(self.quantized, self.out_features)
+            if self.packed is not None:
+                self.quantized, self.weight = [], None  # the packed blocks are the weight
+                return
+            for start, rows in self.quantized:  # no kernel for this format here: serve it dequantized
+                self.weight.data[start : start + rows.shape[0]].copy_(rows.dequantize())
+            self.quantized = []
         self.packed = self.packed_form(self.weight)
         if self.packed is not None and self.packed.holds_weight:
             self.weight = None  # two copies of every weight would double the model's memory
@@ -100,8 +121,7 @@ class ColumnParallelLinear(ParallelLinear):
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         size = self.local_parts[part]
         start = sum(self.local_parts[:part])
-        shard = tensor.narrow(0, self.tp.rank * size, size)  # this rank's rows of the part
-        getattr(self, name).data[start : start + size].copy_(shard)
+        self.put(name, start, tensor.narrow(0, self.tp.rank * size, size))  # this rank's rows of the part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -164,7 +184,7 @@ class QKVParallelLinear(ParallelLinear):
         size = self.local_parts[part]
         first = self.tp.rank * size if part == 0 else self.kv_head_start * self.head_dim
         start = sum(self.local_parts[:part])
-        getattr(self, name).data[start : start + size].copy_(tensor.narrow(0, first, size))
+        self.put(name, start, tensor.narrow(0, first, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -184,7 +204,11 @@ class RowParallelLinear(ParallelLinear):
         if name == "bias":
             self.bias.data.copy_(tensor)  # whole on every rank, added once after the all-reduce
         else:
-            self.weight.data.copy_(tensor.narrow(1, self.tp.rank * self.local_in, self.local_in))
+            if isinstance(tensor, QuantizedTensor) and not tensor.splits_at(
+                self.tp.rank * self.local_in, self.local_in
+            ):
+                tensor = tensor.dequantize()  # a shard boundary inside a block
+            self.put(name, 0, tensor.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.project(x, None))
@@ -201,17 +225,29 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.local_vocab
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
+        self.dtype = self.weight.dtype
+        # A quantized checkpoint's rows (all local_vocab of them), kept as they are: a lookup dequantizes its own rows.
+        self.quantized: QuantizedTensor | None = None
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.vocab_start)
-        self.weight.data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
+        shard = tensor.narrow(0, self.vocab_start, rows)
+        if isinstance(shard, QuantizedTensor) and rows == self.local_vocab:
+            self.quantized, self.weight = shard, None
+        else:
+            self.weight.data[:rows].copy_(shard.dequantize() if isinstance(shard, QuantizedTensor) else shard)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return F.embedding(ids, self.weight)
+        return self.quantized.index_rows(ids.flatten().to(torch.int64)).dequantize().to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self.lookup(local.masked_fill(outside, 0))
         x = x.masked_fill(outside[:, None], 0)
         return self.tp.all_reduce(x)
 
@@ -230,6 +266,7 @@ class ParallelLMHead(ParallelLinear):
     ) -> None:
         weight = embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
         super().__init__(weight, _frozen(embedding.local_vocab) if bias else None, kernels)
+        self.embedding = embedding if tied else None
         self.tp = tp
         self.vocab_size = embedding.vocab_size
         self.vocab_start = embedding.vocab_start
@@ -237,7 +274,21 @@ class ParallelLMHead(ParallelLinear):
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.vocab_start)
-        getattr(self, name).data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
+        self.put(name, 0, tensor.narrow(0, self.vocab_start, rows))
+
+    def pack(self) -> None:
+        """Tied to a quantized embedding: the same blocks serve the logits (or, where the kernels cannot read them,
+        the embedding's dequantized weight, which the embedding then uses too)."""
+        embedding = self.embedding
+        if embedding is not None and embedding.quantized is not None:
+            self.packed = self.kernels.pack_quantized([(0, embedding.quantized)], self.out_features)
+            if self.packed is not None:
+                self.weight = None
+                return
+            embedding.weight = self.weight
+            embedding.weight.data.copy_(embedding.quantized.dequantize())
+            embedding.quantized = None
+        super().pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last(self.project(x, self.bias))  # (rows, local_vocab * tp)

@@ -40,6 +40,85 @@ def preset_names() -> list[str]:
     return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
 
 
+def gguf_file(model: str) -> Path | None:
+    """The .gguf file a model name stands for (the embedded model's, or a path to one); None for anything else."""
+    if model in _EMBEDDED:
+        package, filename = _EMBEDDED[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        return Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+# GGUF tensor names (llama.cpp's) -> Hugging Face module names of a llama-family layer.
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_hf_name(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for a tensor the model does not use."""
+    stem, _, param = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, kind = stem.split(".", 2)
+        return f"model.layers.{layer}.{_GGUF_LAYER[kind]}.{param}" if kind in _GGUF_LAYER else None
+    return f"{_GGUF_TOP[stem]}.{param}" if stem in _GGUF_TOP else None
+
+
+def unpermute_rows(heads: int, rows: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's convert script's permutation of q and k (its rotary pairs interleaved);
+    transformers' GGUF loader undoes it the same way."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def iter_gguf(gguf: Path, hf_config: dict, progress: bool = True) -> Iterator[tuple[str, object]]:
+    """(Hugging Face name, tensor) for every tensor of a llama-family GGUF file, read directly: weights in a block type
+    the quantized kernels take stay in it (kernels/quant.py's QuantizedTensor, rows as stored), any other type is
+    dequantized to float32 with gguf's own dequantizers. q and k rows are put back in Hugging Face's order."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    from ..kernels.quant import QuantizedTensor, takes
+
+    reader = GGUFReader(gguf)
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress, file=sys.stderr):
+        name = gguf_hf_name(tensor.name)
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+        qtype = int(tensor.tensor_type)
+        quantized = len(shape) == 2 and tensor.tensor_type not in (
+            GGMLQuantizationType.F32,
+            GGMLQuantizationType.F16,
+            GGMLQuantizationType.BF16,
+        )
+        if quantized and takes(qtype, shape[1]):
+            value = QuantizedTensor(torch.from_numpy(np.array(tensor.data).reshape(shape[0], -1)), qtype, shape)
+        else:
+            data = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            order = unpermute_rows(heads if ".q_proj." in name else kv_heads, shape[0])
+            value = value.index_rows(order) if isinstance(value, QuantizedTensor) else value[order]
+        yield name, value
+
+
 def resolve_model(model: str, load_format: str = "auto") -> Path:
     """Returns a Hugging Face folder for a model alias, preset, folder or .gguf file: config.json, and *.safetensors
     unless load_format is "dummy" (which reads only the config)."""

@@ -1,0 +1,205 @@
+"""Quantized weights: a linear layer's weight kept in a GGUF block type (llama.cpp's layouts, ggml-quants.h) and
+multiplied in that form by csrc/linear_quant.c, so a replica holds the model at its file's size and a decode step
+reads 4.5 to 8.5 bits per weight.
+
+`QuantizedTensor` is a weight as the checkpoint ships it: rows of blocks, sliced by rows (column-parallel shards,
+fused q/k/v and gate/up parts) or by whole blocks of columns (row-parallel shards) without dequantizing. A layer's
+packed form, `QuantLinear`, holds its row slabs (consecutive parts of one type are one slab) and the kernel chosen
+for them at load: one per (block type, CPU feature), `QUANT_KERNELS`. The model never sees the format: the layer
+calls the kernels' `linear` as for any packed weight, which hands a `QuantLinear` to its own `linear`.
+
+The kernels take float32 activations and write float32 (every weight dequantized in registers to gguf's value, no
+rounding of the activations); bfloat16 activations are widened on the way in and rounded on the way out."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import clib
+
+# ggml type name -> (ggml type number, weights per block, bytes per block): the types csrc/linear_quant.c reads.
+GGML_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+TYPE_NAMES = {number: name for name, (number, _, _) in GGML_TYPES.items()}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """(weights, bytes) of one block of a taken type."""
+    _, weights, size = GGML_TYPES[TYPE_NAMES[qtype]]
+    return weights, size
+
+
+def takes(qtype: int, in_features: int) -> bool:
+    """Whether the kernels read rows of in_features weights of this ggml type."""
+    return qtype in TYPE_NAMES and in_features % block_shape(qtype)[0] == 0
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight (rows, cols) in ggml type `qtype`: data is uint8 (rows, bytes of a row), each row cols / block
+    weights blocks in llama.cpp's layout."""
+
+    data: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+
+    @property
+    def name(self) -> str:
+        return TYPE_NAMES.get(self.qtype, str(self.qtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def splits_at(self, *columns: int) -> bool:
+        """Whether every one of these column offsets falls between blocks (a shard may start or end there)."""
+        weights, _ = block_shape(self.qtype)
+        return all(c % weights == 0 for c in columns)
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Rows (dim 0) or whole blocks of columns (dim 1) [start, start + length)."""
+        rows, cols = self.shape
+        if dim == 0:
+            return QuantizedTensor(self.data.narrow(0, start, length), self.qtype, (length, cols))
+        weights, size = block_shape(self.qtype)
+        if start % weights or length % weights:
+            raise ValueError(f"a {self.name} weight splits only at multiples of {weights} columns")
+        data = self.data.narrow(1, start // weights * size, length // weights * size)
+        return QuantizedTensor(data, self.qtype, (rows, length))
+
+    def index_rows(self, index: torch.Tensor) -> QuantizedTensor:
+        return QuantizedTensor(self.data.index_select(0, index), self.qtype, (len(index), self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (rows, cols): the values the kernels multiply with."""
+        library = clib.get_library()
+        data = self.data.contiguous()
+        rows, cols = self.shape
+        out = torch.empty((rows, cols), dtype=torch.float32)
+        if (
+            library is not None
+            and library.dequantize_rows_f32(data.data_ptr(), data.stride(0), out.data_ptr(), rows, cols, self.qtype)
+            == 0
+        ):
+            return out
+        from gguf.quants import dequantize  # gguf's reference dequantizers, where no kernel library was built
+
+        return torch.from_numpy(dequantize(data.numpy(), self.qtype).copy()).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """The linear kernel of one block type on one CPU feature level, chosen at load."""
+
+    qtype: int
+    isa: int
+    run: Callable[..., int]
+
+    @property
+    def name(self) -> str:
+        return f"{TYPE_NAMES[self.qtype].lower()}_{ISA_NAMES.get(self.isa, self.isa)}"
+
+
+@functools.cache
+def quant_kernels() -> dict[int, QuantKernel]:
+    """ggml type -> its kernel on this CPU; empty where the C library could not be built."""
+    library = clib.get_library()
+    if library is None:
+        return {}
+    isa = library.linear_quant_isa()
+    return {number: QuantKernel(number, isa, library.linear_quant_f32) for number, _, _ in GGML_TYPES.values()}
+
+
+@dataclass(frozen=True)
+class QuantLinear:
+    """A quantized linear layer's packed form: row slabs (first output row, weight) covering its out_features in
+    order, each with its kernel. It alone computes the layer (holds_weight)."""
+
+    slabs: tuple[tuple[int, QuantizedTensor, QuantKernel], ...]
+    out_features: int
+    in_features: int
+
+    holds_weight = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for _, w, _ in self.slabs)
+
+    @property
+    def formats(self) -> list[str]:
+        return [kernel.name for _, _, kernel in self.slabs]
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([w.dequantize() for _, w, _ in self.slabs])
+
+
+def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) -> QuantLinear | None:
+    """A layer's quantized parts (first output row, weight) as its packed form, or None where this CPU has no kernel
+    for one of them (the caller dequantizes). Consecutive parts of one type are joined into one slab (q, k and v of
+    one type: one kernel call)."""
+    kernels = quant_kernels()
+    parts = sorted(parts, key=lambda p: p[0])
+    if not parts or any(p.qtype not in kernels or not takes(p.qtype, p.shape[1]) for _, p in parts):
+        return None
+    in_features = parts[0][1].shape[1]
+    slabs: list[tuple[int, list[QuantizedTensor]]] = []
+    row = 0
+    for start, part in parts:
+        if start != row or part.shape[1] != in_features:
+            return None
+        if slabs and slabs[-1][1][0].qtype == part.qtype:
+            slabs[-1][1].append(part)
+        else:
+            slabs.append((start, [part]))
+        row += part.shape[0]
+    if row != out_features:
+        return None
+    joined = []
+    for start, group in slabs:
+        data = torch.cat([p.data for p in group]).contiguous()
+        weight = QuantizedTensor(data, group[0].qtype, (data.shape[0], in_features))
+        joined.append((start, weight, kernels[weight.qtype]))
+    return QuantLinear(tuple(joined), out_features, in_features)
+
+
+def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (rows, in_features) W^T + bias through the quantized kernels, in x's dtype (float32 inside)."""
+    dtype = x.dtype
+    xf = x if dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+    rows = xf.shape[0]
+    y = torch.empty((rows, packed.out_features), dtype=torch.float32)
+    if rows == 0:
+        return y.to(dtype)
+    threads = torch.get_num_threads()
+    bias = None if bias is None else bias.float().contiguous()
+    for start, weight, kernel in packed.slabs:
+        status = kernel.run(
+            xf.data_ptr(),
+            xf.stride(0),
+            weight.data.data_ptr(),
+            weight.data.stride(0),
+            None if bias is None else bias.data_ptr() + 4 * start,
+            y.data_ptr() + 4 * start,
+            packed.out_features,
+            rows,
+            weight.shape[0],
+            packed.in_features,
+            weight.qtype,
+            threads,
+        )
+        if status != 0:
+            raise RuntimeError(f"the {kernel.name} linear kernel declined its arguments")
+    return y if dtype == torch.float32 else y.to(dtype)

@@ -1,0 +1,185 @@
+"""The quantized linear kernels (kernels/csrc/linear_quant.c, kernels/quant.py) against gguf's own dequantizers
+(gguf.quants, the reference for llama.cpp's block layouts): each block type dequantized bit for bit as gguf does,
+products as float64 matrix products of those weights, every row's result the same alone or in any batch and on any
+thread count. Each build (AVX-512, AVX2, portable C) is compiled here from the same source with the flags that
+select it, and tested only where this CPU runs it."""
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from fastgen.kernels import clib, quant
+
+from .helpers import require_tool
+
+gguf_quants = pytest.importorskip("gguf.quants")
+
+# Where each block type keeps its float16 scales (bytes of a block): set to sane values in random blocks.
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2]}
+HALF_FIELDS["Q6_K"] = [208]
+TYPES = list(quant.GGML_TYPES)
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> quant.QuantizedTensor:
+    """Random quants and scales of a ggml type: every bit pattern of the quants, scales in [-0.05, 0.05]."""
+    number, weights, size = quant.GGML_TYPES[name]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // weights, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[name]:
+        halves = rng.uniform(-0.05, 0.05, (rows, cols // weights)).astype(np.float16)
+        data[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, cols // weights, 2)
+    return quant.QuantizedTensor(torch.from_numpy(data.reshape(rows, -1)), number, (rows, cols))
+
+
+def reference(w: quant.QuantizedTensor) -> np.ndarray:
+    return gguf_quants.dequantize(w.data.numpy(), w.qtype).reshape(w.shape).astype(np.float32)
+
+
+def cpu_flags() -> set[str]:
+    return set(clib.cpu_identity()[1])
+
+
+class Build:
+    """linear_quant.c built on its own with `march`, bound as clib binds it."""
+
+    def __init__(self, path):
+        library = ctypes.CDLL(str(path))
+        params = clib.signatures()
+        for name in ("linear_quant_isa", "linear_quant_f32", "dequantize_rows_f32"):
+            fn = getattr(library, name)
+            fn.restype, fn.argtypes = ctypes.c_int, list(params[name].values())
+            setattr(self, name, fn)
+
+    def linear(self, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
+        rows, n = x.shape[0], w.shape[0]
+        y = torch.empty((rows, n), dtype=torch.float32)
+        status = self.linear_quant_f32(
+            x.data_ptr(), x.stride(0), w.data.data_ptr(), w.data.stride(0),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows, n, w.shape[1], w.qtype, threads,
+        )  # fmt: skip
+        assert status == 0
+        return y
+
+    def dequantize(self, w: quant.QuantizedTensor) -> torch.Tensor:
+        out = torch.empty(w.shape, dtype=torch.float32)
+        assert self.dequantize_rows_f32(w.data.data_ptr(), w.data.stride(0), out.data_ptr(), *w.shape, w.qtype) == 0
+        return out
+
+
+BUILDS = {  # name -> (march, CPU flags it needs)
+    "native": ("native", set()),
+    "avx2": ("haswell", {"avx2", "fma", "f16c"}),
+    "portable": ("x86-64", set()),
+}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def build(request, tmp_path_factory):
+    march, needs = BUILDS[request.param]
+    compiler = clib.find_compiler()
+    require_tool(compiler, "no C compiler on this machine")
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
+    out = tmp_path_factory.mktemp(request.param) / "linear_quant.so"
+    flags = [f for f in clib.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+    command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_quant.c"), "-lm"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode and march == "x86-64":
+        pytest.skip(f"this compiler does not target x86-64: {result.stderr[-300:]}")
+    assert result.returncode == 0, result.stderr
+    built = Build(out)
+    expected = {"native": None, "avx2": 1, "portable": 0}[request.param]
+    assert expected is None or built.linear_quant_isa() == expected
+    return built
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantized_weights_are_ggufs_bit_for_bit(build, name):
+    w = random_blocks(name, 5, 512)
+    assert np.array_equal(build.dequantize(w).numpy(), reference(w))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 21])
+def test_linear_matches_the_dequantized_product(build, name, rows):
+    w = random_blocks(name, 37, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(37)
+    weight = torch.from_numpy(reference(w)).double()
+    expected = x.double() @ weight.T + bias.double()
+    y = build.linear(x, w, bias)
+    # float32 summation: each output within a few ulps of the sum of its terms' magnitudes
+    scale = x.double().abs() @ weight.abs().T + bias.double().abs()
+    assert ((y.double() - expected).abs() <= 1e-6 * scale).all()
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(build, name):
+    """Decode strips and prompt panels sum in one order: a row alone, in a decode batch and in a prompt batch, on
+    one thread or two, gives the same bits."""
+    w = random_blocks(name, 70, 768)
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([build.linear(x[i : i + 1], w, threads=1) for i in range(len(x))])
+    for rows in (3, 8, 40):
+        for threads in (1, 2, 3):
+            assert torch.equal(build.linear(x[:rows], w, threads=threads), alone[:rows]), (rows, threads)
+
+
+def test_every_build_gives_the_same_bits(tmp_path_factory):
+    """AVX-512, AVX2 and portable follow the same lanes and tree: the same results bit for bit."""
+    builds = []
+    compiler = clib.find_compiler()
+    require_tool(compiler, "no C compiler on this machine")
+    for name, (march, needs) in BUILDS.items():
+        if not needs <= cpu_flags():
+            continue
+        out = tmp_path_factory.mktemp(f"same-{name}") / "linear_quant.so"
+        flags = [f for f in clib.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+        command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_quant.c"), "-lm"]
+        if subprocess.run(command, capture_output=True).returncode == 0:
+            builds.append(Build(out))
+    w = random_blocks("Q4_K", 19, 512)
+    x = torch.randn(11, 512)
+    results = [b.linear(x, w) for b in builds]
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_wrong_arguments_are_declined(build):
+    w = random_blocks("Q4_1", 4, 64)
+    x = torch.randn(2, 64)
+    y = torch.empty(2, 4)
+    args = [x.data_ptr(), 64, w.data.data_ptr(), w.data.stride(0), None, y.data_ptr(), 4, 2, 4]
+    assert build.linear_quant_f32(*args, 64, 99, 1) == -1  # a type the kernels do not read
+    assert build.linear_quant_f32(*args, 48, w.qtype, 1) == -1  # k not a whole number of blocks
+    assert build.linear_quant_f32(*args, 64, w.qtype, 1) == 0
+
+
+# --- kernels/quant.py: the layer's packed form, through the process's library ---
+
+
+def test_quant_linear_joins_parts_and_keeps_their_types():
+    if not quant.quant_kernels():
+        require_tool(False, "no C compiler on this machine")
+    q, k, v = random_blocks("Q4_1", 64, 256, 1), random_blocks("Q4_1", 32, 256, 2), random_blocks("Q6_K", 32, 256, 3)
+    packed = quant.pack_quantized([(96, v), (0, q), (64, k)], 128)
+    assert [w.shape[0] for _, w, _ in packed.slabs] == [96, 32] and packed.holds_weight
+    x = torch.randn(3, 256)
+    bias = torch.randn(128)
+    weight = torch.cat([torch.from_numpy(reference(t)) for t in (q, k, v)])
+    expected = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(quant.quant_linear(x, packed, bias).double(), expected, rtol=1e-4, atol=1e-3)
+    assert torch.equal(packed.dequantized(), weight)
+    assert quant.quant_linear(x.bfloat16(), packed, None).dtype == torch.bfloat16
+    assert quant.pack_quantized([(0, q)], 128) is None  # rows missing: the caller dequantizes
+
+
+def test_narrowing_keeps_whole_blocks():
+    w = random_blocks("Q8_0", 8, 128)
+    full = reference(w)
+    assert np.array_equal(reference(w.narrow(1, 32, 64)), full[:, 32:96])
+    assert np.array_equal(reference(w.narrow(0, 2, 3)), full[2:5])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        w.narrow(1, 16, 32)

