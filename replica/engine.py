@@ -6,7 +6,11 @@ schedule -> run -> sample -> emit and returns what changed plus one stats record
 A request for n > 1 completions is one sequence until its prompt is prefilled; the step that computes the prompt's
 last chunk draws the n first tokens from that one logits row, each completion with its own seed, and forks n - 1
 sequences that share the prompt's full KV blocks (and copy its partly filled last one). From there each completion
-runs, stops and finishes on its own."""
+runs, stops and finishes on its own.
+
+A constrained request (structured output) has a grammar matcher per completion (constraints.py): the step asks it for
+the tokens allowed now (the sampler masks the rest) and it accepts each emitted token. Unconstrained steps skip
+all of it."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Batch
+from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
@@ -49,6 +54,7 @@ class _Request:
     banned: list[int]  # tokens that may not end the request before min_new_tokens
     unfinished: int  # completions not finished, those not forked yet included
     forked: bool  # the n - 1 other completions exist (always, for n = 1)
+    grammar: object = None  # the compiled constraint (xgrammar's CompiledGrammar); None: unconstrained
     completions: list[_Completion] = field(default_factory=list)  # index order
 
 
@@ -65,6 +71,7 @@ class _Completion:
     text: str = ""
     emitted: int = 0  # characters of text already sent
     finished: bool = False
+    matcher: Matcher | None = None  # where it stands in its request's grammar; None: unconstrained
 
 
 class Engine:
@@ -88,6 +95,7 @@ class Engine:
         self._by_seq: dict[int, _Completion] = {}
         self._next_seq_id = 0
         self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
+        self.constraints = Constraints(tokenizer, model_config.vocab_size, eos_token_ids)
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -133,6 +141,8 @@ class Engine:
         resumes = resume or (Resume(()),)
         unfinished = params.n if resume is None else sum(not r.finished for r in resume)
         req = _Request(request_id, params, seed, text, banned, unfinished, forked=resume is not None or params.n == 1)
+        if params.constraint is not None:  # compiled already when the service awaited it; else compiled here
+            req.grammar = self.constraints.grammar(params.constraint)
         self._requests[request_id] = req
         arrival = time.monotonic()
         for index, delivered in enumerate(resumes):
@@ -181,6 +191,9 @@ class Engine:
         character or a stop string split across the seam comes out whole; the characters the client has are marked
         sent, so the hold-back for stop strings continues from the same place."""
         c.output_ids.extend(resume.token_ids)
+        for token in resume.token_ids if c.matcher is not None else ():  # the grammar state is rebuilt from them
+            if not c.matcher.accept(token):
+                raise ValueError(f"resume token {token} does not match the request's constraint")
         for token in resume.token_ids:
             c.text += c.detok.add(token)
         c.emitted = min(resume.text_chars, len(c.text))
@@ -190,6 +203,7 @@ class Engine:
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.keep_special_tokens)
         c = _Completion(req, index, seq, completion_seed(req.seed, index), detok, timings)
+        c.matcher = self.constraints.matcher(req.grammar) if req.grammar is not None else None
         c.logprobs = [] if p.logprobs is not None else None
         req.completions.append(c)
         self._by_seq[seq.seq_id] = c
@@ -255,6 +269,9 @@ class Engine:
             for member in group:
                 rows.append(self._sampling_row(member, None if len(rows) == i else i))
                 owners.append(member)
+        if any(c.matcher is not None for c in owners):  # no mask work in a step without a constrained row
+            for row, allowed in zip(rows, self.constraints.masks([c.matcher for c in owners])):
+                row.allowed = allowed
         return owners, rows
 
     def _fork(self, parent: _Completion) -> list[_Completion]:
@@ -279,7 +296,8 @@ class Engine:
 
     def _sampling_row(self, c: _Completion, source: int | None) -> SamplingRow:
         p, seq = c.req.params, c.seq
-        banned = c.req.banned if seq.num_generated < p.min_new_tokens else []
+        # A grammar decides where a constrained output ends: a ban on EOS there could leave no token allowed.
+        banned = c.req.banned if seq.num_generated < p.min_new_tokens and c.matcher is None else []
         # The token being sampled goes at index num_tokens: its draws are keyed by (seed, that position).
         return SamplingRow(
             p.temperature,
@@ -307,6 +325,10 @@ class Engine:
             c.logprobs.append(self._named(logprob))
         c.timings.first_token = c.timings.first_token or now
         reason = self._token_reason(token, params)  # EOS or a stop token: its text is left out
+        if c.matcher is not None:
+            c.matcher.accept(token)  # the mask allowed only tokens it accepts
+            if c.matcher.done:  # the grammar's end (EOS) was accepted: nothing may follow, ignore_eos or not
+                reason = reason or FinishReason.EOS
         at_length = seq.num_generated >= seq.max_new_tokens
         previous = len(c.text)
         if reason is None:

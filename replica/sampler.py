@@ -2,7 +2,8 @@
 temperature, top-k, top-p, min-p; logit bias and repetition, frequency and presence penalties; logprobs of the raw
 distribution.
 
-The order is vLLM's: logprobs of the raw logits; bans (EOS before min_new_tokens); logit_bias; repetition, frequency
+The order is vLLM's: logprobs of the raw logits; bans (EOS before min_new_tokens); grammar masks (structured output,
+replica/constraints.py); logit_bias; repetition, frequency
 and presence penalties; then the argmax (greedy) or temperature, min-p, top-k and top-p, and the draw. Rows that set
 none of bias, penalties or min-p take the same path, with the same results, as a sampler without them.
 
@@ -45,6 +46,9 @@ class SamplingRow:
     output_ids: Sequence[int] = ()  # tokens generated so far (presence and frequency penalties)
     context_ids: Sequence[int] = ()  # prompt + generated tokens (repetition penalty); read only when that is on
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely alternatives
+    # The tokens a grammar allows now, as a packed bitmask (ceil(V / 32),) int32 on the host (bit t % 32 of word
+    # t // 32); None: unconstrained.
+    allowed: torch.Tensor | None = None
 
     @property
     def penalized(self) -> bool:
@@ -132,10 +136,29 @@ def _subset(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 
 def _selected(logits: torch.Tensor, rows: list[SamplingRow], source: list[int], index: list[int]) -> torch.Tensor:
-    """The logits rows[index] sample from, (len(index), V), with their bans."""
+    """The logits rows[index] sample from, (len(index), V), with their bans and grammar masks."""
     selected = _subset(logits, [source[i] for i in index])
     _ban(selected, [rows[i] for i in index])
+    _constrain(selected, [rows[i] for i in index])
     return selected
+
+
+def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Sets every token a row's grammar does not allow to -inf: the constrained rows' bitmasks go to the device in
+    one copy and are unpacked there. Nothing runs when no row is constrained."""
+    masked = [j for j, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return
+    bits = torch.stack([rows[j].allowed for j in masked]).to(logits.device)  # (c, W) int32
+    allowed = unpack_bitmask(bits, logits.shape[1])  # (c, V) bool
+    where = torch.tensor(masked, dtype=torch.int64, device=logits.device)
+    logits[where] = logits[where].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed bitmasks (c, W) int32 -> (c, vocab) bool: token t is bit t % 32 of word t // 32 (xgrammar's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
 
 
 def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -29,11 +29,13 @@ from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import Prompt
 from .request import (
+    MAX_CONSTRAINT_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    Constraint,
     FinishReason,
     Resume,
     SamplingParams,
@@ -508,7 +510,27 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         keep_special_tokens=p.keep_special_tokens,
         echo=p.echo,
         cache_salt=p.cache_salt,
+        constraint=constraint_from_proto(p),
     )
+
+
+def constraint_from_proto(p: pb.SamplingParams) -> Constraint | None:
+    """The request's structured-output constraint; its size is checked before anything is copied."""
+    if not p.HasField("constraint"):
+        return None
+    c = p.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("constraint is set but holds no kind: set one of json_schema, json_object, regex, choice")
+    if kind == "choice":
+        check_count("constraint.choice", len(c.choice.choices), MAX_CONSTRAINT_CHOICES, "choices")
+        constraint = Constraint(kind, tuple(c.choice.choices))
+    elif kind == "json_object":
+        constraint = Constraint(kind)
+    else:
+        constraint = Constraint(kind, getattr(c, kind))
+    constraint.validate()
+    return constraint
 
 
 def logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
@@ -607,6 +629,8 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 # Its finished completions' output is the client's alone: an answer here would leave them out.
                 raise ValueError("a resumed request for n > 1 completions is streamed only: use GenerateStream")
             slo = slo_from_proto(request)
+            if params.constraint is not None:  # the request waits for its grammar, compiled off the engine thread
+                await asyncio.wrap_future(engine.constraints.compile(params.constraint))
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # The engine keys requests by an id of the server's own: clients choose theirs freely, so two may pick the

@@ -1,0 +1,176 @@
+"""Structured output in the engine (replica/constraints.py): a grammar mask per sequence in the batched sampler. A
+random tiny model's output is valid under its constraint whatever it would say; constrained rows keep the sampler's
+guarantees (seeded replay, n > 1, preemption, resume), and unconstrained rows beside them are untouched."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from fastgen.replica import pipeline
+from fastgen.replica.request import Constraint, FinishReason, Resume, SamplingParams
+from fastgen.replica.sampler import SamplingRow, sample, unpack_bitmask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["colour", "ok"],
+    "additionalProperties": False,
+}
+JSON = Constraint("json_schema", json.dumps(SCHEMA))
+
+
+def drain(engine, ids):
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            if out.finished:
+                outs[(out.request_id, out.index)] = out
+    return outs
+
+
+def valid(text: str) -> bool:
+    value = json.loads(text)
+    return (
+        value.keys() == {"colour", "ok"}
+        and value["colour"] in ("red", "green", "blue")
+        and isinstance(value["ok"], bool)
+    )
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_model_dir):
+    return pipeline(str(tiny_model_dir), dtype="float32", max_batch_tokens=64, progress=False)
+
+
+def test_unpack_bitmask_layout():
+    bits = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0, 2 and 63
+    assert unpack_bitmask(bits, 64)[0].nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_mask_comes_before_top_k():
+    """top_k=1 among the allowed tokens, not among all: the mask is applied first (vLLM's order)."""
+    from fastgen.kernels import TORCH_KERNELS
+
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
+    allowed = torch.tensor([0b1100], dtype=torch.int32)  # tokens 2 and 3
+    for temperature in (0.0, 1.0):
+        row = SamplingRow(temperature, 1.0, 1, seed=7, position=0, banned=[], allowed=allowed)
+        assert sample(logits.clone(), [row], TORCH_KERNELS.argmax).tokens == [2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "constraint, check",
+    [
+        (JSON, valid),
+        (Constraint("json_object"), lambda t: isinstance(json.loads(t), dict)),
+        (Constraint("regex", "[ab]{3}-[0-9]"), lambda t: re.fullmatch("[ab]{3}-[0-9]", t) is not None),
+        (Constraint("choice", ("yes", "no", "maybe so")), lambda t: t in ("yes", "no", "maybe so")),
+        (Constraint("grammar", 'root ::= "x" ("y" | "z")'), lambda t: t in ("xy", "xz")),
+    ],
+)
+def test_constrained_output_is_valid(pipe, constraint, check):
+    max_new = 60 if constraint.kind != "json_object" else 30
+    for temperature in (0.0, 1.0):
+        (out,) = pipe(["Answer:"], max_new_tokens=max_new, temperature=temperature, seed=3, constraint=constraint)
+        if constraint.kind == "json_object" and out.finish_reason == FinishReason.LENGTH:
+            assert out.text.startswith("{")  # a random model may keep an object open to the end
+            continue
+        assert out.finish_reason == FinishReason.EOS, out
+        assert check(out.text), out.text
+
+
+@pytest.mark.slow
+def test_seeded_n_and_preemption_replay(tiny_model_dir):
+    """n = 4 seeded completions: each valid, the same on a second run, and the same when a tiny KV pool preempts."""
+    params = SamplingParams(max_new_tokens=60, temperature=1.0, seed=11, n=4, constraint=JSON)
+    runs = []
+    for num_blocks in (None, 12):
+        p = pipeline(str(tiny_model_dir), dtype="float32", max_batch_tokens=32, num_blocks=num_blocks, progress=False)
+        e = p.engine
+        for i in range(6):
+            e.add_request(f"r{i}", f"Prompt number {i} " * (i + 1), params)
+        outs = drain(e, None)
+        runs.append({k: (o.token_ids, o.text) for k, o in outs.items()})
+        if num_blocks:
+            assert e.scheduler.num_preemptions > 0
+        for o in outs.values():
+            assert o.finish_reason == FinishReason.EOS and valid(o.text), o.text
+    assert runs[0] == runs[1]
+    texts = {t for _, t in runs[0].values()}
+    assert len(texts) > 1  # the completions are drawn, not one repeated
+
+
+@pytest.mark.slow
+def test_resume_rebuilds_grammar_state(pipe):
+    """A stream resumed after k delivered tokens continues as the whole run did: the matcher accepted them again."""
+    e = pipe.engine
+    params = SamplingParams(max_new_tokens=60, temperature=1.0, seed=5, constraint=JSON)
+    e.add_request("full", "Hello", params)
+    full = drain(e, None)[("full", 0)]
+    k = len(full.token_ids) // 2
+    e.add_request("resumed", "Hello", params, resume=(Resume(tuple(full.token_ids[:k])),))
+    resumed = drain(e, None)[("resumed", 0)]
+    assert resumed.token_ids == full.token_ids and resumed.text == full.text
+    with pytest.raises(ValueError, match="does not match"):
+        e.add_request("bad", "Hello", params, resume=(Resume((full.token_ids[1],) * 3),))
+
+
+@pytest.mark.slow
+def test_unconstrained_rows_are_untouched(pipe):
+    prompts = ["The cat", "One two three", "Why"]
+    alone = pipe(prompts, max_new_tokens=12, min_new_tokens=12)
+    e = pipe.engine
+    for i, p in enumerate(prompts):
+        e.add_request(f"plain{i}", p, SamplingParams(max_new_tokens=12, min_new_tokens=12))
+        e.add_request(f"json{i}", p, SamplingParams(max_new_tokens=60, constraint=JSON))
+    outs = drain(e, None)
+    assert [outs[(f"plain{i}", 0)].token_ids for i in range(3)] == [o.token_ids for o in alone]
+    assert all(valid(outs[(f"json{i}", 0)].text) for i in range(3))
+
+
+def test_bad_constraints_are_refused():
+    with pytest.raises(ValueError, match="at least one choice"):
+        Constraint("choice", ()).validate()
+    with pytest.raises(ValueError, match="kind"):
+        Constraint("xml", "x").validate()
+    with pytest.raises(ValueError, match="at most"):
+        Constraint("regex", "a" * (1 << 16 + 1)).validate()
+
+
+@pytest.mark.slow
+def test_a_bad_schema_fails_its_compile_not_the_engine(pipe):
+    from fastgen.replica.constraints import ConstraintError
+
+    future = pipe.engine.constraints.compile(Constraint("json_schema", "{not json"))
+    with pytest.raises(ConstraintError, match="does not compile"):
+        future.result()
+    assert pipe.engine.constraints.compile(JSON) is pipe.engine.constraints.compile(JSON)  # cached
+
+
+def test_proto_constraint_maps_to_the_engine_and_limits_match():
+    from fastgen.balancer import limits
+    from fastgen.proto import fastgen_pb2 as pb
+    from fastgen.replica import request
+    from fastgen.replica.service import params_from_proto
+
+    for name in ("MAX_CONSTRAINT_CHARS", "MAX_CONSTRAINT_CHOICES"):
+        assert getattr(limits, name) == getattr(request, name), name
+    p = pb.SamplingParams(constraint=pb.Constraint(json_schema=JSON.value))
+    assert params_from_proto(p).constraint == JSON
+    p = pb.SamplingParams(constraint=pb.Constraint(choice=pb.ChoiceList(choices=["a", "b"])))
+    assert params_from_proto(p).constraint == Constraint("choice", ("a", "b"))
+    assert params_from_proto(pb.SamplingParams(constraint=pb.Constraint(json_object=True))).constraint.kind == (
+        "json_object"
+    )
+    assert params_from_proto(pb.SamplingParams()).constraint is None
+    with pytest.raises(ValueError, match="no kind"):
+        params_from_proto(pb.SamplingParams(constraint=pb.Constraint()))
+    huge = pb.GenerateRequest(text="x", params=pb.SamplingParams(constraint=pb.Constraint(regex="a" * (1 << 17))))
+    with pytest.raises(limits.RequestRefused, match="at most"):
+        limits.check_request(huge)
+    many = pb.Constraint(choice=pb.ChoiceList(choices=["a"] * (limits.MAX_CONSTRAINT_CHOICES + 1)))
+    with pytest.raises(limits.RequestRefused, match="choices"):
+        limits.check_request(pb.GenerateRequest(text="x", params=pb.SamplingParams(constraint=many)))
