@@ -31,6 +31,7 @@ from .limits import (
     check_prompt_count,
     check_prompt_ids,
 )
+from .structured import StructuredError, parse_constraint
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
@@ -295,9 +296,6 @@ def _refuse_unsupported(f: Fields) -> None:
     """Chat fields whose meaning the engine cannot honour: refused rather than silently ignored."""
     if f.get("tools") and f.get("tool_choice") != "none":
         raise bad_request("tools are not supported", "tools")
-    response_format = f.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise bad_request('response_format: only {"type": "text"} is supported', "response_format")
 
 
 def stream_flags(f: Fields) -> tuple[bool, bool]:
@@ -344,6 +342,12 @@ def sampling_params(f: Fields, n: int, max_tokens: int | None) -> fastgen_pb2.Sa
     if seed is not None:
         p.seed = seed
     p.stop.extend(parse_stop(f.get("stop")))
+    try:  # response_format, structured_outputs or guided_* (balancer/structured.py)
+        constraint = parse_constraint(f.body)
+    except StructuredError as e:
+        raise bad_request(str(e), e.param) from None
+    if constraint is not None:
+        p.constraint.CopyFrom(constraint)
     for token, bias in parse_logit_bias(f.get("logit_bias")).items():
         p.logit_bias[token] = bias
     return p

@@ -126,7 +126,11 @@ def test_max_completion_tokens_wins_over_max_tokens():
         (dict(messages=[{"role": "user", "content": None}]), "messages[0].content"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
         (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_schema"}), "response_format"),
+        (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+        (dict(guided_choice=[]), "guided_choice"),
+        (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
     ],
 )
 def test_wrong_chat_fields_are_400s_naming_the_field(fields, param):

@@ -174,3 +174,48 @@ def test_proto_constraint_maps_to_the_engine_and_limits_match():
     many = pb.Constraint(choice=pb.ChoiceList(choices=["a"] * (limits.MAX_CONSTRAINT_CHOICES + 1)))
     with pytest.raises(limits.RequestRefused, match="choices"):
         limits.check_request(pb.GenerateRequest(text="x", params=pb.SamplingParams(constraint=many)))
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        (dict(response_format={"type": "text"}), None),
+        (dict(response_format={"type": "json_object"}), dict(json_object=True)),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": 1}}),
+            dict(json_schema=json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+        (
+            dict(structured_outputs={"json": json.dumps(SCHEMA)}),
+            dict(json_schema=json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+        (dict(structured_outputs={"regex": "[0-9]+"}), dict(regex="[0-9]+")),
+        (dict(structured_outputs={"choice": ["a", "b"]}), dict(choice={"choices": ["a", "b"]})),
+        (dict(structured_outputs={"grammar": 'root ::= "a"'}), dict(grammar='root ::= "a"')),
+        (dict(guided_json=SCHEMA), dict(json_schema=json.dumps(SCHEMA, separators=(",", ":")))),
+        (dict(guided_regex="a+"), dict(regex="a+")),
+        (dict(guided_choice=["x"]), dict(choice={"choices": ["x"]})),
+        (dict(guided_grammar='root ::= "a"'), dict(grammar='root ::= "a"')),
+    ],
+)
+def test_http_fields_map_to_the_constraint(fields, expected):
+    from google.protobuf.json_format import MessageToDict
+
+    from fastgen.balancer.openai_protocol import parse_chat, parse_completion
+
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], **fields}, "id").prompts[0].params
+    completion = parse_completion({"prompt": "hi", **fields}, "id").prompts[0].params
+    for params in (chat, completion):
+        if expected is None:
+            assert not params.HasField("constraint")
+        else:
+            assert MessageToDict(params.constraint, preserving_proto_field_name=True) == expected
+
+
+def test_http_refuses_a_huge_schema():
+    from fastgen.balancer.openai_protocol import ApiError, parse_chat
+
+    schema = {"type": "object", "description": "x" * (1 << 16)}
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "guided_json": schema}, "id")
+    assert e.value.status == 400 and e.value.param == "guided_json"
