@@ -123,7 +123,8 @@ def check_prompt(request, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> None:
     elif kind == "messages":
         messages = request.messages.messages
         check_message_count(len(messages), limits)
-        check_prompt_chars(sum(len(m.content) + len(m.role) for m in messages), limits, "messages")
+        chars = sum(len(m.content) + len(m.role) for m in messages) + len(request.messages.tools_json)
+        check_prompt_chars(chars, limits, "messages")
 
 
 def check_prompt_ids(count: int, limits: PromptLimits, name: str = "prompt") -> None:

@@ -56,6 +56,7 @@ from .openai_protocol import (
     unknown_model,
 )
 from .service import Balancer, RequestFailed
+from .tools import DEFAULT_TOOL_CALL_PARSER
 
 log = logging.getLogger("fastgen.balancer.http")
 
@@ -80,6 +81,7 @@ class ApiSettings:
     served_model_names: tuple[str, ...] = ()  # accepted besides the model the replicas report (e.g. --model)
     api_keys: tuple[str, ...] = ()  # further keys accepted (one per tenant), besides api_key
     limits: PromptLimits = DEFAULT_PROMPT_LIMITS
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # how "auto" tool calls are found in a model's output
 
     @property
     def accepted_keys(self) -> tuple[str, ...]:
@@ -127,7 +129,8 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await read_json(request)
         meta = Meta(f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}", int(time.time()), self._model(requested_model(body)))
-        api = PARSERS[kind](body, meta.id, self._settings.limits)
+        extra = {"tool_call_parser": self._settings.tool_call_parser} if kind == CHAT else {}
+        api = PARSERS[kind](body, meta.id, self._settings.limits, **extra)
         caller = bearer_token(request.headers.get("Authorization"))
         if api.stream:
             return await self._stream(request, api, meta, caller)

@@ -32,6 +32,7 @@ from .limits import (
     check_prompt_ids,
 )
 from .structured import StructuredError, parse_constraint
+from .tools import DEFAULT_TOOL_CALL_PARSER, ToolError, ToolPlan, ToolStream, extract, parse_tools
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
@@ -226,6 +227,7 @@ class ApiRequest:
     logprobs: bool = False  # per-token logprobs asked for
     top_logprobs: int = 0
     echo: bool = False
+    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (balancer/tools.py)
 
 
 def requested_model(body: object) -> str | None:
@@ -233,7 +235,12 @@ def requested_model(body: object) -> str | None:
     return Fields(_object(body)).text("model")
 
 
-def parse_chat(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
+def parse_chat(
+    body: object,
+    request_id: str,
+    limits: PromptLimits = DEFAULT_PROMPT_LIMITS,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+) -> ApiRequest:
     f = Fields(_object(body))
     f.text("model")  # its value is the caller's to check (requested_model)
     messages = parse_messages(f.get("messages"), limits)
@@ -241,15 +248,27 @@ def parse_chat(body: object, request_id: str, limits: PromptLimits = DEFAULT_PRO
     top = f.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    _refuse_unsupported(f)
+    try:
+        plan, tools_json, tool_constraint = parse_tools(f.body, tool_call_parser)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
     n = f.integer("n", 1, 1, MAX_N)
     max_tokens = f.integer("max_completion_tokens", lo=1)
     params = sampling_params(f, n, max_tokens if max_tokens is not None else f.integer("max_tokens", lo=1))
     params.logprobs, params.top_logprobs = logprobs, top
+    if tool_constraint is not None:
+        if params.HasField("constraint"):
+            raise bad_request("a forced tool_choice cannot be combined with response_format", "tool_choice")
+        params.constraint.CopyFrom(tool_constraint)
     request = fastgen_pb2.GenerateRequest(request_id=request_id, params=params, slo=parse_slo(f.get("slo")))
     request.messages.messages.extend(messages)
+    request.messages.tools_json = tools_json
+    try:
+        check_prompt_chars(sum(len(m.content) for m in messages) + len(tools_json), limits, "tools")
+    except RequestRefused as e:
+        raise refused(e) from None
     stream, include_usage = stream_flags(f)
-    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top)
+    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top, tools=plan)
 
 
 def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
@@ -290,12 +309,6 @@ def _object(body: object) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
-
-
-def _refuse_unsupported(f: Fields) -> None:
-    """Chat fields whose meaning the engine cannot honour: refused rather than silently ignored."""
-    if f.get("tools") and f.get("tool_choice") != "none":
-        raise bad_request("tools are not supported", "tools")
 
 
 def stream_flags(f: Fields) -> tuple[bool, bool]:
@@ -549,14 +562,25 @@ def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.G
     choices = [
         {
             "index": i * api.n + j,
-            "message": {"role": "assistant", "content": c.text},
+            **chat_message(api, c.text, finish_reason(c.finish_reason)),
             "logprobs": chat_logprobs(c.logprobs) if api.logprobs else None,
-            "finish_reason": finish_reason(c.finish_reason),
         }
         for i, r in enumerate(responses)
         for j, c in enumerate(choices_of(r))
     ]
     return _reply(meta, "chat.completion", choices, response_usage(responses))
+
+
+def chat_message(api: ApiRequest, text: str, reason: str | None) -> dict:
+    """A finished choice's message and finish reason: the text, or the tool calls found in it."""
+    if api.tools is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    content, calls = extract(api.tools, text)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+        reason = "tool_calls" if reason == "stop" or api.tools.forced else reason
+    return {"message": message, "finish_reason": reason}
 
 
 def completion_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.GenerateResponse]) -> dict:
@@ -641,6 +665,7 @@ class Stream:
 class ChatStream(Stream):
     kind: str = "chat.completion.chunk"
     started: bool = False
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # by choice, with tools
 
     def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
         self.counted.add(prompt, chunk)
@@ -651,11 +676,27 @@ class ChatStream(Stream):
                 opening = {"role": "assistant", "content": ""}
                 out.append(self.chunk_event([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
         logprobs = chat_logprobs(chunk.logprobs) if self.api.logprobs and chunk.logprobs else None
+        index, reason = self._index(prompt, chunk), finish_reason(chunk.finish_reason)
+        if self.api.tools is not None:
+            return out + self._tool_events(index, chunk, logprobs, reason)
         if chunk.text or logprobs or chunk.finish_reason:
             delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
-            choice = {"index": self._index(prompt, chunk), "delta": delta, "logprobs": logprobs}
-            out.append(self.chunk_event([{**choice, "finish_reason": finish_reason(chunk.finish_reason)}]))
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+            out.append(self.chunk_event([{**choice, "finish_reason": reason}]))
         return out
+
+    def _tool_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
+        tools = self.tool_streams.setdefault(index, ToolStream(self.api.tools))
+        deltas = tools.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
+        called = any("tool_calls" in d for d in deltas) or tools.plan.choice == "named" and tools.sent
+        if reason is not None and called:
+            reason = "tool_calls" if reason == "stop" or tools.plan.forced else reason
+        events = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None}
+            events.append(self.chunk_event([{**choice, "finish_reason": reason if last else None}]))
+        return events
 
 
 @dataclass

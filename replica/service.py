@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -27,7 +28,7 @@ from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S
 from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
-from .prompts import Prompt
+from .prompts import ChatPrompt, Prompt
 from .request import (
     MAX_CONSTRAINT_CHOICES,
     MAX_LOGIT_BIAS,
@@ -436,7 +437,16 @@ def prompt_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Prompt:
             raise ValueError(
                 f"prompt has {len(messages)} chat messages but the context holds {max_tokens} tokens: send fewer"
             )
-        return [{"role": m.role, "content": m.content} for m in messages]
+        listed = [{"role": m.role, "content": m.content} for m in messages]
+        if not request.messages.tools_json:
+            return listed
+        try:
+            tools = json.loads(request.messages.tools_json)
+        except ValueError:
+            raise ValueError("messages.tools_json is not JSON: send a list of tool definitions") from None
+        if not isinstance(tools, list):
+            raise ValueError("messages.tools_json must be a JSON list of tool definitions")
+        return ChatPrompt(listed, tools)
     raise ValueError("no prompt: set one of text, token_ids or messages")
 
 

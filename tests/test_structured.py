@@ -219,3 +219,94 @@ def test_http_refuses_a_huge_schema():
     with pytest.raises(ApiError) as e:
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "guided_json": schema}, "id")
     assert e.value.status == 400 and e.value.param == "guided_json"
+
+
+# ---- tools (balancer/tools.py) --------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_forced_tool_choices_become_schemas():
+    from fastgen.balancer.tools import parse_tools
+
+    plan, tools_json, c = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    assert plan.forced and json.loads(tools_json)[0]["function"]["name"] == "get_weather"
+    schema = json.loads(c.json_schema)
+    assert schema["type"] == "array" and len(schema["items"]["anyOf"]) == 2 and "maxItems" not in schema
+    plan, _, c = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(c.json_schema)["maxItems"] == 1
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    plan, _, c = parse_tools({"tools": [WEATHER, TIME], "tool_choice": choice})
+    assert plan.named == "get_weather" and json.loads(c.json_schema)["required"] == ["city"]
+    plan, _, c = parse_tools({"tools": [WEATHER]})
+    assert plan.choice == "auto" and c is None
+
+
+@pytest.mark.parametrize(
+    "parser, text, content, calls",
+    [
+        (
+            "hermes",
+            'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            "Sure.",
+            1,
+        ),
+        (
+            "qwen3",
+            '<tool_call>{"name":"get_weather","arguments":{"city":"A"}}</tool_call><tool_call>'
+            '{"name":"get_time","arguments":{}}</tool_call>',
+            None,
+            2,
+        ),
+        ("hermes", "just text", "just text", 0),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}', None, 1),
+        ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', None, 1),
+        ("hermes", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', None, 0),
+    ],
+)
+def test_auto_tool_calls_are_parsed_per_family(parser, text, content, calls):
+    from fastgen.balancer.tools import extract, parse_tools
+
+    plan, _, _ = parse_tools({"tools": [WEATHER, TIME]}, parser)
+    got_content, got = extract(plan, text)
+    assert len(got) == calls
+    if calls:
+        assert got_content == content
+        assert all(json.loads(c["function"]["arguments"]) is not None for c in got)
+    else:
+        assert got_content == text
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+def test_streamed_tool_calls_accumulate_to_the_whole(choice):
+    """The deltas of a stream, accumulated as the openai SDK does, give the calls of the whole output."""
+    from fastgen.balancer.tools import ToolStream, parse_tools
+
+    body = {"tools": [WEATHER, TIME], "tool_choice": choice}
+    if choice == "named":
+        body["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    plan, _, _ = parse_tools(body)
+    text = {
+        "auto": 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+        "required": '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+        "named": '{"city": "Oslo"}',
+    }[choice]
+    stream, content, calls = ToolStream(plan), "", {}
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for k, piece in enumerate(pieces):
+        for delta in stream.feed(piece, k == len(pieces) - 1):
+            content += delta.get("content") or ""
+            for tc in delta.get("tool_calls", []):
+                entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                entry["name"] += tc.get("function", {}).get("name") or ""
+                entry["arguments"] += tc.get("function", {}).get("arguments") or ""
+    assert content == ("Let me check. " if choice == "auto" else "")
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
