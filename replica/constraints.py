@@ -117,7 +117,9 @@ class Constraints:
         compiler = self._get_compiler()
         try:
             if c.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                # Any object, in compact JSON: the builtin JSON grammar allows whitespace anywhere, which a small
+                # model fills to max_tokens (the schemas below are compact too).
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if c.kind == "json_schema":
                 return compiler.compile_json_schema(c.value, any_whitespace=False)
             if c.kind == "regex":

@@ -1,0 +1,177 @@
+"""Structured output and tool calls end to end: a deployment of the embedded SmolLM2 (`fastgen-deploy start` with the
+HTTP API), driven by the real openai SDK as users do: chat.completions.parse with a pydantic model, json_object,
+tool_choice "required" and a named function (streamed and not), choice constraints, and a bad schema's 400."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from .helpers import Deploy, alive, free_port_range
+
+pytestmark = pytest.mark.slow
+
+NAME = "structured"
+KEY = "sk-structured"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 24}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    role: Literal["engineer", "doctor", "artist"]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    deploy = Deploy(tmp_path_factory.mktemp("structured") / "home")
+    deploy.env["FASTGEN_API_KEY"] = KEY
+    port = free_port_range(2)
+    metrics = free_port_range(2, avoid=set(range(port, port + 2)))
+    http = free_port_range(1, avoid=set(range(port, port + 2)) | set(range(metrics, metrics + 2)))
+    args = ["start", "--name", NAME, "--replicas", "1", "--port", str(port), "--metrics-port", str(metrics)]
+    args += ["--http-port", str(http), "--dtype", "float32", "--threads", "1", "--timeout", "180"]
+    done = deploy(*args, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        deploy.status(NAME)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key=KEY, max_retries=0, timeout=120)
+        c.model_name = c.models.list().data[0].id
+        yield c
+    finally:
+        deploy("stop", "--name", NAME, "--timeout", "10")
+        for pid in deploy.seen_pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON: their name, age and job."}]
+
+
+def test_parse_with_a_pydantic_model_sampled(client):
+    for seed in range(3):
+        done = client.chat.completions.parse(
+            model=client.model_name,
+            messages=MESSAGES,
+            response_format=Person,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=120,
+        )
+        person = done.choices[0].message.parsed
+        assert isinstance(person, Person), done.choices[0].message.content
+        assert Person.model_validate_json(done.choices[0].message.content) == person
+
+
+def test_json_object(client):
+    done = client.chat.completions.create(
+        model=client.model_name,
+        messages=[{"role": "user", "content": "Give me a JSON object with a colour."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=200,
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(done.choices[0].message.content), dict)
+
+
+def _check_call(call, name: str, keys: set[str]):
+    assert call.type == "function" and call.function.name == name and call.id
+    args = json.loads(call.function.arguments)
+    assert keys <= args.keys(), args
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice(client, stream):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, name, keys in (("required", None, None), (named, "get_time", {"timezone"})):
+        kwargs = dict(
+            model=client.model_name, messages=ask, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=120, seed=1
+        )
+        if not stream:
+            done = client.chat.completions.create(**kwargs, temperature=0)
+            message, reason = done.choices[0].message, done.choices[0].finish_reason
+            calls = message.tool_calls
+        else:
+            calls_by_index: dict[int, dict] = {}
+            reason = None
+            for chunk in client.chat.completions.create(**kwargs, temperature=0, stream=True):
+                for c in chunk.choices:
+                    reason = c.finish_reason or reason
+                    for tc in c.delta.tool_calls or []:
+                        entry = calls_by_index.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                        entry["id"] += tc.id or ""
+                        entry["name"] += (tc.function and tc.function.name) or ""
+                        entry["arguments"] += (tc.function and tc.function.arguments) or ""
+            calls = [
+                openai.types.chat.ChatCompletionMessageToolCall(
+                    id=e["id"], type="function", function={"name": e["name"], "arguments": e["arguments"]}
+                )
+                for e in calls_by_index.values()
+            ]
+        assert reason == "tool_calls" and calls
+        for call in calls:
+            if name is None:
+                want = {"get_weather": {"city", "unit"}, "get_time": {"timezone"}}[call.function.name]
+                _check_call(call, call.function.name, want)
+            else:
+                _check_call(call, name, keys)
+
+
+def test_choice_constraints_on_chat_and_completions(client):
+    choices = ["positive", "negative", "neutral"]
+    done = client.chat.completions.create(
+        model=client.model_name,
+        messages=[{"role": "user", "content": "Sentiment of 'I love it'?"}],
+        extra_body={"structured_outputs": {"choice": choices}},
+        temperature=1.0,
+        max_tokens=10,
+    )
+    assert done.choices[0].message.content in choices
+    done = client.completions.create(
+        model=client.model_name,
+        prompt="The sky is",
+        extra_body={"guided_regex": "(blue|grey)[.]"},
+        max_tokens=10,
+        temperature=0,
+    )
+    assert done.choices[0].text in ("blue.", "grey.")
+
+
+def test_a_bad_schema_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        client.chat.completions.create(
+            model=client.model_name, messages=MESSAGES, extra_body={"guided_regex": "(unclosed"}, max_tokens=5
+        )
