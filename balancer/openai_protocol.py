@@ -228,6 +228,8 @@ class ApiRequest:
     top_logprobs: int = 0
     echo: bool = False
     tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (balancer/tools.py)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the choices carry them
+    prompt_only: bool = False  # max_tokens 0 with echo (lm-eval's loglikelihood): the one token generated is dropped
 
 
 def requested_model(body: object) -> str | None:
@@ -277,8 +279,7 @@ def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAU
     prompts = parse_prompts(f.get("prompt"), limits)
     top = f.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
     echo = f.flag("echo")
-    if echo and top is not None:
-        raise bad_request("echo with logprobs asks for prompt logprobs, which are not supported: drop one", "echo")
+    prompt_top = f.integer("prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if f.get("suffix") is not None:
         raise bad_request("suffix is not supported", "suffix")
     n = f.integer("n", 1, 1, MAX_N)
@@ -289,8 +290,15 @@ def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAU
     best_of = f.integer("best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad_request("best_of is not supported (leave it out, or equal to n)", "best_of")
-    params = sampling_params(f, n, f.integer("max_tokens", lo=1))
+    max_tokens = f.integer("max_tokens", lo=0)
+    if max_tokens == 0 and not echo:
+        raise bad_request(
+            "max_tokens 0 generates nothing: set echo to score the prompt, or ask for tokens", "max_tokens"
+        )
+    params = sampling_params(f, n, 1 if max_tokens == 0 else max_tokens)
     params.logprobs, params.top_logprobs, params.echo = top is not None, top or 0, echo
+    if echo and top is not None or prompt_top is not None:  # echo with logprobs scores the prompt's tokens too
+        params.prompt_logprobs = max(top or 0, prompt_top or 0)
     slo = parse_slo(f.get("slo"))
     requests = []
     for i, prompt in enumerate(prompts):
@@ -302,7 +310,19 @@ def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAU
             request.token_ids.ids.extend(prompt)
         requests.append(request)
     stream, include_usage = stream_flags(f)
-    return ApiRequest(COMPLETION, tuple(requests), n, stream, include_usage, top is not None, top or 0, echo)
+    logprobs = top is not None
+    return ApiRequest(
+        COMPLETION,
+        tuple(requests),
+        n,
+        stream,
+        include_usage,
+        logprobs,
+        top or 0,
+        echo,
+        prompt_logprobs=prompt_top is not None,
+        prompt_only=max_tokens == 0,
+    )
 
 
 def _object(body: object) -> dict:
@@ -588,15 +608,43 @@ def completion_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen
     for i, r in enumerate(responses):
         prefix = r.prompt_text if api.echo else ""
         for j, c in enumerate(choices_of(r)):
-            choices.append(
-                {
-                    "index": i * api.n + j,
-                    "text": prefix + c.text,
-                    "logprobs": completion_logprobs(c.logprobs, len(prefix)) if api.logprobs else None,
-                    "finish_reason": finish_reason(c.finish_reason),
-                }
-            )
+            text, generated = (prefix, []) if api.prompt_only else (prefix + c.text, c.logprobs)
+            logprobs = None
+            if api.logprobs:
+                logprobs = completion_logprobs(generated, len(prefix))
+                if api.echo:
+                    logprobs = _joined(echo_logprobs(r.prompt_text, r.prompt_logprobs), logprobs)
+            choice = {"index": i * api.n + j, "text": text, "logprobs": logprobs}
+            choice["finish_reason"] = "length" if api.prompt_only else finish_reason(c.finish_reason)
+            if api.prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs)
+            choices.append(choice)
     return _reply(meta, "text_completion", choices, response_usage(responses))
+
+
+def echo_logprobs(prompt_text: str, tokens: Sequence[fastgen_pb2.TokenLogprob]) -> dict:
+    """The legacy logprobs of an echoed prompt: its first token has none (null), as OpenAI's; its text is what the
+    prompt holds before the others' text."""
+    rest = completion_logprobs(tokens)
+    tail = "".join(rest["tokens"])
+    first = prompt_text[: len(prompt_text) - len(tail)] if prompt_text.endswith(tail) else ""
+    rest["text_offset"] = [o + len(first) for o in rest["text_offset"]]
+    return _joined({"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}, rest)
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def vllm_prompt_logprobs(tokens: Sequence[fastgen_pb2.TokenLogprob]) -> list:
+    """vLLM's prompt_logprobs: null for the first token, then {token id: {logprob, rank, decoded_token}} per token,
+    the token's own and its alternatives."""
+    out: list = [None]
+    for t in tokens:
+        entry = {str(a.token_id): {"logprob": _logprob(a.logprob), "decoded_token": a.token} for a in t.top}
+        entry.setdefault(str(t.token_id), {"logprob": _logprob(t.logprob), "decoded_token": t.token})
+        out.append(entry)
+    return out
 
 
 def _reply(meta: Meta, kind: str, choices: list[dict], used: dict | None) -> dict:

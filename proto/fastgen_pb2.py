@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x61stgen/proto/fastgen.proto\x12\nfastgen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.fastgen.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\xdc\x04\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).fastgen.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\t\n\x01n\x18\x0f \x01(\r\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x13 \x01(\x08\x12\x0c\n\x04\x65\x63ho\x18\x14 \x01(\x08\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x12*\n\nconstraint\x18\x16 \x01(\x0b\x32\x16.fastgen.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.fastgen.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.fastgen.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.fastgen.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.fastgen.v1.SamplingParams\x12\"\n\x06resume\x18\x06 \x01(\x0b\x32\x12.fastgen.v1.Resume\x12\x1c\n\x03slo\x18\x07 \x01(\x0b\x32\x0f.fastgen.v1.SloB\x08\n\x06prompt\"?\n\x03Slo\x12\x13\n\x0bprompt_rate\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\r\x12\x12\n\ntoken_rate\x18\x03 \x01(\x02\"c\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\r\x12\x32\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x1d.fastgen.v1.ResumedCompletion\"L\n\x11ResumedCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.fastgen.v1.TopLogprob\"\xaf\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.fastgen.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\"\xbe\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.fastgen.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\x12#\n\x07\x63hoices\x18\t \x03(\x0b\x32\x12.fastgen.v1.Choice\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\"\xa5\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.fastgen.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\"\x0f\n\rStatusRequest\"\xef\x02\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\"\n\x06health\x18\x03 \x01(\x0e\x32\x12.fastgen.v1.Health\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x18\n\x10tokens_generated\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x1d\n\x15pending_prompt_tokens\x18\n \x01(\x04\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12!\n\x19prefill_tokens_per_second\x18\r \x01(\x02\x12\x16\n\x0etokenizer_path\x18\x0e \x01(\t\"Z\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12+\n\x08replicas\x18\x03 \x03(\x0b\x32\x19.fastgen.v1.ReplicaStatus\"\x13\n\x11\x43\x61\x63heWatchRequest\"\\\n\x0b\x43\x61\x63heEvents\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*H\n\x06Health\x12\x12\n\x0eHEALTH_UNKNOWN\x10\x00\x12\x12\n\x0eHEALTH_SERVING\x10\x01\x12\x16\n\x12HEALTH_NOT_SERVING\x10\x02\x32\xab\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.fastgen.v1.GenerateRequest\x1a\x1c.fastgen.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.fastgen.v1.GenerateRequest\x1a\x19.fastgen.v1.GenerateChunk0\x01\x12\x42\n\tGetStatus\x12\x19.fastgen.v1.StatusRequest\x1a\x1a.fastgen.v1.StatusResponse\x12\x46\n\nWatchCache\x12\x1d.fastgen.v1.CacheWatchRequest\x1a\x17.fastgen.v1.CacheEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x61stgen/proto/fastgen.proto\x12\nfastgen.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.fastgen.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x8e\x05\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).fastgen.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\t\n\x01n\x18\x0f \x01(\r\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x13 \x01(\x08\x12\x0c\n\x04\x65\x63ho\x18\x14 \x01(\x08\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x12*\n\nconstraint\x18\x16 \x01(\x0b\x32\x16.fastgen.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18\x17 \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.fastgen.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.fastgen.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.fastgen.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.fastgen.v1.SamplingParams\x12\"\n\x06resume\x18\x06 \x01(\x0b\x32\x12.fastgen.v1.Resume\x12\x1c\n\x03slo\x18\x07 \x01(\x0b\x32\x0f.fastgen.v1.SloB\x08\n\x06prompt\"?\n\x03Slo\x12\x13\n\x0bprompt_rate\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\r\x12\x12\n\ntoken_rate\x18\x03 \x01(\x02\"c\n\x06Resume\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\r\x12\x32\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x1d.fastgen.v1.ResumedCompletion\"L\n\x11ResumedCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.fastgen.v1.TopLogprob\"\xaf\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.fastgen.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\"\xf1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.fastgen.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\x12#\n\x07\x63hoices\x18\t \x03(\x0b\x32\x12.fastgen.v1.Choice\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\"\xd8\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.fastgen.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x18\n\x10generated_tokens\x18\x06 \x01(\r\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\x12\x13\n\x0bprompt_text\x18\n \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.fastgen.v1.TokenLogprob\"\x0f\n\rStatusRequest\"\xef\x02\n\rReplicaStatus\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\"\n\x06health\x18\x03 \x01(\x0e\x32\x12.fastgen.v1.Health\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x18\n\x10running_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x18\n\x10tokens_generated\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x1d\n\x15pending_prompt_tokens\x18\n \x01(\x04\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12!\n\x19prefill_tokens_per_second\x18\r \x01(\x02\x12\x16\n\x0etokenizer_path\x18\x0e \x01(\t\"Z\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12+\n\x08replicas\x18\x03 \x03(\x0b\x32\x19.fastgen.v1.ReplicaStatus\"\x13\n\x11\x43\x61\x63heWatchRequest\"\\\n\x0b\x43\x61\x63heEvents\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*H\n\x06Health\x12\x12\n\x0eHEALTH_UNKNOWN\x10\x00\x12\x12\n\x0eHEALTH_SERVING\x10\x01\x12\x16\n\x12HEALTH_NOT_SERVING\x10\x02\x32\xab\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.fastgen.v1.GenerateRequest\x1a\x1c.fastgen.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.fastgen.v1.GenerateRequest\x1a\x19.fastgen.v1.GenerateChunk0\x01\x12\x42\n\tGetStatus\x12\x19.fastgen.v1.StatusRequest\x1a\x1a.fastgen.v1.StatusResponse\x12\x46\n\nWatchCache\x12\x1d.fastgen.v1.CacheWatchRequest\x1a\x17.fastgen.v1.CacheEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3044
-  _globals['_FINISHREASON']._serialized_end=3191
-  _globals['_HEALTH']._serialized_start=3193
-  _globals['_HEALTH']._serialized_end=3265
+  _globals['_FINISHREASON']._serialized_start=3196
+  _globals['_FINISHREASON']._serialized_end=3343
+  _globals['_HEALTH']._serialized_start=3345
+  _globals['_HEALTH']._serialized_end=3417
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_CHATMESSAGE']._serialized_start=68
@@ -44,41 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=114
   _globals['_CHATMESSAGES']._serialized_end=191
   _globals['_SAMPLINGPARAMS']._serialized_start=194
-  _globals['_SAMPLINGPARAMS']._serialized_end=798
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=741
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=789
-  _globals['_CONSTRAINT']._serialized_start=801
-  _globals['_CONSTRAINT']._serialized_end=945
-  _globals['_CHOICELIST']._serialized_start=947
-  _globals['_CHOICELIST']._serialized_end=976
-  _globals['_GENERATEREQUEST']._serialized_start=979
-  _globals['_GENERATEREQUEST']._serialized_end=1241
-  _globals['_SLO']._serialized_start=1243
-  _globals['_SLO']._serialized_end=1306
-  _globals['_RESUME']._serialized_start=1308
-  _globals['_RESUME']._serialized_end=1407
-  _globals['_RESUMEDCOMPLETION']._serialized_start=1409
-  _globals['_RESUMEDCOMPLETION']._serialized_end=1485
-  _globals['_TOPLOGPROB']._serialized_start=1487
-  _globals['_TOPLOGPROB']._serialized_end=1549
-  _globals['_TOKENLOGPROB']._serialized_start=1551
-  _globals['_TOKENLOGPROB']._serialized_end=1652
-  _globals['_CHOICE']._serialized_start=1655
-  _globals['_CHOICE']._serialized_end=1830
-  _globals['_GENERATERESPONSE']._serialized_start=1833
-  _globals['_GENERATERESPONSE']._serialized_end=2151
-  _globals['_GENERATECHUNK']._serialized_start=2154
-  _globals['_GENERATECHUNK']._serialized_end=2447
-  _globals['_STATUSREQUEST']._serialized_start=2449
-  _globals['_STATUSREQUEST']._serialized_end=2464
-  _globals['_REPLICASTATUS']._serialized_start=2467
-  _globals['_REPLICASTATUS']._serialized_end=2834
-  _globals['_STATUSRESPONSE']._serialized_start=2836
-  _globals['_STATUSRESPONSE']._serialized_end=2926
-  _globals['_CACHEWATCHREQUEST']._serialized_start=2928
-  _globals['_CACHEWATCHREQUEST']._serialized_end=2947
-  _globals['_CACHEEVENTS']._serialized_start=2949
-  _globals['_CACHEEVENTS']._serialized_end=3041
-  _globals['_GENERATION']._serialized_start=3268
-  _globals['_GENERATION']._serialized_end=3567
+  _globals['_SAMPLINGPARAMS']._serialized_end=848
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=771
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=819
+  _globals['_CONSTRAINT']._serialized_start=851
+  _globals['_CONSTRAINT']._serialized_end=995
+  _globals['_CHOICELIST']._serialized_start=997
+  _globals['_CHOICELIST']._serialized_end=1026
+  _globals['_GENERATEREQUEST']._serialized_start=1029
+  _globals['_GENERATEREQUEST']._serialized_end=1291
+  _globals['_SLO']._serialized_start=1293
+  _globals['_SLO']._serialized_end=1356
+  _globals['_RESUME']._serialized_start=1358
+  _globals['_RESUME']._serialized_end=1457
+  _globals['_RESUMEDCOMPLETION']._serialized_start=1459
+  _globals['_RESUMEDCOMPLETION']._serialized_end=1535
+  _globals['_TOPLOGPROB']._serialized_start=1537
+  _globals['_TOPLOGPROB']._serialized_end=1599
+  _globals['_TOKENLOGPROB']._serialized_start=1601
+  _globals['_TOKENLOGPROB']._serialized_end=1702
+  _globals['_CHOICE']._serialized_start=1705
+  _globals['_CHOICE']._serialized_end=1880
+  _globals['_GENERATERESPONSE']._serialized_start=1883
+  _globals['_GENERATERESPONSE']._serialized_end=2252
+  _globals['_GENERATECHUNK']._serialized_start=2255
+  _globals['_GENERATECHUNK']._serialized_end=2599
+  _globals['_STATUSREQUEST']._serialized_start=2601
+  _globals['_STATUSREQUEST']._serialized_end=2616
+  _globals['_REPLICASTATUS']._serialized_start=2619
+  _globals['_REPLICASTATUS']._serialized_end=2986
+  _globals['_STATUSRESPONSE']._serialized_start=2988
+  _globals['_STATUSRESPONSE']._serialized_end=3078
+  _globals['_CACHEWATCHREQUEST']._serialized_start=3080
+  _globals['_CACHEWATCHREQUEST']._serialized_end=3099
+  _globals['_CACHEEVENTS']._serialized_start=3101
+  _globals['_CACHEEVENTS']._serialized_end=3193
+  _globals['_GENERATION']._serialized_start=3420
+  _globals['_GENERATION']._serialized_end=3719
 # @@protoc_insertion_point(module_scope)

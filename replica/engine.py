@@ -19,12 +19,14 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from .batch import Batch
 from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
-from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob
+from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob, TopLogprob
 from .prompts import Prompt, PromptEncoder
 from .request import FinishReason, Resume, SamplingParams, Sequence, Slo
 from .sampler import SamplingRow, sample
@@ -55,6 +57,7 @@ class _Request:
     unfinished: int  # completions not finished, those not forked yet included
     forked: bool  # the n - 1 other completions exist (always, for n = 1)
     grammar: object = None  # the compiled constraint (xgrammar's CompiledGrammar); None: unconstrained
+    prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs: one per prompt token from the second
     completions: list[_Completion] = field(default_factory=list)  # index order
 
 
@@ -141,6 +144,8 @@ class Engine:
         resumes = resume or (Resume(()),)
         unfinished = params.n if resume is None else sum(not r.finished for r in resume)
         req = _Request(request_id, params, seed, text, banned, unfinished, forked=resume is not None or params.n == 1)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = []
         if params.constraint is not None:  # compiled already when the service awaited it; else compiled here
             req.grammar = self.constraints.grammar(params.constraint)
         self._requests[request_id] = req
@@ -155,7 +160,8 @@ class Engine:
                 list(prompt_ids) + list(delivered.token_ids),
                 len(prompt_ids),
                 max_new,
-                cache_salt=params.cache_salt,
+                # Prompt logprobs need every prompt position computed: a salt of its own keeps cached blocks away.
+                cache_salt=params.cache_salt if req.prompt_logprobs is None else f"{params.cache_salt}\0{request_id}",
                 slo=slo,
                 resumed=resume is not None,
             )
@@ -248,7 +254,8 @@ class Engine:
         if not batch:
             return StepResult()
         forward_start = time.monotonic()
-        logits = self.runner.run(batch)
+        batch = self._mark_prompt_logprobs(batch)
+        logits = self._take_prompt_logprobs(batch, self.runner.run(batch))
         for s in batch.seqs:  # queue time ends when a request's first forward pass starts
             timings = self._by_seq[s.seq_id].timings
             timings.first_scheduled = timings.first_scheduled or forward_start
@@ -258,6 +265,52 @@ class Engine:
         outputs = [self._emit(c, t, lp, now) for c, t, lp in zip(owners, sampled.tokens, sampled.logprobs)]
         self.scheduler.observe(batch)
         return StepResult(outputs, self._stats(batch, now - forward_start, start))
+
+    def _mark_prompt_logprobs(self, batch: Batch) -> Batch:
+        """The batch with the prompt chunks of requests that ask for prompt logprobs marked all_logits."""
+        marked = [dataclasses.replace(s, all_logits=True) if self._wants_prompt_logprobs(s) else s for s in batch.seqs]
+        return dataclasses.replace(batch, seqs=marked) if any(s.all_logits for s in marked) else batch
+
+    def _wants_prompt_logprobs(self, s) -> bool:
+        c = self._by_seq[s.seq_id]
+        lps = c.req.prompt_logprobs
+        # Not yet recorded up to this chunk's end (a recompute after a preemption records nothing again).
+        if lps is None or c.index != 0 or len(lps) + 1 >= c.seq.num_prompt_tokens:
+            return False
+        return s.start <= len(lps) < s.start + len(s.token_ids)  # the chunk holds the next target's context
+
+    def _take_prompt_logprobs(self, batch: Batch, logits):
+        """Records the prompt logprobs of the marked chunks; returns the logits of the sampled rows only."""
+        if not any(s.all_logits for s in batch.seqs):
+            return logits
+        keep, row = [], 0
+        for s in batch.seqs:
+            if not s.all_logits:
+                keep += [row] if s.sample else []
+                row += s.sample
+                continue
+            c, n = self._by_seq[s.seq_id], len(s.token_ids)
+            self._record_prompt_logprobs(c, s.start, logits[row : row + n])
+            keep += [row + n - 1] if s.sample else []
+            row += n
+        return logits[keep]
+
+    def _record_prompt_logprobs(self, c: _Completion, start: int, logits) -> None:
+        """logits (n, V) of positions start .. start + n - 1, which predict the tokens after each: float32
+        log-softmax, as transformers' reference computes it."""
+        lps, seq, k = c.req.prompt_logprobs, c.seq, c.req.params.prompt_logprobs
+        first = len(lps) - start  # the first row whose target (the token after it) is not recorded yet
+        last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)  # targets beyond the prompt are not its
+        if last <= first:
+            return
+        rows = torch.log_softmax(logits[first:last].float(), dim=-1)
+        targets = seq.token_ids[start + first + 1 : start + last + 1]
+        chosen = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
+        top = rows.topk(k, dim=-1) if k else None
+        values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        for j, (token, lp) in enumerate(zip(targets, chosen)):
+            alternatives = tuple(TopLogprob(i, v) for i, v in zip(ids[j], values[j])) if k else ()
+            lps.append(self._named(TokenLogprob(token, lp, alternatives)))
 
     def _rows(self, sampled: list[_Completion]) -> tuple[list[_Completion], list[SamplingRow]]:
         """The completions to sample and their rows, from the logits of the sequences sampled (one row each, in
@@ -397,6 +450,7 @@ class Engine:
             logprobs=list(logprobs),
             prompt_text=c.req.prompt_text,
             cached_prompt_tokens=c.req.completions[0].seq.num_cached_prompt_tokens,  # the request's: its prompt's
+            prompt_logprobs=c.req.prompt_logprobs or [],  # complete once any token is sampled
         )
 
     def _unborn(self, req: _Request, index: int, now: float) -> RequestOutput:

@@ -79,6 +79,9 @@ class SamplingParams:
     # reusing or probing (by timing) its prefixes. "": the shared default.
     cache_salt: str = ""
     constraint: Constraint | None = None  # structured output (replica/constraints.py); None: unconstrained
+    # None: none; k >= 0: each prompt token's logprob (from the second on) and its k most likely alternatives,
+    # computed in the prefill (every chunk of a split prompt).
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the field and what to change."""
@@ -112,6 +115,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         for token, bias in self.logit_bias:

@@ -521,6 +521,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         echo=p.echo,
         cache_salt=p.cache_salt,
         constraint=constraint_from_proto(p),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -570,6 +571,7 @@ def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> p
         replica=replica,
         logprobs=logprobs_to_proto(first.logprobs),
         prompt_text=first.prompt_text,
+        prompt_logprobs=logprobs_to_proto(first.prompt_logprobs),
     )
     if len(outs) > 1:
         resp.choices.extend(
@@ -596,6 +598,7 @@ def chunk_from(request_id: str, out: RequestOutput, replica: str, first: bool) -
         index=out.index,
         logprobs=logprobs_to_proto(out.new_logprobs),
         prompt_text=out.prompt_text if first else "",
+        prompt_logprobs=logprobs_to_proto(out.prompt_logprobs) if first else [],
     )
     if out.finished:
         chunk.finish_reason = FINISH_REASONS[out.finish_reason]

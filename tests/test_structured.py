@@ -310,3 +310,38 @@ def test_streamed_tool_calls_accumulate_to_the_whole(choice):
     assert content == ("Let me check. " if choice == "auto" else "")
     assert [c["name"] for c in calls.values()] == ["get_weather"]
     assert json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
+
+
+# ---- prompt logprobs ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_prompt_logprobs_match_transformers_float32(tiny_model_dir):
+    """Every prompt token's logprob and top alternatives, with the prompt split over chunks and a preemption or not,
+    within 1e-4 of transformers' float32 log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [list(range(5, 45)), [7, 100, 2000, 31, 9, 8, 1234, 77, 5, 6, 90, 91, 92]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.no_grad():
+        for ids in prompts:
+            refs.append(torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1))
+    for budget, num_blocks in ((8, None), (256, None), (16, 6)):
+        p = pipeline(
+            str(tiny_model_dir), dtype="float32", max_batch_tokens=budget, num_blocks=num_blocks, progress=False
+        )
+        e = p.engine
+        for i, ids in enumerate(prompts):
+            e.add_request(f"p{i}", ids, SamplingParams(max_new_tokens=4, prompt_logprobs=3))
+            e.add_request(f"q{i}", ids, SamplingParams(max_new_tokens=4))  # shares no cached blocks with p
+        outs = drain(e, None)
+        for i, ids in enumerate(prompts):
+            lps = outs[(f"p{i}", 0)].prompt_logprobs
+            assert [lp.token_id for lp in lps] == ids[1:]
+            for pos, lp in enumerate(lps, start=1):
+                ref = refs[i][pos - 1]
+                assert abs(lp.logprob - ref[ids[pos]].item()) < 1e-4
+                top = ref.topk(3)
+                assert [t.token_id for t in lp.top] == top.indices.tolist()
+                assert max(abs(t.logprob - v) for t, v in zip(lp.top, top.values.tolist())) < 1e-4
+            assert outs[(f"q{i}", 0)].prompt_logprobs == []
+            assert outs[(f"p{i}", 0)].token_ids == outs[(f"q{i}", 0)].token_ids
