@@ -82,6 +82,7 @@ class ApiSettings:
     api_keys: tuple[str, ...] = ()  # further keys accepted (one per tenant), besides api_key
     limits: PromptLimits = DEFAULT_PROMPT_LIMITS
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # how "auto" tool calls are found in a model's output
+    reasoning_parser: str | None = None  # how a reasoning model's thoughts are split off (balancer/reasoning.py)
 
     @property
     def accepted_keys(self) -> tuple[str, ...]:
@@ -129,7 +130,9 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await read_json(request)
         meta = Meta(f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}", int(time.time()), self._model(requested_model(body)))
-        extra = {"tool_call_parser": self._settings.tool_call_parser} if kind == CHAT else {}
+        settings = self._settings
+        extra = {"tool_call_parser": settings.tool_call_parser, "reasoning_parser": settings.reasoning_parser}
+        extra = extra if kind == CHAT else {}
         api = PARSERS[kind](body, meta.id, self._settings.limits, **extra)
         caller = bearer_token(request.headers.get("Authorization"))
         if api.stream:

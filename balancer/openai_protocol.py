@@ -31,6 +31,7 @@ from .limits import (
     check_prompt_count,
     check_prompt_ids,
 )
+from .reasoning import ReasoningStream, split
 from .structured import StructuredError, parse_constraint
 from .tools import DEFAULT_TOOL_CALL_PARSER, ToolError, ToolPlan, ToolStream, extract, parse_tools
 
@@ -229,6 +230,7 @@ class ApiRequest:
     echo: bool = False
     tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (balancer/tools.py)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the choices carry them
+    reasoning: str | None = None  # chat: the --reasoning-parser that splits thoughts into reasoning_content
     prompt_only: bool = False  # max_tokens 0 with echo (lm-eval's loglikelihood): the one token generated is dropped
 
 
@@ -242,6 +244,7 @@ def parse_chat(
     request_id: str,
     limits: PromptLimits = DEFAULT_PROMPT_LIMITS,
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+    reasoning_parser: str | None = None,
 ) -> ApiRequest:
     f = Fields(_object(body))
     f.text("model")  # its value is the caller's to check (requested_model)
@@ -270,7 +273,7 @@ def parse_chat(
     except RequestRefused as e:
         raise refused(e) from None
     stream, include_usage = stream_flags(f)
-    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top, tools=plan)
+    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top, tools=plan, reasoning=reasoning_parser)
 
 
 def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
@@ -593,10 +596,18 @@ def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.G
 
 def chat_message(api: ApiRequest, text: str, reason: str | None) -> dict:
     """A finished choice's message and finish reason: the text, or the tool calls found in it."""
-    if api.tools is None:
-        return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    thoughts = None
+    if api.reasoning is not None:
+        thoughts, text = split(api.reasoning, text)
+    if api.tools is None or text is None:
+        message = {"role": "assistant", "content": text}
+        if api.reasoning is not None:
+            message["reasoning_content"] = thoughts
+        return {"message": message, "finish_reason": reason}
     content, calls = extract(api.tools, text)
     message = {"role": "assistant", "content": content}
+    if api.reasoning is not None:
+        message["reasoning_content"] = thoughts
     if calls:
         message["tool_calls"] = calls
         reason = "tool_calls" if reason == "stop" or api.tools.forced else reason
@@ -714,6 +725,7 @@ class ChatStream(Stream):
     kind: str = "chat.completion.chunk"
     started: bool = False
     tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # by choice, with tools
+    reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)  # by choice, with a reasoning parser
 
     def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
         self.counted.add(prompt, chunk)
@@ -725,6 +737,8 @@ class ChatStream(Stream):
                 out.append(self.chunk_event([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
         logprobs = chat_logprobs(chunk.logprobs) if self.api.logprobs and chunk.logprobs else None
         index, reason = self._index(prompt, chunk), finish_reason(chunk.finish_reason)
+        if self.api.reasoning is not None:
+            return out + self._reasoning_events(index, chunk, logprobs, reason)
         if self.api.tools is not None:
             return out + self._tool_events(index, chunk, logprobs, reason)
         if chunk.text or logprobs or chunk.finish_reason:
@@ -732,6 +746,25 @@ class ChatStream(Stream):
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
             out.append(self.chunk_event([{**choice, "finish_reason": reason}]))
         return out
+
+    def _reasoning_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
+        """Thoughts as reasoning_content deltas; the answer after them as content (tool calls are not parsed in a
+        reasoning model's stream)."""
+        stream = self.reasoning_streams.setdefault(index, ReasoningStream(self.api.reasoning))
+        deltas = stream.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
+        return [
+            self.chunk_event(
+                [
+                    {
+                        "index": index,
+                        "delta": d,
+                        "logprobs": logprobs if k == len(deltas) - 1 else None,
+                        "finish_reason": reason if k == len(deltas) - 1 else None,
+                    }
+                ]
+            )
+            for k, d in enumerate(deltas)
+        ]
 
     def _tool_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
         tools = self.tool_streams.setdefault(index, ToolStream(self.api.tools))

@@ -345,3 +345,34 @@ def test_prompt_logprobs_match_transformers_float32(tiny_model_dir):
                 assert max(abs(t.logprob - v) for t, v in zip(lp.top, top.values.tolist())) < 1e-4
             assert outs[(f"q{i}", 0)].prompt_logprobs == []
             assert outs[(f"p{i}", 0)].token_ids == outs[(f"q{i}", 0)].token_ids
+
+
+# ---- reasoning (balancer/reasoning.py) ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "parser, text, thoughts, content",
+    [
+        ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
+        ("qwen3", "Paris.", None, "Paris."),
+        ("deepseek_r1", "Hmm, France.</think>Paris.", "Hmm, France.", "Paris."),
+        ("deepseek_r1", "<think>a</think>b", "a", "b"),
+        ("deepseek_r1", "still thinking", "still thinking", None),
+    ],
+)
+def test_reasoning_is_split_whole_and_streamed(parser, text, thoughts, content):
+    from fastgen.balancer.openai_protocol import ChatStream, Meta, chat_response, parse_chat
+    from fastgen.proto import fastgen_pb2 as pb
+
+    api = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, "id", reasoning_parser=parser)
+    reply = chat_response(Meta("x", 0, "m"), api, [pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_EOS)])
+    message = reply["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (thoughts, content)
+    stream, got = ChatStream(Meta("x", 0, "m"), api), {"reasoning_content": "", "content": ""}
+    pieces = [text[i : i + 2] for i in range(0, len(text), 2)]
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        chunk = pb.GenerateChunk(text=piece, finish_reason=pb.FINISH_REASON_EOS if last else 0)
+        for event in stream.events(0, chunk):
+            for key in got:
+                got[key] += event["choices"][0]["delta"].get(key) or ""
+    assert got["reasoning_content"].strip("\n") == (thoughts or "")
+    assert got["content"].lstrip("\n") == (content or "")

@@ -175,3 +175,30 @@ def test_a_bad_schema_is_a_400(client):
         client.chat.completions.create(
             model=client.model_name, messages=MESSAGES, extra_body={"guided_regex": "(unclosed"}, max_tokens=5
         )
+
+
+def test_prompt_logprobs_match_transformers_float32(client):
+    """echo + logprobs with max_tokens 0 (what lm-eval's loglikelihood sends) scores the prompt's tokens as
+    transformers' float32 log-softmax does, within 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastgen.replica.weights import resolve_model
+
+    ids = [504, 3658, 282, 4649, 314, 7042, 30, 378, 3658, 282, 253, 1345]
+    done = client.completions.create(
+        model=client.model_name, prompt=ids, echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
+    lps = done.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == len(ids)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(lps[1:], expected)) < 1e-3
+    done = client.completions.create(
+        model=client.model_name, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2}, temperature=0
+    )
+    scored = done.model_extra["choices"][0]["prompt_logprobs"] if done.model_extra.get("choices") else None
+    scored = scored or done.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and abs(scored[1][str(ids[1])]["logprob"] - expected[0]) < 1e-3
