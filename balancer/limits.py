@@ -123,7 +123,8 @@ def check_prompt(request, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> None:
     elif kind == "messages":
         messages = request.messages.messages
         check_message_count(len(messages), limits)
-        chars = sum(len(m.content) + len(m.role) for m in messages) + len(request.messages.tools_json)
+        chars = sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in messages)
+        chars += len(request.messages.tools_json)
         check_prompt_chars(chars, limits, "messages")
 
 

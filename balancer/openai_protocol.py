@@ -501,9 +501,19 @@ def _message(m: object, where: str) -> fastgen_pb2.ChatMessage:
     if not isinstance(role, str) or not role:
         raise bad_request(f"{where}.role must be a string such as user, system or assistant", f"{where}.role")
     content = _content(m.get("content"), role, f"{where}.content")
-    return fastgen_pb2.ChatMessage(
+    message = fastgen_pb2.ChatMessage(
         role=utf8_text(role, f"{where}.role"), content=utf8_text(content, f"{where}.content")
     )
+    calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
+    if calls:  # an assistant turn that called tools, sent back in an agent's loop
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise bad_request(f"{where}.tool_calls must be a list of tool calls", f"{where}.tool_calls")
+        message.tool_calls_json = json.dumps(calls, ensure_ascii=False, separators=(",", ":"))
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        message.tool_call_id = call_id
+    return message
 
 
 def _content(content: object, role: str, where: str) -> str:

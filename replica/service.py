@@ -437,7 +437,7 @@ def prompt_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Prompt:
             raise ValueError(
                 f"prompt has {len(messages)} chat messages but the context holds {max_tokens} tokens: send fewer"
             )
-        listed = [{"role": m.role, "content": m.content} for m in messages]
+        listed = [_message(m) for m in messages]
         if not request.messages.tools_json:
             return listed
         try:
@@ -448,6 +448,28 @@ def prompt_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Prompt:
             raise ValueError("messages.tools_json must be a JSON list of tool definitions")
         return ChatPrompt(listed, tools)
     raise ValueError("no prompt: set one of text, token_ids or messages")
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    """A chat message as chat templates take it: an assistant's tool calls with their arguments as objects (the
+    templates of Qwen, Llama 3 and Hermes render them with tojson), a tool's answer with its call id."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        try:
+            calls = json.loads(m.tool_calls_json)
+        except ValueError:
+            raise ValueError("a message's tool_calls_json is not JSON: send OpenAI's list of tool calls") from None
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass  # left as the model wrote it
+        message["tool_calls"] = calls
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def completion_key(out: RequestOutput) -> str:

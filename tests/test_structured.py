@@ -376,3 +376,39 @@ def test_reasoning_is_split_whole_and_streamed(parser, text, thoughts, content):
                 got[key] += event["choices"][0]["delta"].get(key) or ""
     assert got["reasoning_content"].strip("\n") == (thoughts or "")
     assert got["content"].lstrip("\n") == (content or "")
+
+
+def test_tools_and_tool_turns_reach_the_chat_template():
+    """An agent's loop: tools, an assistant turn that called one, the tool's answer; the template sees all three."""
+    from fastgen.balancer.openai_protocol import parse_chat
+    from fastgen.replica.prompts import PromptEncoder
+    from fastgen.replica.service import prompt_from_proto
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        "tools": [WEATHER],
+    }
+    request = parse_chat(body, "id").prompts[0]
+    prompt = prompt_from_proto(request, 1000)
+    assert prompt.tools[0]["function"]["name"] == "get_weather"
+    assert prompt[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert prompt[2]["tool_call_id"] == "call_1"
+
+    class Template:
+        chat_template = "x"
+        seen: dict = {}
+
+        def apply_chat_template(self, messages, **kw):
+            Template.seen = {"messages": messages, **kw}
+            return "rendered"
+
+        def encode(self, text, **kw):
+            return [1, 2]
+
+    assert PromptEncoder(Template(), 10).encode(prompt) == [1, 2]
+    assert Template.seen["tools"] == prompt.tools and Template.seen["messages"][1]["tool_calls"]
