@@ -412,3 +412,16 @@ def test_tools_and_tool_turns_reach_the_chat_template():
 
     assert PromptEncoder(Template(), 10).encode(prompt) == [1, 2]
     assert Template.seen["tools"] == prompt.tools and Template.seen["messages"][1]["tool_calls"]
+
+
+def test_deploy_passes_the_parsers_to_the_balancer():
+    from fastgen.balancer import reasoning, tools
+    from fastgen.launch import config
+
+    assert config.TOOL_CALL_PARSERS == tools.TOOL_CALL_PARSERS
+    assert config.REASONING_PARSERS[1:] == reasoning.REASONING_PARSERS
+    c = config.DeployConfig(http_port=8000, tool_call_parser="qwen3", reasoning_parser="qwen3")
+    argv = config.balancer_spec(c, "python", []).argv
+    assert argv[argv.index("--tool-call-parser") + 1] == "qwen3" and "--reasoning-parser" in argv
+    assert config.validate(c) == []
+    assert config.validate(config.DeployConfig(tool_call_parser="xml")) != []
