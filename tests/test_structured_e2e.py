@@ -68,6 +68,7 @@ def client(tmp_path_factory):
         deploy.status(NAME)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key=KEY, max_retries=0, timeout=120)
         c.model_name = c.models.list().data[0].id
+        c.http_base = f"http://127.0.0.1:{http}/v1"
         yield c
     finally:
         deploy("stop", "--name", NAME, "--timeout", "10")
@@ -202,3 +203,71 @@ def test_prompt_logprobs_match_transformers_float32(client):
     scored = done.model_extra["choices"][0]["prompt_logprobs"] if done.model_extra.get("choices") else None
     scored = scored or done.choices[0].model_extra["prompt_logprobs"]
     assert scored[0] is None and abs(scored[1][str(ids[1])]["logprob"] - expected[0]) < 1e-3
+
+
+# ---- frameworks (optional: skipped unless installed; neither is a dependency) ----------------------------------------
+def test_langchain_bind_tools_and_structured_output(client):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        model=client.model_name, base_url=client.http_base, api_key=KEY, temperature=0, max_tokens=120, max_retries=0
+    )
+    message = llm.bind_tools([WEATHER, TIME], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and {"city", "unit"} <= call["args"].keys()
+    message = llm.bind_tools([WEATHER, TIME], tool_choice="any").invoke("What time is it in Tokyo?")
+    assert message.tool_calls and all(c["name"] in ("get_weather", "get_time") for c in message.tool_calls)
+    person = llm.with_structured_output(Person).invoke(MESSAGES[0]["content"])
+    assert isinstance(person, Person)
+
+
+LL_DOCS = [
+    ("The capital of France is", [" Paris", " London", " Berlin"], 0),
+    ("Two plus two equals", [" five", " four", " seven"], 1),
+    ("The colour of the sky on a clear day is", [" green", " red", " blue"], 2),
+    ("Water freezes at zero degrees", [" Celsius", " Kelvin", " Newton"], 0),
+    ("The opposite of hot is", [" cold", " warm", " loud"], 0),
+    ("A week has seven", [" months", " days", " years"], 1),
+]
+
+
+def test_lm_eval_local_completions_scores_as_its_hf_model(client, tmp_path, monkeypatch):
+    """A loglikelihood task made here (no download): lm-eval's local-completions model against the deployment gives
+    the scores of lm-eval's own hf model on the same checkpoint."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from fastgen.replica.weights import resolve_model
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n" for q, c, a in LL_DOCS))
+    (tmp_path / "task.yaml").write_text(
+        "task: fastgen_local_ll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    path = resolve_model("smollm2-135m")
+    tasks = TaskManager(include_path=str(tmp_path))
+    scores = {}
+    for name, args in (
+        (
+            "local-completions",
+            f"model={client.model_name},base_url={client.http_base}/completions,tokenizer={path},"
+            "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1",
+        ),
+        ("hf", f"pretrained={path},dtype=float32"),
+    ):
+        out = lm_eval.simple_evaluate(
+            model=name, model_args=args, tasks=["fastgen_local_ll"], task_manager=tasks, log_samples=True, device="cpu"
+        )
+        samples = out["samples"]["fastgen_local_ll"]
+        scores[name] = (
+            out["results"]["fastgen_local_ll"]["acc,none"],
+            [[r[0] for r in s["filtered_resps"]] for s in samples],
+        )
+    (acc_api, ll_api), (acc_hf, ll_hf) = scores["local-completions"], scores["hf"]
+    assert acc_api == acc_hf
+    flat_api = [x for row in ll_api for x in row]
+    flat_hf = [x for row in ll_hf for x in row]
+    assert max(abs(a - b) for a, b in zip(flat_api, flat_hf)) < 1e-3
