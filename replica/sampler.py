@@ -145,20 +145,37 @@ def _selected(logits: torch.Tensor, rows: list[SamplingRow], source: list[int], 
 
 def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Sets every token a row's grammar does not allow to -inf: the constrained rows' bitmasks go to the device in
-    one copy and are unpacked there. Nothing runs when no row is constrained."""
+    one copy and become an additive mask there (0 allowed, -inf not), added in place. Nothing runs when no row is
+    constrained."""
     masked = [j for j, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return
     bits = torch.stack([rows[j].allowed for j in masked]).to(logits.device)  # (c, W) int32
-    allowed = unpack_bitmask(bits, logits.shape[1])  # (c, V) bool
-    where = torch.tensor(masked, dtype=torch.int64, device=logits.device)
-    logits[where] = logits[where].masked_fill(~allowed, float("-inf"))
+    penalty = _byte_table(logits.device, logits.dtype)[bits.view(torch.uint8).long()].flatten(1)[:, : logits.shape[1]]
+    if len(masked) == logits.shape[0]:
+        logits.add_(penalty)
+    else:
+        logits.index_add_(0, torch.tensor(masked, dtype=torch.int64, device=logits.device), penalty)
+
+
+_BYTE_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 8): a byte of a bitmask -> the additive mask of its 8 tokens (0 for a set bit, -inf for a clear one).
+    A lookup per byte costs half what shifting every bit out of the 32-bit words does on a CPU."""
+    table = _BYTE_TABLES.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=dtype)
+        _BYTE_TABLES[(device, dtype)] = table
+    return table
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Packed bitmasks (c, W) int32 -> (c, vocab) bool: token t is bit t % 32 of word t // 32 (xgrammar's layout)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    """Packed bitmasks (c, W) int32 -> (c, vocab) bool: token t is bit t % 32 of word t // 32 (xgrammar's layout).
+    Viewed as bytes (little-endian, as every device torch runs on), token t is bit t % 8 of byte t // 8."""
+    return torch.isfinite(_byte_table(bits.device, torch.float32)[bits.view(torch.uint8).long()]).flatten(1)[:, :vocab]
 
 
 def _ban(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
