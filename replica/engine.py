@@ -99,6 +99,7 @@ class Engine:
         self._next_seq_id = 0
         self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
         self.constraints = Constraints(tokenizer, model_config.vocab_size, eos_token_ids)
+        self._scoring = 0  # unfinished requests that ask for prompt logprobs: 0 skips looking for them in a step
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -143,11 +144,16 @@ class Engine:
         # has every completion already, each continuing on a sequence of its own.
         resumes = resume or (Resume(()),)
         unfinished = params.n if resume is None else sum(not r.finished for r in resume)
+        # Compiled already when the service awaited it; else compiled here. Resumed tokens the grammar refuses are
+        # refused before anything is registered.
+        grammar = self.constraints.grammar(params.constraint) if params.constraint is not None else None
+        for delivered in resumes if grammar is not None and resume is not None else ():
+            self.constraints.matcher(grammar, delivered.token_ids)
         req = _Request(request_id, params, seed, text, banned, unfinished, forked=resume is not None or params.n == 1)
+        req.grammar = grammar
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = []
-        if params.constraint is not None:  # compiled already when the service awaited it; else compiled here
-            req.grammar = self.constraints.grammar(params.constraint)
+            self._scoring += 1
         self._requests[request_id] = req
         arrival = time.monotonic()
         for index, delivered in enumerate(resumes):
@@ -198,8 +204,7 @@ class Engine:
         sent, so the hold-back for stop strings continues from the same place."""
         c.output_ids.extend(resume.token_ids)
         for token in resume.token_ids if c.matcher is not None else ():  # the grammar state is rebuilt from them
-            if not c.matcher.accept(token):
-                raise ValueError(f"resume token {token} does not match the request's constraint")
+            c.matcher.accept(token)  # add_request checked that the grammar takes them
         for token in resume.token_ids:
             c.text += c.detok.add(token)
         c.emitted = min(resume.text_chars, len(c.text))
@@ -268,6 +273,8 @@ class Engine:
 
     def _mark_prompt_logprobs(self, batch: Batch) -> Batch:
         """The batch with the prompt chunks of requests that ask for prompt logprobs marked all_logits."""
+        if not self._scoring:
+            return batch
         marked = [dataclasses.replace(s, all_logits=True) if self._wants_prompt_logprobs(s) else s for s in batch.seqs]
         return dataclasses.replace(batch, seqs=marked) if any(s.all_logits for s in marked) else batch
 
@@ -430,6 +437,7 @@ class Engine:
         req.unfinished -= 1
         if req.unfinished == 0:
             del self._requests[req.request_id]
+            self._scoring -= req.prompt_logprobs is not None
 
     def _output(self, c: _Completion, new_tokens, visible: int, reason, now) -> RequestOutput:
         new_text, c.emitted = c.text[c.emitted : visible], visible

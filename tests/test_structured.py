@@ -116,6 +116,7 @@ def test_resume_rebuilds_grammar_state(pipe):
     assert resumed.token_ids == full.token_ids and resumed.text == full.text
     with pytest.raises(ValueError, match="does not match"):
         e.add_request("bad", "Hello", params, resume=(Resume((full.token_ids[1],) * 3),))
+    assert not e.has_unfinished()  # refused before anything was registered
 
 
 @pytest.mark.slow
