@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from ..proto import fastgen_pb2
 from .limits import MAX_TOOLS
 
-TOOL_CALL_PARSERS = ("hermes", "qwen3", "llama3_json", "mistral")
-DEFAULT_TOOL_CALL_PARSER = "hermes"
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3", "llama3_json", "mistral")
+DEFAULT_TOOL_CALL_PARSER = "auto"  # from the chat template when the balancer has it (parser_for_template), else hermes
 
 
 class ToolError(ValueError):
@@ -75,7 +75,7 @@ def parse_tools(body: dict, parser: str = DEFAULT_TOOL_CALL_PARSER):
         choice, named = "named", fn["name"]
     elif choice not in ("none", "auto", "required"):
         raise ToolError('tool_choice must be "none", "auto", "required" or a named function', "tool_choice")
-    plan = ToolPlan(names, choice, named, parallel, parser)
+    plan = ToolPlan(names, choice, named, parallel, parser if parser != "auto" else "hermes")
     tools_json = json.dumps([{"type": "function", "function": f} for f in functions], separators=(",", ":"))
     return plan, tools_json, _constraint(plan, functions)
 
@@ -122,6 +122,20 @@ def _constraint(plan: ToolPlan, functions: list[dict]) -> fastgen_pb2.Constraint
 def _object_schema(params: dict) -> dict:
     """Arguments are an object, whatever the schema leaves open."""
     return {"type": "object", **params} if "type" not in params else params
+
+
+def parser_for_template(template: str | None) -> str:
+    """The parser of the family whose chat template this is, by the markers its tool-call turns are written with:
+    Hermes, Qwen 2.5 and Qwen 3 wrap calls in <tool_call>, Mistral opens them with [TOOL_CALLS], Llama 3.1+ has
+    <|python_tag|> or asks for a JSON {"name", "parameters"}. Anything else (or no template known): hermes."""
+    template = template or ""
+    if "<tool_call>" in template:
+        return "qwen3" if "<think>" in template else "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ("<|eot_id|>" in template and '"parameters"' in template):
+        return "llama3_json"
+    return "hermes"
 
 
 # ---- output -> calls ----------------------------------------------------------------------------------------------

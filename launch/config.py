@@ -39,7 +39,7 @@ from ..server.tls import TlsFiles
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 # The balancer's (balancer/tools.py, balancer/reasoning.py; a test keeps them equal): the launcher imports no balancer.
-TOOL_CALL_PARSERS = ("hermes", "qwen3", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3", "llama3_json", "mistral")
 REASONING_PARSERS = ("", "deepseek_r1", "qwen3")  # "": off
 DEFAULT_MODEL = EngineConfig.model
 DEFAULT_HTTP_PORT = 8000  # vLLM's and the OpenAI clients' customary port
@@ -61,7 +61,7 @@ class DeployConfig:
     port: int = 50050
     metrics_port: int = 9400
     http_port: int = DEFAULT_HTTP_PORT  # the balancer's OpenAI-compatible API; 0: none
-    tool_call_parser: str = "hermes"  # how the HTTP API finds tool calls with tool_choice auto: the model's family
+    tool_call_parser: str = "auto"  # how the HTTP API finds tool calls with tool_choice auto: the model's family
     reasoning_parser: str = ""  # splits a reasoning model's <think> block into reasoning_content; "": off
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)

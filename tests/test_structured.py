@@ -426,3 +426,13 @@ def test_deploy_passes_the_parsers_to_the_balancer():
     assert argv[argv.index("--tool-call-parser") + 1] == "qwen3" and "--reasoning-parser" in argv
     assert config.validate(c) == []
     assert config.validate(config.DeployConfig(tool_call_parser="xml")) != []
+
+
+def test_the_tool_call_parser_follows_the_chat_template():
+    from fastgen.balancer.tools import parser_for_template
+
+    assert parser_for_template("{{ '<tool_call>\\n' }}{{ tool_call | tojson }}") == "hermes"
+    assert parser_for_template("<think>{{ x }}</think><tool_call>") == "qwen3"
+    assert parser_for_template("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
+    assert parser_for_template("<|python_tag|>{{ x }}<|eot_id|>") == "llama3_json"
+    assert parser_for_template(None) == "hermes"
