@@ -210,20 +210,25 @@ MARKERS = {"hermes": "<tool_call>", "qwen3": "<tool_call>", "mistral": "[TOOL_CA
 
 @dataclass
 class ToolStream:
-    """One choice's streamed output as OpenAI deltas: content while it is plain text; the calls once known. A named
-    choice streams its arguments as they come; other calls are sent whole when the choice ends (a client's SDK
-    accumulates either). Text that may begin a call's marker is held back until it is known not to."""
+    """One choice's streamed output as OpenAI deltas: content while it is plain text; the calls once known. Forced
+    calls (named, required) stream their arguments as they come; parsed ones ("auto") are sent whole when the choice
+    ends (a client's SDK accumulates either). Text that may begin a call's marker is held back until it is known not
+    to."""
 
     plan: ToolPlan
     text: str = ""
     sent: int = 0  # characters of text sent as content
     calling: bool = False  # a call has begun: nothing more goes out as content
     call_id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    # required: per call, [where its arguments start, characters of them sent, 1 once they are closed]
+    items: list[list[int]] = field(default_factory=list)
 
     def feed(self, new: str, finished: bool) -> list[dict]:
         self.text += new
         if self.plan.choice == "named":
             return self._named(new)
+        if self.plan.choice == "required":
+            return self._required(finished)
         if self.plan.choice == "none":
             return [{"content": new}] if new else []
         deltas = []
@@ -232,8 +237,6 @@ class ToolStream:
             if end > self.sent:
                 deltas.append({"content": self.text[self.sent : end]})
                 self.sent = end
-        elif self.plan.choice == "required":
-            self.calling = True
         if finished:
             content, calls = extract(self.plan, self.text)
             if calls:
@@ -255,12 +258,63 @@ class ToolStream:
         self.calling = at >= 0
         return at if at >= 0 else len(self.text) - _partial_marker(self.text, marker)
 
+    def _required(self, finished: bool) -> list[dict]:
+        """The grammar's [{"name": ..., "parameters": {...}}, ...] as it grows: a call's header once its name is
+        complete, then its arguments object piece by piece up to its closing brace."""
+        deltas = []
+        for m in REQUIRED_ITEM.finditer(self.text, self.items[-1][0] if self.items else 0):
+            if self.items and m.end() <= self.items[-1][0]:
+                continue
+            self.items.append([m.end(), 0, 0])
+            head = {"index": len(self.items) - 1, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
+            deltas.append({"tool_calls": [{**head, "function": {"name": json.loads(m.group(1)), "arguments": ""}}]})
+        for index, item in enumerate(self.items):
+            start, sent, closed = item
+            if closed:
+                continue
+            end = _object_end(self.text, start)
+            item[2] = end is not None
+            stop = end if end is not None else len(self.text)
+            if stop > start + sent:
+                piece = self.text[start + sent : stop]
+                item[1] = stop - start
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+        if finished and not self.items and self.text:  # cut off before a call began: the text as it is
+            deltas.append({"content": self.text})
+        return deltas
+
     def _named(self, new: str) -> list[dict]:
         if self.sent == 0:
             self.sent = 1
             head = {"index": 0, "id": self.call_id, "type": "function"}
             return [{"tool_calls": [{**head, "function": {"name": self.plan.named, "arguments": new}}]}]
         return [{"tool_calls": [{"index": 0, "function": {"arguments": new}}]}] if new else []
+
+
+REQUIRED_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object that opens at text[start] (None while it is still open)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def _partial_marker(text: str, marker: str) -> int:

@@ -436,3 +436,21 @@ def test_the_tool_call_parser_follows_the_chat_template():
     assert parser_for_template("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
     assert parser_for_template("<|python_tag|>{{ x }}<|eot_id|>") == "llama3_json"
     assert parser_for_template(None) == "hermes"
+
+
+def test_required_calls_stream_their_arguments_as_they_come():
+    from fastgen.balancer.tools import ToolStream, parse_tools
+
+    plan, _, _ = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    text = '[{"name": "get_weather", "parameters": {"city": "O\\"slo}"}}, {"name": "get_time", "parameters": {}}]'
+    stream, calls, events = ToolStream(plan), {}, 0
+    for k in range(0, len(text), 4):
+        for delta in stream.feed(text[k : k + 4], k + 4 >= len(text)):
+            events += 1
+            for tc in delta["tool_calls"]:
+                entry = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                entry["name"] += tc["function"].get("name") or ""
+                entry["arguments"] += tc["function"].get("arguments") or ""
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [{"city": 'O"slo}'}, {}]
+    assert events > 4  # the arguments came in pieces, not whole at the end
