@@ -779,8 +779,7 @@ class ChatStream(Stream):
     def _tool_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
         tools = self.tool_streams.setdefault(index, ToolStream(self.api.tools))
         deltas = tools.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
-        called = any("tool_calls" in d for d in deltas) or tools.plan.choice == "named" and tools.sent
-        if reason is not None and called:
+        if reason is not None and tools.called:
             reason = "tool_calls" if reason == "stop" or tools.plan.forced else reason
         events = []
         for k, delta in enumerate(deltas):

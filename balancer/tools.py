@@ -223,6 +223,13 @@ class ToolStream:
     # required: per call, [where its arguments start, characters of them sent, 1 once they are closed]
     items: list[list[int]] = field(default_factory=list)
 
+    @property
+    def called(self) -> bool:
+        """A call has been sent (the choice's finish reason is then tool_calls)."""
+        return bool(self.items) or (self.plan.choice == "named" and self.sent > 0) or self._whole_sent
+
+    _whole_sent: bool = False
+
     def feed(self, new: str, finished: bool) -> list[dict]:
         self.text += new
         if self.plan.choice == "named":
@@ -241,6 +248,7 @@ class ToolStream:
             content, calls = extract(self.plan, self.text)
             if calls:
                 deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+                self._whole_sent = True
             elif self.sent < len(self.text):
                 deltas.append({"content": self.text[self.sent :]})
         return deltas
