@@ -794,26 +794,34 @@ class CompletionStream(Stream):
     kind: str = "text_completion"
     prompt_texts: dict[int, str] = field(default_factory=dict)  # by prompt; only the first chunk carries it
     offsets: dict[int, int] = field(default_factory=dict)  # text sent so far, by choice
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # by prompt; the first chunk carries them too
 
     def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
         self.counted.add(prompt, chunk)
         if chunk.prompt_text:
             self.prompt_texts[prompt] = chunk.prompt_text
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs[prompt] = list(chunk.prompt_logprobs)
         index = self._index(prompt, chunk)
         first = index not in self.offsets
-        text = (self.prompt_texts.get(prompt, "") if self.api.echo and first else "") + chunk.text
+        generated, generated_lps = ("", []) if self.api.prompt_only else (chunk.text, chunk.logprobs)
+        echoed = self.prompt_texts.get(prompt, "") if self.api.echo and first else ""
+        text = echoed + generated
         offset = self.offsets.get(index, 0)
         logprobs = None
-        if self.api.logprobs and chunk.logprobs:
-            logprobs = completion_logprobs(chunk.logprobs, offset + len(text) - len(chunk.text))
+        if self.api.logprobs and (generated_lps or echoed):
+            logprobs = completion_logprobs(generated_lps, offset + len(echoed))
+            if echoed:  # the prompt's own logprobs open the choice, as in the whole answer
+                logprobs = _joined(echo_logprobs(echoed, self.prompt_logprobs.get(prompt, [])), logprobs)
         self.offsets[index] = offset + len(text)
         if not (text or logprobs or chunk.finish_reason):
             return []
+        reason = finish_reason(chunk.finish_reason)
         choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": finish_reason(chunk.finish_reason),
+            "finish_reason": "length" if reason and self.api.prompt_only else reason,
         }
         return [self.chunk_event([choice])]
 

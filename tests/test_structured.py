@@ -454,3 +454,18 @@ def test_required_calls_stream_their_arguments_as_they_come():
     assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
     assert [json.loads(c["arguments"]) for c in calls.values()] == [{"city": 'O"slo}'}, {}]
     assert events > 4  # the arguments came in pieces, not whole at the end
+
+
+def test_streamed_echo_carries_the_prompt_logprobs():
+    from fastgen.balancer import openai_protocol as op
+    from fastgen.proto import fastgen_pb2 as pb
+
+    api = op.parse_completion({"prompt": "a bc", "echo": True, "logprobs": 0, "stream": True}, "id")
+    stream = op.CompletionStream(op.Meta("x", 0, "m"), api)
+    prompt = [pb.TokenLogprob(token_id=9, token=" b", logprob=-1.5), pb.TokenLogprob(token_id=8, token="c", logprob=-2)]
+    first = pb.GenerateChunk(text="!", prompt_text="a bc", prompt_logprobs=prompt)
+    first.logprobs.add(token_id=7, token="!", logprob=-0.5)
+    (event,) = stream.events(0, first)
+    lp = event["choices"][0]["logprobs"]
+    assert event["choices"][0]["text"] == "a bc!" and lp["token_logprobs"] == [None, -1.5, -2.0, -0.5]
+    assert lp["text_offset"] == [0, 1, 3, 4]
