@@ -469,3 +469,13 @@ def test_streamed_echo_carries_the_prompt_logprobs():
     lp = event["choices"][0]["logprobs"]
     assert event["choices"][0]["text"] == "a bc!" and lp["token_logprobs"] == [None, -1.5, -2.0, -0.5]
     assert lp["text_offset"] == [0, 1, 3, 4]
+
+
+def test_all_logits_crosses_the_tensor_parallel_broadcast():
+    from fastgen.replica.batch import Batch, ScheduledSeq
+    from fastgen.replica.batch_broadcast import decode_batch, encode_batch
+
+    seqs = [ScheduledSeq(1, [5], 9, [0, 1], True), ScheduledSeq(2, [6, 7, 8], 0, [2], True, all_logits=True)]
+    seqs.append(ScheduledSeq(3, [1, 2], 4, [3, 4], False, all_logits=True))
+    batch = Batch(seqs, 1, [], [(1, 2)])
+    assert decode_batch(encode_batch(batch)).seqs == seqs
