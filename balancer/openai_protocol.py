@@ -26,6 +26,7 @@ from .limits import (
     MAX_TOP_LOGPROBS,
     PromptLimits,
     RequestRefused,
+    check_constraint,
     check_message_count,
     check_prompt_chars,
     check_prompt_count,
@@ -264,6 +265,10 @@ def parse_chat(
     if tool_constraint is not None:
         if params.HasField("constraint"):
             raise bad_request("a forced tool_choice cannot be combined with response_format", "tool_choice")
+        try:  # the tools' schemas become the grammar: its size is the replica's limit too
+            check_constraint(tool_constraint)
+        except RequestRefused as e:
+            raise bad_request(f"the tools' schemas are too large for a forced tool_choice: {e}", "tools") from None
         params.constraint.CopyFrom(tool_constraint)
     request = fastgen_pb2.GenerateRequest(request_id=request_id, params=params, slo=parse_slo(f.get("slo")))
     request.messages.messages.extend(messages)

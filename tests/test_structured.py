@@ -479,3 +479,17 @@ def test_all_logits_crosses_the_tensor_parallel_broadcast():
     seqs.append(ScheduledSeq(3, [1, 2], 4, [3, 4], False, all_logits=True))
     batch = Batch(seqs, 1, [], [(1, 2)])
     assert decode_batch(encode_batch(batch)).seqs == seqs
+
+
+def test_tool_limits_are_checked_at_the_balancer():
+    from fastgen.balancer.limits import MAX_TOOLS
+    from fastgen.balancer.openai_protocol import ApiError, parse_chat
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ApiError) as e:
+        parse_chat({**chat, "tools": [TIME] * (MAX_TOOLS + 1)}, "id")
+    assert e.value.param == "tools"
+    big = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": "x" * 70000}}}
+    with pytest.raises(ApiError) as e:
+        parse_chat({**chat, "tools": [big], "tool_choice": "required"}, "id")
+    assert e.value.param == "tools" and e.value.status == 400
