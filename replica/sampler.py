@@ -15,6 +15,7 @@ a hash per vocabulary entry, as an exponential race would need, costs millisecon
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -150,6 +151,12 @@ def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     masked = [j for j, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return
+    native = _native_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if native is not None:  # xgrammar's C++ kernel: a third of the torch ops' time on a CPU
+        bits = torch.full((logits.shape[0], rows[masked[0]].allowed.shape[0]), -1, dtype=torch.int32)
+        bits[masked] = torch.stack([rows[j].allowed for j in masked])
+        native(logits, bits, vocab_size=logits.shape[1], indices=masked)
+        return
     bits = torch.stack([rows[j].allowed for j in masked]).to(logits.device)  # (c, W) int32
     penalty = _byte_table(logits.device, logits.dtype)[bits.view(torch.uint8).long()].flatten(1)[:, : logits.shape[1]]
     if len(masked) == logits.shape[0]:
@@ -159,6 +166,15 @@ def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 _BYTE_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _native_apply():
+    """xgrammar's in-place bitmask kernel for float32 logits on the CPU (None without xgrammar: the torch path)."""
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        return None
+    return functools.partial(apply_token_bitmask_inplace, backend="cpu")
 
 
 def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -493,3 +493,25 @@ def test_tool_limits_are_checked_at_the_balancer():
     with pytest.raises(ApiError) as e:
         parse_chat({**chat, "tools": [big], "tool_choice": "required"}, "id")
     assert e.value.param == "tools" and e.value.status == 400
+
+
+@pytest.mark.parametrize("constrained", [[0, 1, 2], [1], [0, 2]])
+def test_native_and_torch_masks_agree(constrained, monkeypatch):
+    from fastgen.replica import sampler
+
+    torch.manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word is partly padding
+    logits = torch.randn(3, vocab)
+    rows = [SamplingRow(0.0, 1.0, 0, 0, 0, []) for _ in range(3)]
+    for j in constrained:
+        rows[j].allowed = torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32)
+    native = logits.clone()
+    sampler._constrain(native, rows)
+    monkeypatch.setattr(sampler, "_native_apply", lambda: None)
+    portable = logits.clone()
+    sampler._constrain(portable, rows)
+    assert torch.equal(native, portable)
+    assert (
+        torch.isinf(native[constrained]).any()
+        and not torch.isinf(native[[i for i in range(3) if i not in constrained]]).any()
+    )
