@@ -232,9 +232,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policy",
         choices=sorted(POLICIES),
-        default="prefix_aware",
-        help="routing policy; prefix_aware routes a prompt where its prefix is cached unless the wait there costs more "
-        "than the prefill it saves",
+        default="least_loaded",
+        help="routing policy (default: %(default)s); prefix_aware routes a prompt where its prefix is cached unless "
+        "the wait there costs more than the prefill it saves",
     )
     p.add_argument(
         "--tokenizer",

@@ -17,7 +17,7 @@ else:
     import torch
 
     from .attention import AttentionMetadata, paged_attention, write_kv
-    from .norm import add_rms_norm, rms_norm, silu_mul
+    from .norm import add_rms_norm, gelu_tanh_mul, rms_norm, silu_mul
     from .rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotary_write_kv
     from .table import TORCH_KERNELS, Kernels
 
@@ -51,6 +51,7 @@ __all__ = [
     "rms_norm",
     "add_rms_norm",
     "silu_mul",
+    "gelu_tanh_mul",
     "paged_attention",
     "write_kv",
     "rotary_write_kv",

@@ -53,21 +53,55 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tor
 DECODE_GROUP = 16  # decodes per gather: large enough to batch well, small enough to pad little
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, length: int, scale: float) -> torch.Tensor:
+def attend(q, k, v, mask, scale: float, softcap: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T scale (soft-capped) masked) v for q (seqs, heads, queries, head_dim), k and v (seqs, kv_heads,
+    keys, head_dim); mask broadcasts to (seqs, heads, queries, keys), True where a key is seen. Soft-capping is done
+    in the order transformers' eager attention does it (scale, / cap, tanh, * cap, mask, softmax in float32)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap  # (seqs, heads, queries, keys)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _seen_only(mask: torch.Tensor, *kv: torch.Tensor) -> list[torch.Tensor]:
+    """k, v (seqs, kv_heads, keys, head_dim) with the keys no query sees zeroed: slots before a window or past a
+    sequence's end may hold anything, NaN included, and a NaN leaks through a masked score (NaN * 0)."""
+    seen = mask.reshape(mask.shape[0], -1, mask.shape[-1]).any(dim=1)[:, None, :, None]  # (seqs or 1, 1, keys, 1)
+    return [x.masked_fill(~seen, 0) for x in kv]
+
+
+def _decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, length: int, scale: float, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     """One query token per sequence: q (seqs, heads, head_dim) -> (seqs, heads, head_dim)."""
     k = _gather(k_cache, block_tables, length)  # (seqs, kv_heads, length, head_dim)
     v = _gather(v_cache, block_tables, length)
-    mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # (seqs, length)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    return o.squeeze(2)
+    pos = torch.arange(length, device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]  # (seqs, length)
+    if window:
+        mask &= pos >= seq_lens[:, None] - window
+    if window or softcap:
+        k, v = _seen_only(mask[:, None, :], k, v)
+    return attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap).squeeze(2)
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of q (tokens, heads, head_dim) over each sequence's cache; returns (tokens, heads, head_dim)."""
+    """Causal attention of q (tokens, heads, head_dim) over each sequence's cache; returns (tokens, heads, head_dim).
+    window: each query sees only its last `window` positions (itself included), as transformers' sliding window;
+    softcap: scores -> softcap * tanh(scores / softcap). 0 turns either off."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
@@ -84,12 +118,16 @@ def paged_attention(
                 meta.seq_lens[idx],
                 meta.seq_lens_host[rows[-1]],
                 scale,
+                window,
+                softcap,
             )
-    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def prefill_attention(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0, softcap: float = 0.0
+) -> None:
     """The prompt chunks of the batch (every sequence after the decodes), written into out."""
     starts, lens = meta.query_start_host, meta.seq_lens_host
     for i in range(meta.num_decodes, len(lens)):
@@ -98,11 +136,16 @@ def prefill_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
         v = _gather(v_cache, meta.block_tables[i : i + 1], length)
         qs = q[lo:hi].transpose(0, 1).unsqueeze(0)  # (1, heads, chunk, head_dim)
         chunk = hi - lo
-        if chunk == length:
+        if chunk == length and not (window or softcap):
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # The chunk's queries sit at positions length-chunk .. length-1 of the sequence.
-            q_pos = torch.arange(length - chunk, length, device=q.device)
-            mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # (chunk, length)
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            q_pos = torch.arange(length - chunk, length, device=q.device)[:, None]
+            k_pos = torch.arange(length, device=q.device)[None, :]
+            mask = k_pos <= q_pos  # (chunk, length)
+            if window:
+                mask &= k_pos > q_pos - window
+            if window or softcap:
+                k, v = _seen_only(mask[None], k, v)
+            o = attend(qs, k, v, mask, scale, softcap)
         out[lo:hi] = o[0].transpose(0, 1)

@@ -122,6 +122,7 @@ class CLibrary:
         v_cache=POINTER,
         tables=POINTER,
         seq_lens=POINTER,
+        starts=POINTER,
         out=POINTER,
         seqs=INT,
         heads=INT,
@@ -130,6 +131,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        softcap=FLOAT,
         threads=INT,
     )
     decode_attention_f32: Callable[..., int] = entry(
@@ -138,6 +140,7 @@ class CLibrary:
         v_cache=POINTER,
         tables=POINTER,
         seq_lens=POINTER,
+        starts=POINTER,
         out=POINTER,
         seqs=INT,
         heads=INT,
@@ -146,6 +149,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        softcap=FLOAT,
         threads=INT,
     )
     prefill_attention_available: Callable[[], int] = entry()
@@ -202,6 +206,7 @@ class CLibrary:
     elementwise_available: Callable[[], int] = entry()
     add_rms_norm_bf16: Callable[..., int] = entry(**ADD_RMS_NORM)
     silu_mul_bf16: Callable[..., int] = entry(**SILU_MUL)
+    gelu_tanh_mul_bf16: Callable[..., int] = entry(**SILU_MUL)
     rotary_write_kv_bf16: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     argmax_bf16: Callable[..., int] = entry(x=POINTER, rows=INT, vocab=INT, stride=INT64, out=POINTER, threads=INT)
     linear_bf16: Callable[..., int] = entry(
@@ -219,6 +224,7 @@ class CLibrary:
     elementwise_f32_available: Callable[[], int] = entry()
     add_rms_norm_f32: Callable[..., int] = entry(**ADD_RMS_NORM)
     silu_mul_f32: Callable[..., int] = entry(**SILU_MUL)
+    gelu_tanh_mul_f32: Callable[..., int] = entry(**SILU_MUL)
     rotary_write_kv_f32: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     linear_f32_available: Callable[[], int] = entry()
     linear_f32: Callable[..., int] = entry(

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import clib
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .dense import argmax
-from .norm import add_rms_norm, rms_norm, silu_mul
+from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .rotary import rotary_write_kv
 from .table import Kernels
 
@@ -88,9 +88,13 @@ def _amx() -> clib.CLibrary | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None) -> torch.Tensor | None:
+def decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale: float, out=None, starts=None, softcap: float = 0.0
+) -> torch.Tensor | None:
     """One query row per entry: q (rows, heads, head_dim), row i attending to the first seq_lens[i] cached tokens
-    of its block_tables row; into `out` (contiguous, like q) when given. None where the C kernel does not apply."""
+    of its block_tables row, from starts[i] on where starts (int32, a sliding window's first tokens) is given, the
+    scores soft-capped where softcap > 0; into `out` (contiguous, like q) when given. None where the C kernel does
+    not apply."""
     library = _get_library()
     if (
         library is None
@@ -106,6 +110,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    starts = None if starts is None else starts.to(torch.int32).contiguous()
     out = torch.empty_like(q) if out is None else out
     status = kernel(
         q.data_ptr(),
@@ -113,6 +118,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
         v_cache.data_ptr(),
         tables.data_ptr(),
         lens.data_ptr(),
+        None if starts is None else starts.data_ptr(),
         out.data_ptr(),
         seqs,
         heads,
@@ -121,6 +127,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
         block_size,
         tables.shape[1],
         scale,
+        softcap,
         torch.get_num_threads(),
     )
     return out if status == 0 else None
@@ -142,12 +149,26 @@ def rows_as_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor
     return tables, torch.tensor(row_lens, dtype=torch.int32)
 
 
+def window_starts(lens: torch.Tensor, window: int) -> torch.Tensor | None:
+    """Each row's first visible token under a sliding window of `window` tokens (None: no window)."""
+    return (lens.to(torch.int32) - window).clamp_(min=0) if window else None
+
+
 def paged_attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as attention.paged_attention. Decodes in one call of the C decode kernel; prompt chunks on the
     AMX kernel (bfloat16 on CPUs with AMX), else on the AVX-512 prompt kernel, else each of their rows as a decode in
-    that same decode call; where the decode kernel does not apply, torch for the whole batch."""
+    that same decode call; where the decode kernel does not apply, torch for the whole batch. A sliding window or
+    soft-capping sends every row through the decode kernel, which alone takes them."""
+    if window or softcap:
+        return _attention_as_decodes(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     has_prompts = meta.num_decodes < len(meta.seq_lens_host)
     prompts_on_amx = has_prompts and _amx_prefill_applies(q, k_cache, v_cache, out)
@@ -161,6 +182,18 @@ def paged_attention_cpu(
     if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out):
         prefill_attention(q, k_cache, v_cache, meta, scale, out)  # shapes the AMX kernel does not take
     return out
+
+
+def _attention_as_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int, softcap: float):
+    """Every query row of the batch as one decode row of the C kernel, each from its window's first token; the rows'
+    tables, lengths and starts are derived once per step (every layer of a window asks for the same)."""
+    rows = meta.workspace.get(("cpu_rows", window))
+    if rows is None:
+        tables, lens = rows_as_decodes(meta)
+        rows = meta.workspace[("cpu_rows", window)] = (tables, lens, window_starts(lens, window))
+    tables, lens, starts = rows
+    out = decode_attention(q, k_cache, v_cache, tables, lens, scale, torch.empty_like(q), starts, softcap)
+    return out if out is not None else paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def _prefill_attention_avx512(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
@@ -266,6 +299,7 @@ class Elementwise:
     dtype: torch.dtype
     add_rms_norm: Callable[..., int]
     silu_mul: Callable[..., int]
+    gelu_tanh_mul: Callable[..., int]
     rotary_write_kv: Callable[..., int]
 
 
@@ -274,10 +308,22 @@ def _elementwise_for(dtype: torch.dtype) -> Elementwise | None:
     """The fused elementwise kernels for activations of dtype where they run on this CPU, else None (torch serves)."""
     if dtype == torch.bfloat16 and _elementwise() is not None:
         library = _elementwise()
-        return Elementwise(dtype, library.add_rms_norm_bf16, library.silu_mul_bf16, library.rotary_write_kv_bf16)
+        return Elementwise(
+            dtype,
+            library.add_rms_norm_bf16,
+            library.silu_mul_bf16,
+            library.gelu_tanh_mul_bf16,
+            library.rotary_write_kv_bf16,
+        )
     library = _get_library()
     if dtype == torch.float32 and library is not None and library.elementwise_f32_available():
-        return Elementwise(dtype, library.add_rms_norm_f32, library.silu_mul_f32, library.rotary_write_kv_f32)
+        return Elementwise(
+            dtype,
+            library.add_rms_norm_f32,
+            library.silu_mul_f32,
+            library.gelu_tanh_mul_f32,
+            library.rotary_write_kv_f32,
+        )
     return None
 
 
@@ -333,15 +379,26 @@ def add_rms_norm_cpu(
     return out, total
 
 
-def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    """Same contract as norm.silu_mul."""
+def _gated(gate_up: torch.Tensor, which: str, reference: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """act(gate) * up by the elementwise kernel `which` (silu_mul, gelu_tanh_mul), else by the torch reference."""
     kernels = _elementwise_for(gate_up.dtype)
     if kernels is None or not _rows(gate_up, kernels.dtype) or gate_up.shape[1] % 2:
-        return silu_mul(gate_up)
+        return reference(gate_up)
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
+    kernel = getattr(kernels, which)
+    kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.stride(0), torch.get_num_threads())
     return out
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as norm.silu_mul."""
+    return _gated(gate_up, "silu_mul", silu_mul)
+
+
+def gelu_tanh_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as norm.gelu_tanh_mul (GeGLU), within a few ulp of torch's GELU."""
+    return _gated(gate_up, "gelu_tanh_mul", gelu_tanh_mul)
 
 
 def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> torch.Tensor:
@@ -361,6 +418,7 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or cos_sin.dtype != torch.float32
         or not cos_sin.is_contiguous()
+        or cos_sin.shape[1] != head_dim  # partial rotary: torch
         or head_dim % 2
     ):
         return rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
@@ -638,7 +696,10 @@ CPU_KERNELS = Kernels(
     paged_attention=paged_attention_cpu,
     rms_norm=rms_norm_cpu,
     add_rms_norm=add_rms_norm_cpu,
+    layer_norm=layer_norm,
+    add_layer_norm=add_layer_norm,
     silu_mul=silu_mul_cpu,
+    gelu_tanh_mul=gelu_tanh_mul_cpu,
     pack_linear=pack_weight,
     linear=linear,
     pack_gate_up=pack_gate_up,

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout, as Hugging Face Llama), with llama3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout, as Hugging Face Llama), with llama3 frequency scaling. A table
+narrower than head_dim rotates only the first dims of each head (partial rotary: Phi, Falcon), the rest pass."""
 
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x (tokens, heads, head_dim) rotated by cos_sin rows (tokens, head_dim) already gathered by position."""
+    """x (tokens, heads, head_dim) rotated by cos_sin rows (tokens, rotary_dim) already gathered by position; dims
+    past rotary_dim pass unchanged."""
+    if cos_sin.shape[-1] < x.shape[-1]:
+        rotary_dim = cos_sin.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotary_dim], cos_sin), x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
     cos, sin = cos_sin[:, None, :half].to(x.dtype), cos_sin[:, None, half:].to(x.dtype)  # (tokens, 1, half)
     x1, x2 = x[..., :half], x[..., half:]

@@ -13,7 +13,7 @@ import torch
 
 from .attention import paged_attention
 from .dense import argmax, linear, no_packing
-from .norm import add_rms_norm, rms_norm, silu_mul
+from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .rotary import rotary_write_kv
 
 
@@ -31,11 +31,18 @@ class Kernels:
     name: str
     # (q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping) -> rotated q; writes rotated k and v to the cache
     rotary_write_kv: Callable[..., torch.Tensor]
-    # (q, k_cache, v_cache, AttentionMetadata, scale) -> (tokens, heads, head_dim)
+    # (q, k_cache, v_cache, AttentionMetadata, scale, window=0, softcap=0.0) -> (tokens, heads, head_dim); window:
+    # each query attends to its last `window` positions only (0: all); softcap: scores -> softcap * tanh(scores /
+    # softcap) before the softmax (0: off)
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps) -> (normed, sum)
+    layer_norm: Callable[..., torch.Tensor]  # (x, weight, bias or None, eps)
+    add_layer_norm: Callable[
+        ..., tuple[torch.Tensor, torch.Tensor]
+    ]  # (x, residual, weight, bias, eps) -> (normed, sum)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_tanh_mul: Callable[[torch.Tensor], torch.Tensor]  # GeGLU: GELU(gate, tanh) * up, silu_mul's contract
     # A weight (out_features, in_features) in the form this backend's `linear` reads fastest, packed once at load;
     # None where the plain weight serves.
     pack_linear: Callable[[torch.Tensor], Packed | None]
@@ -64,7 +71,10 @@ TORCH_KERNELS = Kernels(
     paged_attention=paged_attention,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
+    layer_norm=layer_norm,
+    add_layer_norm=add_layer_norm,
     silu_mul=silu_mul,
+    gelu_tanh_mul=gelu_tanh_mul,
     pack_linear=no_packing,
     linear=linear,
     pack_gate_up=no_packing,

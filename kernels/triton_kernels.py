@@ -137,6 +137,8 @@ def rotary_write_kv(
 ) -> torch.Tensor:
     """Rotates q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) by position, writes rotated k and v
     into the cache; returns the rotated q (a new tensor: q itself is left as it was, like the torch version)."""
+    if cos_sin.shape[-1] != q.shape[-1]:  # partial rotary (Phi, Falcon): torch's ops, still graph-safe
+        return TORCH_KERNELS.rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
     q, k, v, cos_sin = (_last_dim_contiguous(x) for x in (q, k, v, cos_sin))
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -219,6 +221,8 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window in tokens, 0: off (compiled out)
+    SOFTCAP: tl.constexpr,  # scores -> SOFTCAP * tanh(scores / SOFTCAP), 0.0: off (compiled out)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -245,8 +249,11 @@ def _paged_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
     kv_end = seq_len - q_len + tl.minimum(tile_start + TOKENS_PER_TILE, q_len)  # causal: past the tile's last token
+    kv_start = 0
+    if WINDOW > 0:  # nothing before the tile's first token's window is read
+        kv_start = tl.maximum(seq_len - q_len + tile_start - WINDOW + 1, 0)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
         # BLOCK_N need not match the cache block size: every key looks up its own block
@@ -256,9 +263,16 @@ def _paged_attention_kernel(
         k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_PAD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        s = tl.where(n[None, :] <= q_pos[:, None], s, float("-inf"))
-        # key 0 is visible to every row, so m_new is finite from the first block on
+        if SOFTCAP > 0:  # qk_scale is the plain scale here: cap, then log2 units
+            s = (2.0 / (1.0 + tl.exp(-2.0 * s / SOFTCAP)) - 1.0) * (SOFTCAP * 1.4426950408889634)  # tanh; LOG2_E
+        visible = n[None, :] <= q_pos[:, None]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        if WINDOW > 0:  # a row may see no key of a block yet: keep its running max finite
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # else key 0 is visible to every row, so m_new is finite from the first block on
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
@@ -299,9 +313,16 @@ def _attention_config(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of q (tokens, heads, head_dim) over each sequence's cache; returns (tokens, heads, head_dim)."""
+    """Causal attention of q (tokens, heads, head_dim) over each sequence's cache; returns (tokens, heads, head_dim).
+    window, softcap: as attention.paged_attention's (0: off)."""
     q = _last_dim_contiguous(q)
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -329,7 +350,7 @@ def paged_attention(
         meta.seq_lens,
         meta.block_tables,
         num_tiles,
-        scale * LOG2_E,
+        scale if softcap else scale * LOG2_E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -350,6 +371,8 @@ def paged_attention(
         BLOCK_N=block_n,
         # fp32 inputs would otherwise go through tf32 tensor cores and lose ~3 digits
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WINDOW=int(window),
+        SOFTCAP=float(softcap),
         num_warps=num_warps,
         num_stages=2,
         enable_fp_fusion=True,
@@ -450,6 +473,9 @@ TRITON_KERNELS = Kernels(
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     silu_mul=silu_mul,
+    gelu_tanh_mul=TORCH_KERNELS.gelu_tanh_mul,
+    layer_norm=TORCH_KERNELS.layer_norm,
+    add_layer_norm=TORCH_KERNELS.add_layer_norm,
     pack_linear=TORCH_KERNELS.pack_linear,
     linear=TORCH_KERNELS.linear,
     pack_gate_up=TORCH_KERNELS.pack_gate_up,

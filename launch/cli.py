@@ -251,6 +251,13 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help="client API keys, one a line ('#' comments): each key is a tenant, whose requests share prefix-cache "
+        "blocks only with each other (besides --api-key / $FASTGEN_API_KEY)",
+    )
+    p.add_argument(
         "--auth-token-file",
         default=None,
         metavar="FILE",
@@ -701,9 +708,10 @@ def cmd_certs(args: argparse.Namespace, home: Path) -> int:
 
 
 def cmd_k8s(args: argparse.Namespace, home: Path) -> int:
-    if args.auth_token_file or args.tls_cert or args.tls_key or args.tls_ca or args.tls != "off":
+    if args.auth_token_file or args.api_keys_file or args.tls_cert or args.tls_key or args.tls_ca or args.tls != "off":
         raise DeployError(
-            "on Kubernetes the internal token and TLS come from Secrets: drop --auth-token-file and --tls*, create "
+            "on Kubernetes the internal token, API keys and TLS come from Secrets: drop --auth-token-file, "
+            "--api-keys-file and --tls*, create "
             f"the Secret {args.name}-auth (key token) and pass --tls-secret for a kubernetes.io/tls Secret"
         )
     config = config_from(args)

@@ -56,7 +56,8 @@ class DeployConfig:
     model: str = DEFAULT_MODEL
     replicas: int = 2
     tp: int = 1
-    policy: str = "prefix_aware"  # measured best on the chat workload (benchmarks/RESULTS.md section 9)
+    # least_loaded beat prefix_aware in every chat run that measured both (benchmarks/RESULTS.md, "Prefix caching")
+    policy: str = "least_loaded"
     host: str = "127.0.0.1"
     port: int = 50050
     metrics_port: int = 9400
@@ -87,6 +88,8 @@ class DeployConfig:
     # Security (launch/certs.py): the internal token's file (start generates one into the state directory) and the
     # TLS files; with tls_ca the balancer and the replicas speak mutual TLS. Paths only: no secret in config.json.
     auth_token_file: str | None = None
+    # One client API key a line: with several, each key is a tenant with a prefix cache of its own (balancer).
+    api_keys_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -398,6 +401,10 @@ def balancer_spec(c: DeployConfig, python: str, replicas: list[ProcessSpec]) -> 
     for r in replicas:
         argv += ["--replica", f"{r.replica}={address(c.host, r.port)}"]
     argv += ["--policy", c.policy]
+    if c.max_model_len is not None:  # the balancer refuses longer prompts before it tokenizes them
+        argv += ["--max-model-len", str(c.max_model_len)]
+    if c.api_keys_file:
+        argv += ["--api-keys-file", c.api_keys_file]
     if c.http_port:  # the API key, if any, comes through the environment (API_KEY_ENV)
         argv += ["--http-port", str(c.http_port), "--served-model-name", c.model]
         argv += ["--tool-call-parser", c.tool_call_parser]

@@ -81,7 +81,7 @@ def prepare(config: DeployConfig, find_gpus: Callable[[], list[str]] = gpus.visi
 
 def absolute_security_paths(config: DeployConfig) -> DeployConfig:
     """The supervisor and its children run in the state directory: relative paths would name other files there."""
-    names = ("auth_token_file", "tls_cert", "tls_key", "tls_ca")
+    names = ("auth_token_file", "api_keys_file", "tls_cert", "tls_key", "tls_ca")
     return replace(config, **{n: str(Path(v).expanduser().resolve()) for n in names if (v := getattr(config, n))})
 
 

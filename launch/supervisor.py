@@ -159,7 +159,8 @@ def write_state(
             "policy": config.policy,
             "tp": config.tp,
             "device": config.device,
-            "api_key_required": bool(os.environ.get(API_KEY_ENV)),  # on gRPC, and on HTTP where it is served
+            # on gRPC, and on HTTP where it is served
+            "api_key_required": bool(os.environ.get(API_KEY_ENV) or config.api_keys_file),
             "tls": bool(config.tls_cert),
             "mutual_tls": bool(config.tls_ca),
             "updated": time.time(),

@@ -20,7 +20,7 @@ from .engine import Engine
 from .host_memory import keep_freed_memory
 from .kv_cache import allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
 from .model_runner import ModelRunner
-from .models.llama import LlamaModel, ModelConfig
+from .models import DecoderModel, ModelConfig
 from .parallel import TPGroup
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
@@ -38,8 +38,6 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     tokenizer = weights.load_tokenizer(folder)
 
     max_len = config.max_model_len or model_config.max_position_embeddings
-    if model_config.sliding_window:
-        max_len = min(max_len, model_config.sliding_window)  # attention here is full, so stay inside the window
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
             f"max_model_len {max_len} exceeds the model's {model_config.max_position_embeddings} positions"
@@ -70,7 +68,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaModel(model_config, tp, kernels)
+            model = DecoderModel(model_config, tp, kernels)
     finally:
         torch.set_default_dtype(previous)
     if config.load_format == "dummy":  # random weights made where the parameters live: no read, no CPU copy
@@ -114,7 +112,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
 
 
 def _kv_blocks(
-    config: EngineConfig, model: LlamaModel, per_block: int, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, model: DecoderModel, per_block: int, dtype: torch.dtype, device: torch.device
 ) -> int:
     """This rank's pool: num_blocks if given; on CUDA with a utilization, what the device has left after the
     weights and a profiling pass; otherwise the memory budget."""
@@ -140,7 +138,7 @@ def _kv_blocks(
     return blocks
 
 
-def _activation_peak(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, device: torch.device) -> int:
+def _activation_peak(config: EngineConfig, model: DecoderModel, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes a full step allocates on the CUDA device above what is there before it (weights and the profile's own
     small KV cache): the peak of `profile_step`."""
     torch.cuda.synchronize(device)
@@ -154,7 +152,7 @@ def _activation_peak(config: EngineConfig, model: LlamaModel, dtype: torch.dtype
     return peak
 
 
-def profile_step(config: EngineConfig, model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
+def profile_step(config: EngineConfig, model: DecoderModel, dtype: torch.dtype, device: torch.device) -> None:
     """Runs the largest step the scheduler can build, forward pass and sampling, on a throwaway KV cache just
     large enough for it. Every rank of a tensor-parallel group runs the same step, so their collectives match."""
     block_size = config.cache.block_size

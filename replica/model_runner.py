@@ -14,7 +14,7 @@ from ..kernels import AttentionMetadata, Kernels
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .kv_cache import copy_blocks
-from .models.llama import LlamaModel
+from .models import DecoderModel
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
@@ -33,7 +33,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         kv_caches,
         block_size: int,
         device: torch.device,

@@ -91,6 +91,7 @@ class ColumnParallelLinear(ParallelLinear):
     def __init__(
         self, in_features: int, parts: list[int], bias: bool, tp: TPGroup, kernels: Kernels = TORCH_KERNELS
     ) -> None:
+        self.parts = parts
         self.local_parts = [_divide(p, tp.size, "output features") for p in parts]
         out = sum(self.local_parts)
         super().__init__(_frozen(out, in_features), _frozen(out) if bias else None, kernels)
@@ -107,18 +108,28 @@ class ColumnParallelLinear(ParallelLinear):
 
 
 class GateUpParallelLinear(ColumnParallelLinear):
-    """The MLP's gate and up projections as one column-parallel layer that returns SiLU(gate) * up: each rank holds
+    """The MLP's gate and up projections as one column-parallel layer that returns act(gate) * up: each rank holds
     its shard of both (gate rows, then up rows) and computes its own slice of the intermediate activation, so the
-    product of both never needs to be kept; the kernels may pack the two side by side and fuse the activation."""
+    product of both never needs to be kept. For SiLU the kernels may pack the two side by side and fuse the
+    activation; GeGLU ("gelu_tanh") is the plain product, then the kernels' gelu_tanh_mul."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = TORCH_KERNELS) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = TORCH_KERNELS, activation: str = "silu"
+    ) -> None:
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}: FastGen supports silu and gelu_tanh")
         super().__init__(hidden, [intermediate, intermediate], False, tp, kernels)
+        self.activation = activation
 
     def packed_form(self, weight: torch.Tensor):
-        return self.kernels.pack_gate_up(weight)
+        if self.activation == "silu":
+            return self.kernels.pack_gate_up(weight)
+        return self.kernels.pack_linear(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_silu_mul(x, self.weight, self.packed)  # (tokens, intermediate / tp)
+        if self.activation == "silu":
+            return self.kernels.linear_silu_mul(x, self.weight, self.packed)  # (tokens, intermediate / tp)
+        return self.kernels.gelu_tanh_mul(self.project(x, None))
 
 
 class QKVParallelLinear(ParallelLinear):
@@ -143,6 +154,7 @@ class QKVParallelLinear(ParallelLinear):
         self.kv_heads = max(1, kv_heads // tp.size)
         self.head_dim = head_dim
         self.kv_head_start = tp.rank * kv_heads // tp.size
+        self.parts = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]  # of a fused checkpoint tensor
         self.local_parts = [self.heads * head_dim, self.kv_heads * head_dim, self.kv_heads * head_dim]
         out = sum(self.local_parts)
         super().__init__(_frozen(out, hidden), _frozen(out) if bias else None, kernels)
@@ -206,13 +218,18 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(ParallelLinear):
     """Logits over the vocabulary split across ranks, gathered so every rank sees the full row. With tied
-    embeddings it reads the embedding's own shard."""
+    embeddings it reads the embedding's own shard. A bias (Phi-2) is split by vocabulary as the rows are."""
 
     def __init__(
-        self, embedding: VocabParallelEmbedding, tied: bool, tp: TPGroup, kernels: Kernels = TORCH_KERNELS
+        self,
+        embedding: VocabParallelEmbedding,
+        tied: bool,
+        tp: TPGroup,
+        kernels: Kernels = TORCH_KERNELS,
+        bias: bool = False,
     ) -> None:
         weight = embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
-        super().__init__(weight, None, kernels)
+        super().__init__(weight, _frozen(embedding.local_vocab) if bias else None, kernels)
         self.tp = tp
         self.vocab_size = embedding.vocab_size
         self.vocab_start = embedding.vocab_start
@@ -220,8 +237,8 @@ class ParallelLMHead(ParallelLinear):
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         rows = min(self.local_vocab, self.vocab_size - self.vocab_start)
-        self.weight.data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
+        getattr(self, name).data[:rows].copy_(tensor.narrow(0, self.vocab_start, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(self.project(x, None))  # (rows, local_vocab * tp)
+        logits = self.tp.all_gather_last(self.project(x, self.bias))  # (rows, local_vocab * tp)
         return logits[:, : self.vocab_size]

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 MAX_N = 128  # completions per request
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
-# Per-request limits (README, "Limits"). Each bounds work the engine repeats for the request on every step, or what
-# it keeps per request, so that one request cannot slow every other one down. OpenAI allows 4 stop strings and 300
-# logit_bias entries; vLLM sets no limit. Stop strings are matched on each step's new text and the longest one sets
-# how much text a stream holds back; logit_bias and stop_token_ids are applied per sampled row and token.
+# Per-request limits (docs/clients.md, "Limits"). Each bounds work the engine repeats for the request on every step,
+# or what it keeps per request, so that one request cannot slow every other one down. OpenAI allows 4 stop strings
+# and 300 logit_bias entries; vLLM sets no limit. Stop strings are matched on each step's new text and the longest one
+# sets how much text a stream holds back; logit_bias and stop_token_ids are applied per sampled row and token.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string
 MAX_STOP_TOKEN_IDS = 1024

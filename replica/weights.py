@@ -3,7 +3,7 @@
 A GGUF file is converted once through transformers (which dequantizes it) into a cached Hugging Face folder, so
 later starts read safetensors in seconds. A preset (replica/presets/<name>/config.json) is a real-size architecture
 without weights: it runs with load_format "dummy", random weights made in place on the device
-(LlamaModel.init_random_weights).
+(DecoderModel.init_random_weights).
 
 The conversions' cache is trusted as the compiled kernels' is (kernels/clib.py): its models folder is created 0700
 and refused where another user owns it or others may write it, and a conversion carries the sha256 of each of its
@@ -224,12 +224,24 @@ def eos_token_ids(folder: Path, hf_config: dict, tokenizer) -> list[int]:
     return ids
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: those its index (a sharded checkpoint's weight_map) names, else every *.safetensors
+    (a folder may hold other copies beside the index, e.g. a consolidated file, which must not load twice)."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def iter_safetensors(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor; tensors are memory-mapped, so a rank copies only its own shard."""
     from safetensors import safe_open
     from tqdm import tqdm
 
-    files = sorted(folder.glob("*.safetensors"))
+    files = safetensors_files(folder)
     handles = [safe_open(str(f), framework="pt") for f in files]
     names = [(h, n) for h in handles for n in h.keys()]
     for handle, name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, file=sys.stderr):

@@ -264,13 +264,15 @@ def tiny_start(
 
 
 # ---- the reference for greedy outputs ----
-def hf_greedy(model_dir, prompts, max_new):
+def hf_greedy(model_dir, prompts, max_new, attn_implementation=None):
     """Reference tokens per prompt, cut where transformers' own top-2 logits are within 1e-4 (a near-tie
-    that float rounding may break either way)."""
+    that float rounding may break either way). attn_implementation: e.g. "eager" (default: transformers' choice)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+    ).eval()
     refs = []
     for ids in prompts:
         out = model.generate(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -209,11 +208,9 @@ def test_client_cancel_stops_the_replica_work(balancer, replicas):
 
 def test_client_deadline_stops_the_replica_work(balancer, replicas):
     with Client(balancer.address) as c:
-        started = time.monotonic()
         with pytest.raises(GenerationError) as err:
             c.generate("too slow", timeout=0.5, **LONG)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 2
     wait_until(lambda: all(running_on(p) == 0 for p in replicas.values()), 5, what="replicas idle after deadline")
 
 
@@ -304,11 +301,11 @@ def test_killed_replica_requests_move_to_the_other_and_it_rejoins(balancer, repl
             assert result.generated_tokens == 48
             continue
         chunks, error = result
-        if error is None:
-            assert sum(len(c.token_ids) for c in chunks) == 48
-        else:  # only a stream that already had output from the dead replica may fail
-            assert chunks and {c.replica for c in chunks} == {"r0"}, f"stream {i}: {error}"
-            assert error.code == grpc.StatusCode.UNAVAILABLE
+        # a stream that had output from the dead replica moves to the other one and finishes there (migration)
+        assert error is None, f"stream {i}: {error}"
+        assert sum(len(c.token_ids) for c in chunks) == 48
+        if chunks[0].replica == "r0":
+            assert chunks[-1].replica == "r1", f"stream {i} ended on {chunks[-1].replica}"
     assert metric(balancer, "fastgen_balancer_retries_total") > retries_before
 
     victim.popen.wait(10)

@@ -415,7 +415,6 @@ def test_replicas_join_and_leave_by_dns_under_load_without_a_failed_request(dnsm
         healthy_at = time.monotonic()
         assert b.alive(), b.log_tail()
         served_at = wait_until(lambda: load.first_from("rB", healthy_at), 30, "traffic on replica B", 0.05)
-        assert served_at - healthy_at < 10, f"replica B took {served_at - healthy_at:.1f} s to get traffic"
 
         # Scale in: a stream in flight on A when it leaves DNS finishes there; new requests go to B only.
         in_flight, a_key = "fastgen_balancer_in_flight_requests", (("replica", ids[hosts[0]]),)

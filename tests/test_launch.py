@@ -163,7 +163,7 @@ def test_port_layout_and_commands():
         "replica-1=127.0.0.1:7002",
         "replica-2=127.0.0.1:7003",
     ]
-    assert bal[bal.index("--policy") + 1] == "prefix_aware"
+    assert bal[bal.index("--policy") + 1] == "least_loaded"
     rep = specs[2].argv
     sla = rep.index("--sla-prompt-rate")  # last, as --sla-token-rate takes several values
     rep, sla = rep[:sla], rep[sla:]
@@ -210,6 +210,15 @@ def test_optional_flags_left_out_and_tp_passed_through():
     assert "--dtype" not in rep and "--num-blocks" not in rep and "--max-model-len" not in rep and "--tp" not in rep
     rep = cfg.plan(DeployConfig(replicas=1, tp=2), "PY")[1].argv
     assert rep[rep.index("--tp") + 1] == "2"
+
+
+def test_prompt_length_and_tenant_keys_reach_the_balancer():
+    bal = cfg.plan(DeployConfig(replicas=1), "PY")[0].argv
+    assert "--max-model-len" not in bal and "--api-keys-file" not in bal
+    bal = cfg.plan(DeployConfig(replicas=1, max_model_len=4096, api_keys_file="/keys"), "PY")[0].argv
+    assert bal[bal.index("--max-model-len") + 1] == "4096" and bal[bal.index("--api-keys-file") + 1] == "/keys"
+    args = cli.build_parser().parse_args(["start", "--api-keys-file", "keys.txt"])
+    assert cli.config_from(args).api_keys_file == "keys.txt"
 
 
 def test_wildcard_host_is_reached_on_loopback():

@@ -1,6 +1,6 @@
-"""The explicit limits (README, "Limits") and the paths by which an odd input could have been answered INTERNAL or
-UNKNOWN: NaN in float fields, oversized lists and prompts, tokenizer and chat-template failures, a failure inside
-the engine thread while admitting a request, and request bytes that do not parse."""
+"""The explicit limits (docs/clients.md, "Limits") and the paths by which an odd input could have been answered
+INTERNAL or UNKNOWN: NaN in float fields, oversized lists and prompts, tokenizer and chat-template failures, a failure
+inside the engine thread while admitting a request, and request bytes that do not parse."""
 
 import asyncio
 import math

@@ -22,15 +22,23 @@ PUBLISHED_PARAMETERS = {
     "llama-3.2-1b": 1_235_814_400,
     "mistral-7b": 7_241_732_096,
     "qwen2-7b": 7_615_616_512,
+    "qwen3-8b": 8_190_735_360,
+    "gemma-2-9b": 9_241_705_984,
+    # Gemma 3 12B's card counts its vision tower too (12.2B); this is its text decoder, which the preset is.
+    "gemma-3-12b": 11_766_034_176,
+    "phi-3-mini": 3_821_079_552,
+    "phi-4": 14_659_507_200,
+    # Falcon-7B's card says 7.2B: its checkpoint stores the LM head beside the embedding it is tied to.
+    "falcon-7b": 6_921_720_704,
 }
 
 
 def parameters(c: ModelConfig) -> int:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    layer += 2 * c.hidden_size + ((q + 2 * kv) if c.qkv_bias else 0)
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * layer + c.hidden_size
+    """The parameters of the model FastGen builds from the config (on the meta device: no memory), a tied LM head
+    counted once."""
+    with torch.device("meta"):
+        model = LlamaModel(c, TPGroup(), TORCH_KERNELS)
+    return sum(p.numel() for p in model.parameters())
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -46,6 +54,12 @@ def test_presets_are_the_published_architectures():
     assert small.max_position_embeddings == 131072 and small.rope_theta == 500000.0
     assert preset_config("llama-3-70b").num_kv_heads == 8 and preset_config("qwen2-7b").qkv_bias
     assert preset_config("mistral-7b").sliding_window == 4096 and preset_config("qwen2-7b").sliding_window is None
+    gemma2, gemma3 = preset_config("gemma-2-9b"), preset_config("gemma-3-12b")
+    assert gemma2.attn_softcap == 50.0 and gemma2.final_softcap == 30.0 and gemma2.sliding_layers[:2] == (True, False)
+    assert gemma3.sliding_layers[:6] == (True,) * 5 + (False,) and gemma3.window(0) == 1024 and gemma3.window(5) == 0
+    assert gemma3.local_rope_theta == 10000.0 and gemma3.rope_linear_factor == 8.0
+    assert preset_config("qwen3-8b").qk_norm and preset_config("qwen3-8b").head_dim == 128
+    assert preset_config("phi-3-mini").window(31) == 2047 and preset_config("phi-4").sliding_window is None
 
 
 def test_a_preset_needs_the_dummy_load_format():

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from fastgen.launch import cli
 from fastgen.launch.state import Paths, write_json_atomic
@@ -87,10 +88,10 @@ class ClosedLoop:
                     if len(got[0]) != len(self.refs[i].token_ids):
                         self.failures.append(f"request {i} on {replicas}: {len(got[0])} tokens")
                     elif got != (self.refs[i].token_ids, self.refs[i].text):
-                        # Greedy must match exactly. A seeded draw can land within rounding of a boundary between
-                        # two tokens, where the logits' last bits (which depend on what else was in the forward
-                        # passes) decide: counted and shown, not failed. test_failover checks seeded streams that
-                        # move against their uninterrupted run.
+                        # Greedy must match exactly. A seeded draw inverts the CDF of a nearly flat distribution (a
+                        # tiny random model), so where the logits' last bits depend on what else was in the pass it
+                        # can land on the neighbouring token: counted here, and failed below where the float32
+                        # kernel is batch-invariant (the guarantee holds there).
                         (self.seeded_differences if "seed" in params else self.failures).append(
                             f"request {i} on {replicas}: {difference(got, self.refs[i])}"
                         )
@@ -157,3 +158,9 @@ def test_rolling_restart_under_load_fails_no_request(deploy, tiny_model_dir):
         f"{sorted(set(load.seeded_differences))[:3]}"
     )
     assert during > 0
+    from fastgen.kernels import cpu
+
+    # The guarantee, exactly: seeded outputs equal the run before token for token wherever the float32 linear layers
+    # are batch-invariant (the C kernel); under torch's sgemm a draw may move to a neighbouring token.
+    if cpu.pack_f32(torch.ones(8, 8)) is not None:
+        assert not load.seeded_differences, load.seeded_differences[:5]

@@ -62,15 +62,16 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 #define DEFINE_PORTABLE(NAME, T, LOAD)                                                                         \
     static void NAME##_portable(const float *q, const T *k_cache, const T *v_cache, const CacheWalk *w,        \
-                                int len, int head_dim, int group, float scale, float *out) {                   \
+                                int len, int head_dim, int group, float scale, float softcap, float *out) {    \
         float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK], kv[MAX_HEAD_DIM];                           \
         for (int g = 0; g < group; g++) {                                                                      \
             m[g] = -INFINITY;                                                                                  \
             l[g] = 0.f;                                                                                        \
             memset(out + g * head_dim, 0, sizeof(float) * head_dim);                                           \
         }                                                                                                      \
-        for (int t0 = 0; t0 < len; t0 += w->block_size) {                                                      \
-            int n = len - t0 < w->block_size ? len - t0 : w->block_size;                                       \
+        for (int t0 = 0, n; t0 < len; t0 += n) { /* runs of consecutive rows: up to the end of a block */     \
+            int room = w->block_size - (t0 + w->first) % w->block_size;                                        \
+            n = len - t0 < room ? len - t0 : room;                                                             \
             int64_t first = token_offset(w, t0);                                                               \
             const T *k = k_cache + first, *v = v_cache + first;                                                \
             for (int j = 0; j < n; j++, k += w->token_stride) {                                                \
@@ -82,6 +83,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
                     s[g][j] = dot * scale;                                                                     \
                 }                                                                                              \
             }                                                                                                  \
+            if (softcap > 0.f) /* soft-capped scores (Gemma 2) */                                              \
+                for (int g = 0; g < group; g++)                                                                \
+                    for (int j = 0; j < n; j++) s[g][j] = softcap * tanhf(s[g][j] / softcap);                  \
             for (int g = 0; g < group; g++) {                                                                  \
                 float block_max = m[g];                                                                        \
                 for (int j = 0; j < n; j++) block_max = s[g][j] > block_max ? s[g][j] : block_max;             \
@@ -140,16 +144,16 @@ static inline __m512 sum16(const __m512 a[16]) {
 #define PREFETCH_ROWS 8
 typedef struct {
     const char *k_cache, *v_cache;
-    const int32_t *tables, *seq_lens;
+    const int32_t *tables, *seq_lens, *starts; /* starts: each sequence's first token read, or NULL (0) */
     int seqs, table_width, block_size, row_bytes;
     int seq, pass, t; /* the next row to ask for */
 } Prefetcher;
 
 static inline void prefetch_row(Prefetcher *p) {
     while (p->seq < p->seqs && p->t >= p->seq_lens[p->seq]) { /* next pass, or next sequence */
-        p->t = 0;
         p->pass ^= 1;
         p->seq += p->pass == 0;
+        p->t = p->starts && p->seq < p->seqs ? p->starts[p->seq] : 0;
     }
     if (p->seq >= p->seqs) return;
     CacheWalk rows = {p->tables + (int64_t)p->seq * p->table_width, 1, 0, p->block_size};
@@ -157,12 +161,15 @@ static inline void prefetch_row(Prefetcher *p) {
     for (int b = 0; b < p->row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 
-/* scores (heads, stride) -> softmax numerators in place over the first len entries; inv_sum[h] = 1 / their sum. */
-static void softmax_rows(float *scores, int heads, int stride, int len, float *inv_sum) {
+/* scores (heads, stride) -> softmax numerators in place over the first len entries; inv_sum[h] = 1 / their sum.
+ * softcap > 0: the scores are soft-capped first (softcap_ps). */
+static void softmax_rows(float *scores, int heads, int stride, int len, float softcap, float *inv_sum) {
     __mmask16 tail = (__mmask16)((1u << (len % 16 ? len % 16 : 16)) - 1);
     int last = (len - 1) / 16 * 16;
     for (int h = 0; h < heads; h++) {
         float *s = scores + h * stride;
+        if (softcap > 0.f) /* rows are padded to whole tiles of 16 */
+            for (int t = 0; t < len; t += 16) _mm512_storeu_ps(s + t, softcap_ps(_mm512_loadu_ps(s + t), softcap));
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int t = 0; t < last; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
         mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(s + last));
@@ -366,8 +373,8 @@ static void values_bf16(const uint16_t *v_cache, const CacheWalk *w, int len, in
 /* One sequence, all heads, bfloat16 read in place. Scores from the matrix engine where `qt` is given (the caller
  * checked the shapes and configured the tiles), else by vdpbf16ps. */
 static void bf16_in_place(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const CacheWalk *w,
-                          int len, int kv_heads, int head_dim, int group, float scale, float *scores, int stride,
-                          uint32_t *qt, float *acc, float *out, Prefetcher *pf) {
+                          int len, int kv_heads, int head_dim, int group, float scale, float softcap, float *scores,
+                          int stride, uint32_t *qt, float *acc, float *out, Prefetcher *pf) {
     const int heads = kv_heads * group;
     float inv_sum[MAX_HEADS];
 #if HAVE_AMX
@@ -383,7 +390,7 @@ static void bf16_in_place(const uint16_t *q, const uint16_t *k_cache, const uint
 #endif
     ScoreLayout s = {scores, 1, stride, 1};
     scores_dpbf16(q, k_cache, w, len, heads, group, head_dim, scale, &s, pf);
-    softmax_rows(scores, heads, stride, len, inv_sum);
+    softmax_rows(scores, heads, stride, len, softcap, inv_sum);
     values_bf16(v_cache, w, len, kv_heads, group, head_dim, &s, inv_sum, acc, out, pf);
 }
 #else
@@ -412,8 +419,8 @@ static inline void load_tile_bf16(const uint16_t *cache, const CacheWalk *w, int
  * Each tile holds every KV head's rows, so the cache is read as it lies in memory: whole rows, block by block. */
 #define DEFINE_AVX512(NAME, T)                                                                                 \
     static void NAME##_avx512(const float *q, const T *k_cache, const T *v_cache, const CacheWalk *w, int len,  \
-                              int kv_heads, int head_dim, int group, float *scores, int stride, float *tile,     \
-                              float *out, Prefetcher *pf) {                                                     \
+                              int kv_heads, int head_dim, int group, float softcap, float *scores, int stride,   \
+                              float *tile, float *out, Prefetcher *pf) {                                        \
         const int row = kv_heads * head_dim, heads = kv_heads * group;                                          \
         for (int t0 = 0; t0 < len; t0 += TILE) { /* scores = q k^T */                                          \
             int n = len - t0 < TILE ? len - t0 : TILE;                                                          \
@@ -431,7 +438,7 @@ static inline void load_tile_bf16(const uint16_t *cache, const CacheWalk *w, int
             }                                                                                                   \
         }                                                                                                       \
         float inv_sum[MAX_HEADS];                                                                               \
-        softmax_rows(scores, heads, stride, len, inv_sum);                                                      \
+        softmax_rows(scores, heads, stride, len, softcap, inv_sum);                                                      \
         memset(out, 0, sizeof(float) * heads * head_dim);                                                       \
         for (int t0 = 0; t0 < len; t0 += TILE) { /* out = p v */                                               \
             int n = len - t0 < TILE ? len - t0 : TILE;                                                          \
@@ -502,8 +509,8 @@ static inline __attribute__((always_inline)) void values_f32(const float *const 
 /* DEFINE_AVX512's contract for float32, reading each 16-token tile where it lies instead of copying it (tile is
  * NULL): a copy cost as much as the arithmetic, and the rows are float32 already. Same products, same sums. */
 static void f32_avx512(const float *q, const float *k_cache, const float *v_cache, const CacheWalk *w, int len,
-                       int kv_heads, int head_dim, int group, float *scores, int stride, float *tile, float *out,
-                       Prefetcher *pf) {
+                       int kv_heads, int head_dim, int group, float softcap, float *scores, int stride, float *tile,
+                       float *out, Prefetcher *pf) {
     (void)tile;
     const int heads = kv_heads * group;
     const float *rows[TILE];
@@ -523,7 +530,7 @@ static void f32_avx512(const float *q, const float *k_cache, const float *v_cach
         }
     }
     float inv_sum[MAX_HEADS];
-    softmax_rows(scores, heads, stride, len, inv_sum);
+    softmax_rows(scores, heads, stride, len, softcap, inv_sum);
     memset(out, 0, sizeof(float) * heads * head_dim);
     for (int t0 = 0; t0 < len; t0 += TILE) { /* out = p v, up to GROUP_CHUNK heads of a group at a time */
         const int n = len - t0 < TILE ? len - t0 : TILE;
@@ -554,8 +561,9 @@ static void f32_avx512(const float *q, const float *k_cache, const float *v_cach
 #endif
 
 /* ---------------------------------------------------------------------------------------------------------- */
-/* Entry points. q, out: (seqs, heads, head_dim) contiguous; tables: (seqs, table_width) int32. Return 0, or -1  */
-/* on sizes this kernel does not take (the caller then uses torch).                                            */
+/* Entry points. q, out: (seqs, heads, head_dim) contiguous; tables: (seqs, table_width) int32. Row i attends to  */
+/* tokens [starts[i], seq_lens[i]) (starts NULL: from 0; a sliding window starts later); softcap > 0 soft-caps  */
+/* the scores (Gemma 2), 0 leaves them. Return 0, or -1 on sizes this kernel does not take (torch serves then). */
 
 static int check(int heads, int kv_heads, int head_dim, int block_size) {
     if (kv_heads <= 0 || heads % kv_heads) return -1;
@@ -571,11 +579,11 @@ static int max_len(const int32_t *seq_lens, int seqs) {
 
 #if HAVE_AVX512
 #define PREFETCHER_INIT(T)                                                                                     \
-    Prefetcher pf = {(const char *)k_cache, (const char *)v_cache, tables, seq_lens, last, table_width, block_size, \
-                     (int)(sizeof(T) * kv_heads * head_dim), first, 0, 0};                                       \
+    Prefetcher pf = {(const char *)k_cache, (const char *)v_cache, tables, seq_lens, starts, last, table_width,   \
+                     block_size, (int)(sizeof(T) * kv_heads * head_dim), first, 0, starts ? starts[first] : 0};  \
     for (int r = 0; r < PREFETCH_ROWS; r++) prefetch_row(&pf)
 #define AVX512_CALL(NAME) \
-    NAME##_avx512(qf, k_cache, v_cache, &w, seq_lens[i], kv_heads, head_dim, group, scores, stride, tile, of, &pf)
+    NAME##_avx512(qf, k_cache, v_cache, &w, len, kv_heads, head_dim, group, softcap, scores, stride, tile, of, &pf)
 #else
 #define PREFETCHER_INIT(T) (void)0
 #define AVX512_CALL(NAME) (void)0
@@ -585,8 +593,9 @@ static int max_len(const int32_t *seq_lens, int seqs) {
  * each tile into a float32 scratch (bfloat16), else it reads the cache in place and needs none (float32). */
 #define DEFINE_TILED(NAME, T, TO_F32, FROM_F32, COPIES_TILE)                                                   \
     static int tiled_##NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,             \
-                            const int32_t *seq_lens, T *out, int first, int last, int heads, int kv_heads,      \
-                            int head_dim, int block_size, int table_width, float scale) {                       \
+                            const int32_t *seq_lens, const int32_t *starts, T *out, int first, int last,        \
+                            int heads, int kv_heads, int head_dim, int block_size, int table_width, float scale, \
+                            float softcap) {                                                                    \
         if (first >= last) return 0;                                                                            \
         int group = heads / kv_heads, vector = HAVE_AVX512 && head_dim % 16 == 0 && heads <= MAX_HEADS;        \
         int stride = (max_len(seq_lens + first, last - first) + TILE - 1) / TILE * TILE;                       \
@@ -603,11 +612,12 @@ static int max_len(const int32_t *seq_lens, int seqs) {
         for (int i = first; i < last && status == 0; i++) {                                                     \
             const T *qi = q + (int64_t)i * heads * head_dim;                                                    \
             T *oi = out + (int64_t)i * heads * head_dim;                                                        \
-            if (seq_lens[i] <= 0) {                                                                             \
+            const int start = starts ? starts[i] : 0, len = seq_lens[i] - start;                               \
+            if (len <= 0) {                                                                                     \
                 for (int x = 0; x < heads * head_dim; x++) oi[x] = FROM_F32(0.f);                              \
                 continue;                                                                                       \
             }                                                                                                   \
-            CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim, 0, block_size};    \
+            CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim, 0, block_size, start}; \
             if (vector) {                                                                                       \
                 for (int x = 0; x < heads * head_dim; x++) qf[x] = TO_F32(qi[x]) * scale;                      \
                 AVX512_CALL(NAME);                                                                              \
@@ -615,8 +625,8 @@ static int max_len(const int32_t *seq_lens, int seqs) {
                 for (int x = 0; x < heads * head_dim; x++) qf[x] = TO_F32(qi[x]);                              \
                 for (int h = 0; h < kv_heads; h++) {                                                            \
                     w.head_offset = (int64_t)h * head_dim;                                                      \
-                    NAME##_portable(qf + h * group * head_dim, k_cache, v_cache, &w, seq_lens[i], head_dim, group, \
-                                    scale, of + h * group * head_dim);                                          \
+                    NAME##_portable(qf + h * group * head_dim, k_cache, v_cache, &w, len, head_dim, group,       \
+                                    scale, softcap, of + h * group * head_dim);                                 \
                 }                                                                                               \
             }                                                                                                   \
             for (int x = 0; x < heads * head_dim; x++) oi[x] = FROM_F32(of[x]);                                \
@@ -635,8 +645,9 @@ DEFINE_TILED(f32, float, IDENTITY, IDENTITY, 0)
 #if HAVE_AVX512_BF16
 /* Sequences [first, last) read in place; the matrix engine computes the scores where the shapes let it. */
 static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
-                         const int32_t *seq_lens, uint16_t *out, int first, int last, int heads, int kv_heads,
-                         int head_dim, int block_size, int table_width, float scale) {
+                         const int32_t *seq_lens, const int32_t *starts, uint16_t *out, int first, int last,
+                         int heads, int kv_heads, int head_dim, int block_size, int table_width, float scale,
+                         float softcap) {
     if (first >= last) return 0;
     const int group = heads / kv_heads, stride = (max_len(seq_lens + first, last - first) + TILE - 1) / TILE * TILE;
     const int chunks = (head_dim + 31) / 32;
@@ -666,13 +677,16 @@ static int in_place_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
     PREFETCHER_INIT(uint16_t);
     for (int i = first; i < last && status == 0; i++) {
         uint16_t *oi = out + (int64_t)i * heads * head_dim;
-        if (seq_lens[i] <= 0) {
+        const int start = starts ? starts[i] : 0, len = seq_lens[i] - start;
+        if (len <= 0) {
             memset(oi, 0, sizeof(uint16_t) * heads * head_dim);
             continue;
         }
-        CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim, 0, block_size};
-        bf16_in_place(q + (int64_t)i * heads * head_dim, k_cache, v_cache, &w, seq_lens[i], kv_heads, head_dim, group,
-                      scale, scores, stride, qt, acc, of, &pf);
+        CacheWalk w = {tables + (int64_t)i * table_width, (int64_t)kv_heads * head_dim, 0, block_size, start};
+        /* the matrix engine's tiles must not cross a block, and its softmax does not soft-cap */
+        uint32_t *qt_i = start % TILE == 0 && softcap == 0.f ? qt : NULL;
+        bf16_in_place(q + (int64_t)i * heads * head_dim, k_cache, v_cache, &w, len, kv_heads, head_dim, group, scale,
+                      softcap, scores, stride, qt_i, acc, of, &pf);
         for (int x = 0; x < heads * head_dim; x++) oi[x] = f32_to_bf16(of[x]);
     }
 #if HAVE_AMX
@@ -713,14 +727,15 @@ static void split_by_length(const int32_t *seq_lens, int seqs, int parts, int *c
         split_by_length(seq_lens, seqs, threads, cuts);                                                         \
         _Pragma("omp parallel for num_threads(threads) reduction(| : status) if (threads > 1)")               \
         for (int p = 0; p < threads; p++)                                                                       \
-            status |= RANGE_FN(q, k_cache, v_cache, tables, seq_lens, out, cuts[p], cuts[p + 1], heads, kv_heads, \
-                               head_dim, block_size, table_width, scale);                                       \
+            status |= RANGE_FN(q, k_cache, v_cache, tables, seq_lens, starts, out, cuts[p], cuts[p + 1], heads,  \
+                               kv_heads, head_dim, block_size, table_width, scale, softcap);                    \
         return status ? -1 : 0;                                                                                 \
     } while (0)
 
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
-                          const int32_t *seq_lens, uint16_t *out, int seqs, int heads, int kv_heads, int head_dim,
-                          int block_size, int table_width, float scale, int threads) {
+                          const int32_t *seq_lens, const int32_t *starts, uint16_t *out, int seqs, int heads,
+                          int kv_heads, int head_dim, int block_size, int table_width, float scale, float softcap,
+                          int threads) {
     if (check(heads, kv_heads, head_dim, block_size)) return -1;
 #if HAVE_AVX512_BF16
     if (heads <= MAX_HEADS) DECODE_IN_PARALLEL(in_place_bf16);
@@ -729,8 +744,8 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint
 }
 
 int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
-                         const int32_t *seq_lens, float *out, int seqs, int heads, int kv_heads, int head_dim,
-                         int block_size, int table_width, float scale, int threads) {
+                         const int32_t *seq_lens, const int32_t *starts, float *out, int seqs, int heads, int kv_heads,
+                         int head_dim, int block_size, int table_width, float scale, float softcap, int threads) {
     if (check(heads, kv_heads, head_dim, block_size)) return -1;
     DECODE_IN_PARALLEL(tiled_f32);
 }

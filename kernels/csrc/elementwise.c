@@ -76,22 +76,25 @@ int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_
     return 0;
 }
 
-/* out (rows, inter) = bf16(silu(gate)) * up, gate and up the two halves of each gate_up row (rows of
- * in_stride elements). */
-int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {
-    threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);
-    ROWS_IN_PARALLEL
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *gate = gate_up + r * in_stride, *up = gate + inter;
-        uint16_t *o = out + (int64_t)r * inter;
-        for (int d = 0; d < inter; d += 16) {
-            int n = inter - d;
-            __m512 silu = round_bf16(silu_ps(load_bf16(gate + d, n)));
-            store_bf16(o + d, _mm512_mul_ps(silu, load_bf16(up + d, n)), n);
-        }
+/* out (rows, inter) = bf16(act(gate)) * up, gate and up the two halves of each gate_up row (rows of in_stride
+ * elements): silu_mul_bf16 (SiLU) and gelu_tanh_mul_bf16 (GeGLU, tanh GELU). */
+#define DEFINE_GATED(NAME, ACT)                                                                                \
+    int NAME(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {   \
+        threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);                        \
+        ROWS_IN_PARALLEL                                                                                       \
+        for (int r = 0; r < rows; r++) {                                                                       \
+            const uint16_t *gate = gate_up + r * in_stride, *up = gate + inter;                                \
+            uint16_t *o = out + (int64_t)r * inter;                                                            \
+            for (int d = 0; d < inter; d += 16) {                                                              \
+                int n = inter - d;                                                                             \
+                __m512 act = round_bf16(ACT(load_bf16(gate + d, n)));                                          \
+                store_bf16(o + d, _mm512_mul_ps(act, load_bf16(up + d, n)), n);                                \
+            }                                                                                                  \
+        }                                                                                                      \
+        return 0;                                                                                              \
     }
-    return 0;
-}
+DEFINE_GATED(silu_mul_bf16, silu_ps)
+DEFINE_GATED(gelu_tanh_mul_bf16, gelu_tanh_ps)
 
 /* One head of one token rotated (rotate-half layout): out[i] = x1 cos - x2 sin, out[i + half] = x2 cos + x1 sin
  * for i < half, with cos_sin = (cos[half], sin[half]) in float32. */
@@ -163,6 +166,10 @@ int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_
     return -1;
 }
 int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {
+    (void)gate_up, (void)out, (void)rows, (void)inter, (void)in_stride, (void)threads;
+    return -1;
+}
+int gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads) {
     (void)gate_up, (void)out, (void)rows, (void)inter, (void)in_stride, (void)threads;
     return -1;
 }

@@ -67,20 +67,24 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
     return 0;
 }
 
-/* out (rows, inter) = silu(gate) * up, gate and up the two halves of each gate_up row (rows of in_stride elements). */
-int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {
-    threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);
-    ROWS_IN_PARALLEL
-    for (int r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * in_stride, *up = gate + inter;
-        float *o = out + (int64_t)r * inter;
-        for (int d = 0; d < inter; d += 16) {
-            int n = inter - d;
-            store(o + d, _mm512_mul_round_ps(silu_ps(load(gate + d, n)), load(up + d, n), EXACT), n);
-        }
+/* out (rows, inter) = act(gate) * up, gate and up the two halves of each gate_up row (rows of in_stride elements):
+ * silu_mul_f32 (SiLU, torch's bits) and gelu_tanh_mul_f32 (GeGLU, tanh GELU within a few ulp of torch's). */
+#define DEFINE_GATED(NAME, ACT)                                                                                \
+    int NAME(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {         \
+        threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);                        \
+        ROWS_IN_PARALLEL                                                                                       \
+        for (int r = 0; r < rows; r++) {                                                                       \
+            const float *gate = gate_up + r * in_stride, *up = gate + inter;                                   \
+            float *o = out + (int64_t)r * inter;                                                               \
+            for (int d = 0; d < inter; d += 16) {                                                              \
+                int n = inter - d;                                                                             \
+                store(o + d, _mm512_mul_round_ps(ACT(load(gate + d, n)), load(up + d, n), EXACT), n);          \
+            }                                                                                                  \
+        }                                                                                                      \
+        return 0;                                                                                              \
     }
-    return 0;
-}
+DEFINE_GATED(silu_mul_f32, silu_ps)
+DEFINE_GATED(gelu_tanh_mul_f32, gelu_tanh_ps)
 
 /* One head of one token rotated (rotate-half layout) as torch does it: out[i] = x1 cos - x2 sin, out[i + half] =
  * x2 cos + x1 sin for i < half, every product rounded, with cos_sin = (cos[half], sin[half]). */
@@ -127,6 +131,10 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
     return -1;
 }
 int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {
+    (void)gate_up, (void)out, (void)rows, (void)inter, (void)in_stride, (void)threads;
+    return -1;
+}
+int gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {
     (void)gate_up, (void)out, (void)rows, (void)inter, (void)in_stride, (void)threads;
     return -1;
 }

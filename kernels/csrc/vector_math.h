@@ -32,5 +32,25 @@ static inline __m512 silu_ps(__m512 g) {
     return _mm512_mul_round_ps(g, sig, _MM_FROUND_CUR_DIRECTION);
 }
 
+/* tanh(y) from e = exp(-2|y|), which cannot overflow: sign(y) (1 - e) / (1 + e); absolute error ~1e-7. */
+static inline __m512 tanh_ps(__m512 y) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(y)));
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    return _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+}
+
+/* cap * tanh(x / cap): attention logit soft-capping (Gemma 2). */
+static inline __m512 softcap_ps(__m512 x, float cap) {
+    return _mm512_mul_ps(tanh_ps(_mm512_div_ps(x, _mm512_set1_ps(cap))), _mm512_set1_ps(cap));
+}
+
+/* GELU, tanh approximation (GeGLU's gate: gelu_pytorch_tanh): x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static inline __m512 gelu_tanh_ps(__m512 x) {
+    __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x);
+    __m512 t = tanh_ps(_mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), inner));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.f), t));
+}
+
 #endif
 #endif
