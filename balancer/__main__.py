@@ -56,7 +56,9 @@ from .limits import PromptLimits
 from .openai_api import API_KEY_ENV, ApiSettings, OpenAIApi, start_http
 from .policy import POLICIES, Router
 from .pool import ReplicaPool, ReplicaSpec, parse_replica_spec
+from .reasoning import REASONING_PARSERS
 from .service import RETRY_CODES, BalancerService
+from .tools import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 log = logging.getLogger("fastgen.balancer")
 
@@ -273,6 +275,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="a model name the HTTP API accepts besides the one the replicas report; repeat for each",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=DEFAULT_TOOL_CALL_PARSER,
+        help="how the HTTP API finds tool calls in a model's output with tool_choice auto: the model family's format",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's <think> block into the HTTP API's reasoning_content (default: off)",
+    )
     p.add_argument("--health-interval", type=_positive_float, default=0.5, help="seconds between health checks")
     p.add_argument("--health-timeout", type=_positive_float, default=1.0, help="deadline of one health check (s)")
     p.add_argument(
@@ -388,6 +402,8 @@ async def serve_http(
         served_model_names=tuple(args.served_model_name),
         api_keys=security.api_keys,
         limits=service.balancer.limits,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     api = OpenAIApi(service.balancer, settings, HttpMetrics(registry))
     tls = security.http_tls

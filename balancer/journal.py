@@ -106,6 +106,7 @@ class Journal:
         # Unique (a replica refuses an id in use) and within the replicas' length limit.
         resumed.request_id = f"{self.request_id[:160]}/resume-{self.migrations}-{uuid.uuid4().hex[:8]}"
         resumed.params.echo = False
+        resumed.params.ClearField("prompt_logprobs")  # delivered with the first chunk, like the echoed prompt
         if len(self.completions) == 1:
             [c] = self.completions
             resumed.resume.token_ids.extend(c.token_ids)

@@ -25,6 +25,11 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_CACHE_SALT_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+# Structured output: the schema, regex or grammar text (or the choices together) is compiled by the replica into a
+# grammar over the vocabulary, so its size bounds compile time and memory (replica/request.py has the same).
+MAX_CONSTRAINT_CHARS = 1 << 16
+MAX_CONSTRAINT_CHOICES = 1024
+MAX_TOOLS = 128  # each tool's schema is rendered into the prompt, and a forced call's into the constraint
 # An HTTP completion's prompts each become an upstream request: a batch API call, not a bulk job (vLLM's batch
 # endpoints take a file for those). Completions over all prompts (prompts x n) are capped too.
 MAX_PROMPTS_PER_CALL = 256
@@ -93,6 +98,20 @@ def check_params(params) -> None:
     at_most("stop_token_ids", len(params.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
     at_most("logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS, "entries")
     at_most("cache_salt", len(params.cache_salt), MAX_CACHE_SALT_CHARS, "characters")
+    if params.HasField("constraint"):
+        check_constraint(params.constraint)
+
+
+def check_constraint(constraint) -> None:
+    """A fastgen.v1.Constraint's size: the text the replica compiles into a grammar."""
+    kind = constraint.WhichOneof("kind")
+    if kind == "choice":
+        choices = constraint.choice.choices
+        at_most("constraint.choice", len(choices), MAX_CONSTRAINT_CHOICES, "choices")
+        size = sum(map(len, choices))
+    else:
+        size = len(getattr(constraint, kind)) if kind in ("json_schema", "regex", "grammar") else 0
+    at_most(f"constraint.{kind}", size, MAX_CONSTRAINT_CHARS, "characters")
 
 
 def check_prompt(request, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> None:
@@ -104,7 +123,9 @@ def check_prompt(request, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> None:
     elif kind == "messages":
         messages = request.messages.messages
         check_message_count(len(messages), limits)
-        check_prompt_chars(sum(len(m.content) + len(m.role) for m in messages), limits, "messages")
+        chars = sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in messages)
+        chars += len(request.messages.tools_json)
+        check_prompt_chars(chars, limits, "messages")
 
 
 def check_prompt_ids(count: int, limits: PromptLimits, name: str = "prompt") -> None:

@@ -56,6 +56,7 @@ from .openai_protocol import (
     unknown_model,
 )
 from .service import Balancer, RequestFailed
+from .tools import DEFAULT_TOOL_CALL_PARSER, parser_for_template
 
 log = logging.getLogger("fastgen.balancer.http")
 
@@ -80,6 +81,8 @@ class ApiSettings:
     served_model_names: tuple[str, ...] = ()  # accepted besides the model the replicas report (e.g. --model)
     api_keys: tuple[str, ...] = ()  # further keys accepted (one per tenant), besides api_key
     limits: PromptLimits = DEFAULT_PROMPT_LIMITS
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # how "auto" tool calls are found in a model's output
+    reasoning_parser: str | None = None  # how a reasoning model's thoughts are split off (balancer/reasoning.py)
 
     @property
     def accepted_keys(self) -> tuple[str, ...]:
@@ -127,12 +130,23 @@ class OpenAIApi:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await read_json(request)
         meta = Meta(f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}", int(time.time()), self._model(requested_model(body)))
-        api = PARSERS[kind](body, meta.id, self._settings.limits)
+        settings = self._settings
+        extra = {"tool_call_parser": self._tool_call_parser(), "reasoning_parser": settings.reasoning_parser}
+        extra = extra if kind == CHAT else {}
+        api = PARSERS[kind](body, meta.id, self._settings.limits, **extra)
         caller = bearer_token(request.headers.get("Authorization"))
         if api.stream:
             return await self._stream(request, api, meta, caller)
         responses = await self._generate_all(api.prompts, caller)
         return json_response(REPLIES[kind](meta, api, responses))
+
+    def _tool_call_parser(self) -> str:
+        """--tool-call-parser, or with auto the family's of the replicas' chat template (known once the balancer
+        loaded their tokenizer for prefix routing; hermes until then)."""
+        if self._settings.tool_call_parser != "auto":
+            return self._settings.tool_call_parser
+        tokenizer = getattr(getattr(self._balancer.pool, "hasher", None), "tokenizer", None)
+        return parser_for_template(getattr(tokenizer, "template_source", None))
 
     def _model(self, requested: str | None) -> str:
         """The name replies carry; 404 for a model this deployment does not serve. Until a replica has reported its

@@ -26,11 +26,15 @@ from .limits import (
     MAX_TOP_LOGPROBS,
     PromptLimits,
     RequestRefused,
+    check_constraint,
     check_message_count,
     check_prompt_chars,
     check_prompt_count,
     check_prompt_ids,
 )
+from .reasoning import ReasoningStream, split
+from .structured import StructuredError, parse_constraint
+from .tools import DEFAULT_TOOL_CALL_PARSER, ToolError, ToolPlan, ToolStream, extract, parse_tools
 
 CHAT, COMPLETION = "chat", "completion"
 MAX_SEED = 2**63 - 1  # the engine's seeds are in [0, 2**63)
@@ -225,6 +229,10 @@ class ApiRequest:
     logprobs: bool = False  # per-token logprobs asked for
     top_logprobs: int = 0
     echo: bool = False
+    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (balancer/tools.py)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the choices carry them
+    reasoning: str | None = None  # chat: the --reasoning-parser that splits thoughts into reasoning_content
+    prompt_only: bool = False  # max_tokens 0 with echo (lm-eval's loglikelihood): the one token generated is dropped
 
 
 def requested_model(body: object) -> str | None:
@@ -232,7 +240,13 @@ def requested_model(body: object) -> str | None:
     return Fields(_object(body)).text("model")
 
 
-def parse_chat(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
+def parse_chat(
+    body: object,
+    request_id: str,
+    limits: PromptLimits = DEFAULT_PROMPT_LIMITS,
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+    reasoning_parser: str | None = None,
+) -> ApiRequest:
     f = Fields(_object(body))
     f.text("model")  # its value is the caller's to check (requested_model)
     messages = parse_messages(f.get("messages"), limits)
@@ -240,15 +254,31 @@ def parse_chat(body: object, request_id: str, limits: PromptLimits = DEFAULT_PRO
     top = f.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    _refuse_unsupported(f)
+    try:
+        plan, tools_json, tool_constraint = parse_tools(f.body, tool_call_parser)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
     n = f.integer("n", 1, 1, MAX_N)
     max_tokens = f.integer("max_completion_tokens", lo=1)
     params = sampling_params(f, n, max_tokens if max_tokens is not None else f.integer("max_tokens", lo=1))
     params.logprobs, params.top_logprobs = logprobs, top
+    if tool_constraint is not None:
+        if params.HasField("constraint"):
+            raise bad_request("a forced tool_choice cannot be combined with response_format", "tool_choice")
+        try:  # the tools' schemas become the grammar: its size is the replica's limit too
+            check_constraint(tool_constraint)
+        except RequestRefused as e:
+            raise bad_request(f"the tools' schemas are too large for a forced tool_choice: {e}", "tools") from None
+        params.constraint.CopyFrom(tool_constraint)
     request = fastgen_pb2.GenerateRequest(request_id=request_id, params=params, slo=parse_slo(f.get("slo")))
     request.messages.messages.extend(messages)
+    request.messages.tools_json = tools_json
+    try:
+        check_prompt_chars(sum(len(m.content) for m in messages) + len(tools_json), limits, "tools")
+    except RequestRefused as e:
+        raise refused(e) from None
     stream, include_usage = stream_flags(f)
-    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top)
+    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top, tools=plan, reasoning=reasoning_parser)
 
 
 def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
@@ -257,8 +287,7 @@ def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAU
     prompts = parse_prompts(f.get("prompt"), limits)
     top = f.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
     echo = f.flag("echo")
-    if echo and top is not None:
-        raise bad_request("echo with logprobs asks for prompt logprobs, which are not supported: drop one", "echo")
+    prompt_top = f.integer("prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if f.get("suffix") is not None:
         raise bad_request("suffix is not supported", "suffix")
     n = f.integer("n", 1, 1, MAX_N)
@@ -269,8 +298,15 @@ def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAU
     best_of = f.integer("best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad_request("best_of is not supported (leave it out, or equal to n)", "best_of")
-    params = sampling_params(f, n, f.integer("max_tokens", lo=1))
+    max_tokens = f.integer("max_tokens", lo=0)
+    if max_tokens == 0 and not echo:
+        raise bad_request(
+            "max_tokens 0 generates nothing: set echo to score the prompt, or ask for tokens", "max_tokens"
+        )
+    params = sampling_params(f, n, 1 if max_tokens == 0 else max_tokens)
     params.logprobs, params.top_logprobs, params.echo = top is not None, top or 0, echo
+    if echo and top is not None or prompt_top is not None:  # echo with logprobs scores the prompt's tokens too
+        params.prompt_logprobs = max(top or 0, prompt_top or 0)
     slo = parse_slo(f.get("slo"))
     requests = []
     for i, prompt in enumerate(prompts):
@@ -282,22 +318,25 @@ def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAU
             request.token_ids.ids.extend(prompt)
         requests.append(request)
     stream, include_usage = stream_flags(f)
-    return ApiRequest(COMPLETION, tuple(requests), n, stream, include_usage, top is not None, top or 0, echo)
+    logprobs = top is not None
+    return ApiRequest(
+        COMPLETION,
+        tuple(requests),
+        n,
+        stream,
+        include_usage,
+        logprobs,
+        top or 0,
+        echo,
+        prompt_logprobs=prompt_top is not None,
+        prompt_only=max_tokens == 0,
+    )
 
 
 def _object(body: object) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
-
-
-def _refuse_unsupported(f: Fields) -> None:
-    """Chat fields whose meaning the engine cannot honour: refused rather than silently ignored."""
-    if f.get("tools") and f.get("tool_choice") != "none":
-        raise bad_request("tools are not supported", "tools")
-    response_format = f.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise bad_request('response_format: only {"type": "text"} is supported', "response_format")
 
 
 def stream_flags(f: Fields) -> tuple[bool, bool]:
@@ -344,6 +383,12 @@ def sampling_params(f: Fields, n: int, max_tokens: int | None) -> fastgen_pb2.Sa
     if seed is not None:
         p.seed = seed
     p.stop.extend(parse_stop(f.get("stop")))
+    try:  # response_format, structured_outputs or guided_* (balancer/structured.py)
+        constraint = parse_constraint(f.body)
+    except StructuredError as e:
+        raise bad_request(str(e), e.param) from None
+    if constraint is not None:
+        p.constraint.CopyFrom(constraint)
     for token, bias in parse_logit_bias(f.get("logit_bias")).items():
         p.logit_bias[token] = bias
     return p
@@ -461,9 +506,19 @@ def _message(m: object, where: str) -> fastgen_pb2.ChatMessage:
     if not isinstance(role, str) or not role:
         raise bad_request(f"{where}.role must be a string such as user, system or assistant", f"{where}.role")
     content = _content(m.get("content"), role, f"{where}.content")
-    return fastgen_pb2.ChatMessage(
+    message = fastgen_pb2.ChatMessage(
         role=utf8_text(role, f"{where}.role"), content=utf8_text(content, f"{where}.content")
     )
+    calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
+    if calls:  # an assistant turn that called tools, sent back in an agent's loop
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise bad_request(f"{where}.tool_calls must be a list of tool calls", f"{where}.tool_calls")
+        message.tool_calls_json = json.dumps(calls, ensure_ascii=False, separators=(",", ":"))
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+        message.tool_call_id = call_id
+    return message
 
 
 def _content(content: object, role: str, where: str) -> str:
@@ -545,9 +600,8 @@ def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.G
     choices = [
         {
             "index": i * api.n + j,
-            "message": {"role": "assistant", "content": c.text},
+            **chat_message(api, c.text, finish_reason(c.finish_reason)),
             "logprobs": chat_logprobs(c.logprobs) if api.logprobs else None,
-            "finish_reason": finish_reason(c.finish_reason),
         }
         for i, r in enumerate(responses)
         for j, c in enumerate(choices_of(r))
@@ -555,20 +609,68 @@ def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.G
     return _reply(meta, "chat.completion", choices, response_usage(responses))
 
 
+def chat_message(api: ApiRequest, text: str, reason: str | None) -> dict:
+    """A finished choice's message and finish reason: the text, or the tool calls found in it."""
+    thoughts = None
+    if api.reasoning is not None:
+        thoughts, text = split(api.reasoning, text)
+    if api.tools is None or text is None:
+        message = {"role": "assistant", "content": text}
+        if api.reasoning is not None:
+            message["reasoning_content"] = thoughts
+        return {"message": message, "finish_reason": reason}
+    content, calls = extract(api.tools, text)
+    message = {"role": "assistant", "content": content}
+    if api.reasoning is not None:
+        message["reasoning_content"] = thoughts
+    if calls:
+        message["tool_calls"] = calls
+        reason = "tool_calls" if reason == "stop" or api.tools.forced else reason
+    return {"message": message, "finish_reason": reason}
+
+
 def completion_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.GenerateResponse]) -> dict:
     choices = []
     for i, r in enumerate(responses):
         prefix = r.prompt_text if api.echo else ""
         for j, c in enumerate(choices_of(r)):
-            choices.append(
-                {
-                    "index": i * api.n + j,
-                    "text": prefix + c.text,
-                    "logprobs": completion_logprobs(c.logprobs, len(prefix)) if api.logprobs else None,
-                    "finish_reason": finish_reason(c.finish_reason),
-                }
-            )
+            text, generated = (prefix, []) if api.prompt_only else (prefix + c.text, c.logprobs)
+            logprobs = None
+            if api.logprobs:
+                logprobs = completion_logprobs(generated, len(prefix))
+                if api.echo:
+                    logprobs = _joined(echo_logprobs(r.prompt_text, r.prompt_logprobs), logprobs)
+            choice = {"index": i * api.n + j, "text": text, "logprobs": logprobs}
+            choice["finish_reason"] = "length" if api.prompt_only else finish_reason(c.finish_reason)
+            if api.prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs)
+            choices.append(choice)
     return _reply(meta, "text_completion", choices, response_usage(responses))
+
+
+def echo_logprobs(prompt_text: str, tokens: Sequence[fastgen_pb2.TokenLogprob]) -> dict:
+    """The legacy logprobs of an echoed prompt: its first token has none (null), as OpenAI's; its text is what the
+    prompt holds before the others' text."""
+    rest = completion_logprobs(tokens)
+    tail = "".join(rest["tokens"])
+    first = prompt_text[: len(prompt_text) - len(tail)] if prompt_text.endswith(tail) else ""
+    rest["text_offset"] = [o + len(first) for o in rest["text_offset"]]
+    return _joined({"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}, rest)
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def vllm_prompt_logprobs(tokens: Sequence[fastgen_pb2.TokenLogprob]) -> list:
+    """vLLM's prompt_logprobs: null for the first token, then {token id: {logprob, rank, decoded_token}} per token,
+    the token's own and its alternatives."""
+    out: list = [None]
+    for t in tokens:
+        entry = {str(a.token_id): {"logprob": _logprob(a.logprob), "decoded_token": a.token} for a in t.top}
+        entry.setdefault(str(t.token_id), {"logprob": _logprob(t.logprob), "decoded_token": t.token})
+        out.append(entry)
+    return out
 
 
 def _reply(meta: Meta, kind: str, choices: list[dict], used: dict | None) -> dict:
@@ -637,6 +739,8 @@ class Stream:
 class ChatStream(Stream):
     kind: str = "chat.completion.chunk"
     started: bool = False
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # by choice, with tools
+    reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)  # by choice, with a reasoning parser
 
     def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
         self.counted.add(prompt, chunk)
@@ -647,11 +751,47 @@ class ChatStream(Stream):
                 opening = {"role": "assistant", "content": ""}
                 out.append(self.chunk_event([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
         logprobs = chat_logprobs(chunk.logprobs) if self.api.logprobs and chunk.logprobs else None
+        index, reason = self._index(prompt, chunk), finish_reason(chunk.finish_reason)
+        if self.api.reasoning is not None:
+            return out + self._reasoning_events(index, chunk, logprobs, reason)
+        if self.api.tools is not None:
+            return out + self._tool_events(index, chunk, logprobs, reason)
         if chunk.text or logprobs or chunk.finish_reason:
             delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
-            choice = {"index": self._index(prompt, chunk), "delta": delta, "logprobs": logprobs}
-            out.append(self.chunk_event([{**choice, "finish_reason": finish_reason(chunk.finish_reason)}]))
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+            out.append(self.chunk_event([{**choice, "finish_reason": reason}]))
         return out
+
+    def _reasoning_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
+        """Thoughts as reasoning_content deltas; the answer after them as content (tool calls are not parsed in a
+        reasoning model's stream)."""
+        stream = self.reasoning_streams.setdefault(index, ReasoningStream(self.api.reasoning))
+        deltas = stream.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
+        return [
+            self.chunk_event(
+                [
+                    {
+                        "index": index,
+                        "delta": d,
+                        "logprobs": logprobs if k == len(deltas) - 1 else None,
+                        "finish_reason": reason if k == len(deltas) - 1 else None,
+                    }
+                ]
+            )
+            for k, d in enumerate(deltas)
+        ]
+
+    def _tool_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
+        tools = self.tool_streams.setdefault(index, ToolStream(self.api.tools))
+        deltas = tools.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
+        if reason is not None and tools.called:
+            reason = "tool_calls" if reason == "stop" or tools.plan.forced else reason
+        events = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None}
+            events.append(self.chunk_event([{**choice, "finish_reason": reason if last else None}]))
+        return events
 
 
 @dataclass
@@ -659,26 +799,34 @@ class CompletionStream(Stream):
     kind: str = "text_completion"
     prompt_texts: dict[int, str] = field(default_factory=dict)  # by prompt; only the first chunk carries it
     offsets: dict[int, int] = field(default_factory=dict)  # text sent so far, by choice
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # by prompt; the first chunk carries them too
 
     def events(self, prompt: int, chunk: fastgen_pb2.GenerateChunk) -> list[dict]:
         self.counted.add(prompt, chunk)
         if chunk.prompt_text:
             self.prompt_texts[prompt] = chunk.prompt_text
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs[prompt] = list(chunk.prompt_logprobs)
         index = self._index(prompt, chunk)
         first = index not in self.offsets
-        text = (self.prompt_texts.get(prompt, "") if self.api.echo and first else "") + chunk.text
+        generated, generated_lps = ("", []) if self.api.prompt_only else (chunk.text, chunk.logprobs)
+        echoed = self.prompt_texts.get(prompt, "") if self.api.echo and first else ""
+        text = echoed + generated
         offset = self.offsets.get(index, 0)
         logprobs = None
-        if self.api.logprobs and chunk.logprobs:
-            logprobs = completion_logprobs(chunk.logprobs, offset + len(text) - len(chunk.text))
+        if self.api.logprobs and (generated_lps or echoed):
+            logprobs = completion_logprobs(generated_lps, offset + len(echoed))
+            if echoed:  # the prompt's own logprobs open the choice, as in the whole answer
+                logprobs = _joined(echo_logprobs(echoed, self.prompt_logprobs.get(prompt, [])), logprobs)
         self.offsets[index] = offset + len(text)
         if not (text or logprobs or chunk.finish_reason):
             return []
+        reason = finish_reason(chunk.finish_reason)
         choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": finish_reason(chunk.finish_reason),
+            "finish_reason": "length" if reason and self.api.prompt_only else reason,
         }
         return [self.chunk_event([choice])]
 

@@ -36,6 +36,11 @@ class PromptTokenizer:
         self._template = None
 
     @property
+    def template_source(self) -> str | None:
+        """The chat template's jinja source (the HTTP API picks its tool-call parser by it)."""
+        return self._template_source
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(self._template_source)
 

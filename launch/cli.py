@@ -25,7 +25,18 @@ from ..replica.config import (
     parse_size,
 )
 from . import certs, deployment, kubernetes, prometheus
-from .config import ADMISSIONS, API_KEY_ENV, POLICIES, DeployConfig, address, default_threads, format_size, http_url
+from .config import (
+    ADMISSIONS,
+    API_KEY_ENV,
+    POLICIES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    DeployConfig,
+    address,
+    default_threads,
+    format_size,
+    http_url,
+)
 from .deployment import DeployError
 from .state import fastgen_home, paths_for
 
@@ -98,6 +109,18 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel ranks per replica, one process each (default: %(default)s)",
     )
     p.add_argument("--policy", choices=POLICIES, default=d.policy, help="default: %(default)s")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=d.tool_call_parser,
+        help="the HTTP API's parser of tool calls (tool_choice auto), by model family (default: %(default)s)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=[r for r in REASONING_PARSERS if r],
+        default=d.reasoning_parser,
+        help="split a reasoning model's <think> block into reasoning_content (default: off)",
+    )
     p.add_argument("--host", default=d.host, help="address every process binds to (default: %(default)s)")
     p.add_argument(
         "--port", type=int, default=d.port, help="balancer gRPC port; replica i: port+1+i (default: %(default)s)"

@@ -38,6 +38,9 @@ from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
 from ..server.tls import TlsFiles
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+# The balancer's (balancer/tools.py, balancer/reasoning.py; a test keeps them equal): the launcher imports no balancer.
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3", "llama3_json", "mistral")
+REASONING_PARSERS = ("", "deepseek_r1", "qwen3")  # "": off
 DEFAULT_MODEL = EngineConfig.model
 DEFAULT_HTTP_PORT = 8000  # vLLM's and the OpenAI clients' customary port
 # The OpenAI API's key travels to the balancer in its environment, never on a command line (which `ps` shows) nor in
@@ -59,6 +62,8 @@ class DeployConfig:
     port: int = 50050
     metrics_port: int = 9400
     http_port: int = DEFAULT_HTTP_PORT  # the balancer's OpenAI-compatible API; 0: none
+    tool_call_parser: str = "auto"  # how the HTTP API finds tool calls with tool_choice auto: the model's family
+    reasoning_parser: str = ""  # splits a reasoning model's <think> block into reasoning_content; "": off
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)
     kernels: str = EngineConfig.kernels
@@ -185,6 +190,8 @@ def _count_problems(c: DeployConfig) -> list[str]:
 def _choice_problems(c: DeployConfig) -> list[str]:
     checks = [
         ("--policy", c.policy, POLICIES),
+        ("--tool-call-parser", c.tool_call_parser, TOOL_CALL_PARSERS),
+        ("--reasoning-parser", c.reasoning_parser, REASONING_PARSERS),
         ("--dtype", c.dtype, DTYPES),
         ("--scheduler", c.scheduler, SCHEDULERS),
         ("--admission", c.admission, ADMISSIONS),
@@ -400,6 +407,8 @@ def balancer_spec(c: DeployConfig, python: str, replicas: list[ProcessSpec]) -> 
         argv += ["--api-keys-file", c.api_keys_file]
     if c.http_port:  # the API key, if any, comes through the environment (API_KEY_ENV)
         argv += ["--http-port", str(c.http_port), "--served-model-name", c.model]
+        argv += ["--tool-call-parser", c.tool_call_parser]
+        argv += ["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []
     argv += security_args(c, "balancer")
     return ProcessSpec(
         id="balancer",

@@ -14,6 +14,7 @@ class ScheduledSeq:
     start: int  # position of token_ids[0] in the sequence (tokens before it are cached)
     block_table: list[int]  # cache blocks holding positions 0 .. start + len(token_ids) - 1
     sample: bool  # the chunk ends the known tokens: sample the next one from its last logits
+    all_logits: bool = False  # the logits of every position are returned, not only the last (prompt logprobs)
 
 
 @dataclass(frozen=True)

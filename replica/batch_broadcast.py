@@ -53,7 +53,7 @@ def encode_batch(batch: Batch) -> list[int]:
     for src, dst in batch.copies:
         flat += (src, dst)
     for s in batch.seqs:
-        flat += (s.seq_id, s.start, int(s.sample), len(s.token_ids), len(s.block_table))
+        flat += (s.seq_id, s.start, int(s.sample) | int(s.all_logits) << 1, len(s.token_ids), len(s.block_table))
         flat += s.token_ids
         flat += s.block_table
     return flat
@@ -71,7 +71,7 @@ def decode_batch(flat: list[int]) -> Batch:
         i += _SEQ_HEADER
         tokens, blocks = flat[i : i + num_tokens], flat[i + num_tokens : i + num_tokens + num_blocks]
         i += num_tokens + num_blocks
-        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample)))
+        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample & 1), bool(sample & 2)))
     return Batch(seqs, num_decodes, preempted, copies)
 
 

@@ -6,7 +6,11 @@ schedule -> run -> sample -> emit and returns what changed plus one stats record
 A request for n > 1 completions is one sequence until its prompt is prefilled; the step that computes the prompt's
 last chunk draws the n first tokens from that one logits row, each completion with its own seed, and forks n - 1
 sequences that share the prompt's full KV blocks (and copy its partly filled last one). From there each completion
-runs, stops and finishes on its own."""
+runs, stops and finishes on its own.
+
+A constrained request (structured output) has a grammar matcher per completion (constraints.py): the step asks it for
+the tokens allowed now (the sampler masks the rest) and it accepts each emitted token. Unconstrained steps skip
+all of it."""
 
 from __future__ import annotations
 
@@ -15,11 +19,14 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from .batch import Batch
+from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
-from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob
+from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob, TopLogprob
 from .prompts import Prompt, PromptEncoder
 from .request import FinishReason, Resume, SamplingParams, Sequence, Slo
 from .sampler import SamplingRow, sample
@@ -49,6 +56,8 @@ class _Request:
     banned: list[int]  # tokens that may not end the request before min_new_tokens
     unfinished: int  # completions not finished, those not forked yet included
     forked: bool  # the n - 1 other completions exist (always, for n = 1)
+    grammar: object = None  # the compiled constraint (xgrammar's CompiledGrammar); None: unconstrained
+    prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs: one per prompt token from the second
     completions: list[_Completion] = field(default_factory=list)  # index order
 
 
@@ -65,6 +74,7 @@ class _Completion:
     text: str = ""
     emitted: int = 0  # characters of text already sent
     finished: bool = False
+    matcher: Matcher | None = None  # where it stands in its request's grammar; None: unconstrained
 
 
 class Engine:
@@ -88,6 +98,8 @@ class Engine:
         self._by_seq: dict[int, _Completion] = {}
         self._next_seq_id = 0
         self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
+        self.constraints = Constraints(tokenizer, model_config.vocab_size, eos_token_ids)
+        self._scoring = 0  # unfinished requests that ask for prompt logprobs: 0 skips looking for them in a step
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -132,7 +144,16 @@ class Engine:
         # has every completion already, each continuing on a sequence of its own.
         resumes = resume or (Resume(()),)
         unfinished = params.n if resume is None else sum(not r.finished for r in resume)
+        # Compiled already when the service awaited it; else compiled here. Resumed tokens the grammar refuses are
+        # refused before anything is registered.
+        grammar = self.constraints.grammar(params.constraint) if params.constraint is not None else None
+        for delivered in resumes if grammar is not None and resume is not None else ():
+            self.constraints.matcher(grammar, delivered.token_ids)
         req = _Request(request_id, params, seed, text, banned, unfinished, forked=resume is not None or params.n == 1)
+        req.grammar = grammar
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = []
+            self._scoring += 1
         self._requests[request_id] = req
         arrival = time.monotonic()
         for index, delivered in enumerate(resumes):
@@ -145,7 +166,8 @@ class Engine:
                 list(prompt_ids) + list(delivered.token_ids),
                 len(prompt_ids),
                 max_new,
-                cache_salt=params.cache_salt,
+                # Prompt logprobs need every prompt position computed: a salt of its own keeps cached blocks away.
+                cache_salt=params.cache_salt if req.prompt_logprobs is None else f"{params.cache_salt}\0{request_id}",
                 slo=slo,
                 resumed=resume is not None,
             )
@@ -181,6 +203,8 @@ class Engine:
         character or a stop string split across the seam comes out whole; the characters the client has are marked
         sent, so the hold-back for stop strings continues from the same place."""
         c.output_ids.extend(resume.token_ids)
+        for token in resume.token_ids if c.matcher is not None else ():  # the grammar state is rebuilt from them
+            c.matcher.accept(token)  # add_request checked that the grammar takes them
         for token in resume.token_ids:
             c.text += c.detok.add(token)
         c.emitted = min(resume.text_chars, len(c.text))
@@ -190,6 +214,7 @@ class Engine:
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], p.keep_special_tokens)
         c = _Completion(req, index, seq, completion_seed(req.seed, index), detok, timings)
+        c.matcher = self.constraints.matcher(req.grammar) if req.grammar is not None else None
         c.logprobs = [] if p.logprobs is not None else None
         req.completions.append(c)
         self._by_seq[seq.seq_id] = c
@@ -234,7 +259,8 @@ class Engine:
         if not batch:
             return StepResult()
         forward_start = time.monotonic()
-        logits = self.runner.run(batch)
+        batch = self._mark_prompt_logprobs(batch)
+        logits = self._take_prompt_logprobs(batch, self.runner.run(batch))
         for s in batch.seqs:  # queue time ends when a request's first forward pass starts
             timings = self._by_seq[s.seq_id].timings
             timings.first_scheduled = timings.first_scheduled or forward_start
@@ -244,6 +270,54 @@ class Engine:
         outputs = [self._emit(c, t, lp, now) for c, t, lp in zip(owners, sampled.tokens, sampled.logprobs)]
         self.scheduler.observe(batch)
         return StepResult(outputs, self._stats(batch, now - forward_start, start))
+
+    def _mark_prompt_logprobs(self, batch: Batch) -> Batch:
+        """The batch with the prompt chunks of requests that ask for prompt logprobs marked all_logits."""
+        if not self._scoring:
+            return batch
+        marked = [dataclasses.replace(s, all_logits=True) if self._wants_prompt_logprobs(s) else s for s in batch.seqs]
+        return dataclasses.replace(batch, seqs=marked) if any(s.all_logits for s in marked) else batch
+
+    def _wants_prompt_logprobs(self, s) -> bool:
+        c = self._by_seq[s.seq_id]
+        lps = c.req.prompt_logprobs
+        # Not yet recorded up to this chunk's end (a recompute after a preemption records nothing again).
+        if lps is None or c.index != 0 or len(lps) + 1 >= c.seq.num_prompt_tokens:
+            return False
+        return s.start <= len(lps) < s.start + len(s.token_ids)  # the chunk holds the next target's context
+
+    def _take_prompt_logprobs(self, batch: Batch, logits):
+        """Records the prompt logprobs of the marked chunks; returns the logits of the sampled rows only."""
+        if not any(s.all_logits for s in batch.seqs):
+            return logits
+        keep, row = [], 0
+        for s in batch.seqs:
+            if not s.all_logits:
+                keep += [row] if s.sample else []
+                row += s.sample
+                continue
+            c, n = self._by_seq[s.seq_id], len(s.token_ids)
+            self._record_prompt_logprobs(c, s.start, logits[row : row + n])
+            keep += [row + n - 1] if s.sample else []
+            row += n
+        return logits[keep]
+
+    def _record_prompt_logprobs(self, c: _Completion, start: int, logits) -> None:
+        """logits (n, V) of positions start .. start + n - 1, which predict the tokens after each: float32
+        log-softmax, as transformers' reference computes it."""
+        lps, seq, k = c.req.prompt_logprobs, c.seq, c.req.params.prompt_logprobs
+        first = len(lps) - start  # the first row whose target (the token after it) is not recorded yet
+        last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)  # targets beyond the prompt are not its
+        if last <= first:
+            return
+        rows = torch.log_softmax(logits[first:last].float(), dim=-1)
+        targets = seq.token_ids[start + first + 1 : start + last + 1]
+        chosen = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
+        top = rows.topk(k, dim=-1) if k else None
+        values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        for j, (token, lp) in enumerate(zip(targets, chosen)):
+            alternatives = tuple(TopLogprob(i, v) for i, v in zip(ids[j], values[j])) if k else ()
+            lps.append(self._named(TokenLogprob(token, lp, alternatives)))
 
     def _rows(self, sampled: list[_Completion]) -> tuple[list[_Completion], list[SamplingRow]]:
         """The completions to sample and their rows, from the logits of the sequences sampled (one row each, in
@@ -255,6 +329,9 @@ class Engine:
             for member in group:
                 rows.append(self._sampling_row(member, None if len(rows) == i else i))
                 owners.append(member)
+        if any(c.matcher is not None for c in owners):  # no mask work in a step without a constrained row
+            for row, allowed in zip(rows, self.constraints.masks([c.matcher for c in owners])):
+                row.allowed = allowed
         return owners, rows
 
     def _fork(self, parent: _Completion) -> list[_Completion]:
@@ -279,7 +356,8 @@ class Engine:
 
     def _sampling_row(self, c: _Completion, source: int | None) -> SamplingRow:
         p, seq = c.req.params, c.seq
-        banned = c.req.banned if seq.num_generated < p.min_new_tokens else []
+        # A grammar decides where a constrained output ends: a ban on EOS there could leave no token allowed.
+        banned = c.req.banned if seq.num_generated < p.min_new_tokens and c.matcher is None else []
         # The token being sampled goes at index num_tokens: its draws are keyed by (seed, that position).
         return SamplingRow(
             p.temperature,
@@ -307,6 +385,10 @@ class Engine:
             c.logprobs.append(self._named(logprob))
         c.timings.first_token = c.timings.first_token or now
         reason = self._token_reason(token, params)  # EOS or a stop token: its text is left out
+        if c.matcher is not None:
+            c.matcher.accept(token)  # the mask allowed only tokens it accepts
+            if c.matcher.done:  # the grammar's end (EOS) was accepted: nothing may follow, ignore_eos or not
+                reason = reason or FinishReason.EOS
         at_length = seq.num_generated >= seq.max_new_tokens
         previous = len(c.text)
         if reason is None:
@@ -355,6 +437,7 @@ class Engine:
         req.unfinished -= 1
         if req.unfinished == 0:
             del self._requests[req.request_id]
+            self._scoring -= req.prompt_logprobs is not None
 
     def _output(self, c: _Completion, new_tokens, visible: int, reason, now) -> RequestOutput:
         new_text, c.emitted = c.text[c.emitted : visible], visible
@@ -375,6 +458,7 @@ class Engine:
             logprobs=list(logprobs),
             prompt_text=c.req.prompt_text,
             cached_prompt_tokens=c.req.completions[0].seq.num_cached_prompt_tokens,  # the request's: its prompt's
+            prompt_logprobs=c.req.prompt_logprobs or [],  # complete once any token is sampled
         )
 
     def _unborn(self, req: _Request, index: int, now: float) -> RequestOutput:

@@ -53,7 +53,8 @@ class ModelRunner:
         return self.model.kernels
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Returns logits (sampled sequences, vocab) in the model's dtype, in batch order. On rank 0 of a
+        """Returns logits (rows, vocab) in the model's dtype, in batch order: the last position of each sampled
+        sequence, every position of one marked all_logits (prompt logprobs). On rank 0 of a
         tensor-parallel group the other ranks get the batch first; a failure there leaves the ranks out of step and
         ends the process."""
         if self.broadcast is None:
@@ -132,7 +133,9 @@ def step_lists(batch: Batch, block_size: int) -> StepLists:
         out.slots += [s.block_table[p // block_size] * block_size + p % block_size for p in span]
         out.query_start.append(out.query_start[-1] + n)
         out.seq_lens.append(s.start + n)
-        if s.sample:
+        if s.all_logits:  # prompt logprobs: every position's logits, the sampled (last) one included
+            out.sample_rows += range(out.query_start[-2], out.query_start[-1])
+        elif s.sample:
             out.sample_rows.append(out.query_start[-1] - 1)
     return out
 

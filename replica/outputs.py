@@ -48,6 +48,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids, when asked for
     prompt_text: str = ""  # the prompt as text, when echo was asked for
     cached_prompt_tokens: int = 0  # of prompt_tokens, how many the prefix cache held when the request was admitted
+    # With prompt_logprobs: one per prompt token from the second on (the first has no context); the request's list.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,15 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
+class ChatPrompt(list):
+    """Chat messages with the tools the chat template renders (OpenAI's function definitions); a list of messages
+    everywhere else, so that every seam that takes messages takes it."""
+
+    def __init__(self, messages, tools: list[dict] | None = None) -> None:
+        super().__init__(messages)
+        self.tools = tools
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -65,7 +74,7 @@ class PromptEncoder:
         if not items:
             raise ValueError("prompt is empty: send some text, token ids or chat messages")
         if all(isinstance(m, dict) for m in items):
-            text = self.chat_text(items)
+            text = self.chat_text(items, getattr(prompt, "tools", None))
             return self._tokenize(text, add_special_tokens=False), text
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise ValueError(
@@ -85,7 +94,7 @@ class PromptEncoder:
         """Messages in the model's chat template, ending with the assistant's turn to speak."""
         return self._tokenize(self.chat_text(messages), add_special_tokens=False)
 
-    def chat_text(self, messages: list[dict]) -> str:
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The rendered chat template, as text; ValueError for a bad message or a model without a template."""
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
@@ -97,7 +106,9 @@ class PromptEncoder:
         return _as_value_error(
             "render the messages with the model's chat template (its own checks, such as alternating roles, may "
             "refuse them)",
-            lambda: self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+            lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            ),
         )
 
     def _tokenize(self, text: str, **kwargs) -> list[int]:

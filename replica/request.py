@@ -17,6 +17,11 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_CACHE_SALT_CHARS = 256  # hashed into every cached prompt block's key
 MAX_REQUEST_ID_CHARS = 256  # echoed in every chunk and kept while the request runs
+# A constraint's text (schema, regex, grammar, or the choices together) is compiled into a grammar over the whole
+# vocabulary: compile time and memory grow with it. 64 KiB holds any hand-written schema and most generated ones.
+MAX_CONSTRAINT_CHARS = 1 << 16
+MAX_CONSTRAINT_CHOICES = 1024
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class FinishReason(enum.Enum):
@@ -24,6 +29,29 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop string matched
     EOS = "eos"  # an end-of-sequence token was sampled
     CANCELLED = "cancelled"  # aborted by the caller
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What generated text must match (structured output): `kind` is one of CONSTRAINT_KINDS and `value` the JSON
+    schema, regex or grammar text ("" for json_object), or the tuple of choices. Hashable: compiled grammars are
+    cached by it."""
+
+    kind: str
+    value: str | tuple[str, ...] = ""
+
+    def validate(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if self.kind == "choice":
+            check_count("constraint.choice", len(self.value), MAX_CONSTRAINT_CHOICES, "choices")
+            if not self.value:
+                raise ValueError("a choice constraint needs at least one choice")
+        size = sum(map(len, self.value)) if isinstance(self.value, tuple) else len(self.value)
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"constraint {self.kind} may have at most {MAX_CONSTRAINT_CHARS} characters, got {size}")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.value:
+            raise ValueError(f"constraint {self.kind} must not be empty")
 
 
 @dataclass(frozen=True)
@@ -50,6 +78,10 @@ class SamplingParams:
     # Requests share cached prompt blocks only with requests of the same salt: a tenant's own salt keeps others from
     # reusing or probing (by timing) its prefixes. "": the shared default.
     cache_salt: str = ""
+    constraint: Constraint | None = None  # structured output (replica/constraints.py); None: unconstrained
+    # None: none; k >= 0: each prompt token's logprob (from the second on) and its k most likely alternatives,
+    # computed in the prefill (every chunk of a split prompt).
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the field and what to change."""
@@ -83,6 +115,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         for token, bias in self.logit_bias:
@@ -106,6 +140,8 @@ class SamplingParams:
             raise ValueError(
                 f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}"
             )
+        if self.constraint is not None:
+            self.constraint.validate()
 
 
 def check_count(name: str, count: int, limit: int, what: str = "items") -> None:

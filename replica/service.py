@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -27,13 +28,15 @@ from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S
 from .engine import Engine
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
-from .prompts import Prompt
+from .prompts import ChatPrompt, Prompt
 from .request import (
+    MAX_CONSTRAINT_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    Constraint,
     FinishReason,
     Resume,
     SamplingParams,
@@ -434,8 +437,39 @@ def prompt_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Prompt:
             raise ValueError(
                 f"prompt has {len(messages)} chat messages but the context holds {max_tokens} tokens: send fewer"
             )
-        return [{"role": m.role, "content": m.content} for m in messages]
+        listed = [_message(m) for m in messages]
+        if not request.messages.tools_json:
+            return listed
+        try:
+            tools = json.loads(request.messages.tools_json)
+        except ValueError:
+            raise ValueError("messages.tools_json is not JSON: send a list of tool definitions") from None
+        if not isinstance(tools, list):
+            raise ValueError("messages.tools_json must be a JSON list of tool definitions")
+        return ChatPrompt(listed, tools)
     raise ValueError("no prompt: set one of text, token_ids or messages")
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    """A chat message as chat templates take it: an assistant's tool calls with their arguments as objects (the
+    templates of Qwen, Llama 3 and Hermes render them with tojson), a tool's answer with its call id."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        try:
+            calls = json.loads(m.tool_calls_json)
+        except ValueError:
+            raise ValueError("a message's tool_calls_json is not JSON: send OpenAI's list of tool calls") from None
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass  # left as the model wrote it
+        message["tool_calls"] = calls
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def completion_key(out: RequestOutput) -> str:
@@ -508,7 +542,28 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         keep_special_tokens=p.keep_special_tokens,
         echo=p.echo,
         cache_salt=p.cache_salt,
+        constraint=constraint_from_proto(p),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
+
+
+def constraint_from_proto(p: pb.SamplingParams) -> Constraint | None:
+    """The request's structured-output constraint; its size is checked before anything is copied."""
+    if not p.HasField("constraint"):
+        return None
+    c = p.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("constraint is set but holds no kind: set one of json_schema, json_object, regex, choice")
+    if kind == "choice":
+        check_count("constraint.choice", len(c.choice.choices), MAX_CONSTRAINT_CHOICES, "choices")
+        constraint = Constraint(kind, tuple(c.choice.choices))
+    elif kind == "json_object":
+        constraint = Constraint(kind)
+    else:
+        constraint = Constraint(kind, getattr(c, kind))
+    constraint.validate()
+    return constraint
 
 
 def logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
@@ -538,6 +593,7 @@ def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> p
         replica=replica,
         logprobs=logprobs_to_proto(first.logprobs),
         prompt_text=first.prompt_text,
+        prompt_logprobs=logprobs_to_proto(first.prompt_logprobs),
     )
     if len(outs) > 1:
         resp.choices.extend(
@@ -564,6 +620,7 @@ def chunk_from(request_id: str, out: RequestOutput, replica: str, first: bool) -
         index=out.index,
         logprobs=logprobs_to_proto(out.new_logprobs),
         prompt_text=out.prompt_text if first else "",
+        prompt_logprobs=logprobs_to_proto(out.prompt_logprobs) if first else [],
     )
     if out.finished:
         chunk.finish_reason = FINISH_REASONS[out.finish_reason]
@@ -607,6 +664,8 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 # Its finished completions' output is the client's alone: an answer here would leave them out.
                 raise ValueError("a resumed request for n > 1 completions is streamed only: use GenerateStream")
             slo = slo_from_proto(request)
+            if params.constraint is not None:  # the request waits for its grammar, compiled off the engine thread
+                await asyncio.wrap_future(engine.constraints.compile(params.constraint))
         except ValueError as exc:
             await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # The engine keys requests by an id of the server's own: clients choose theirs freely, so two may pick the

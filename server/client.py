@@ -52,6 +52,8 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "keep_special_tokens",
     "echo",
+    "prompt_logprobs",  # alternatives per prompt token; unset: none
+    "constraint",  # structured output: a fastgen.v1.Constraint, or a dict of its fields ({"json_schema": "..."})
 )
 # slo: the request's own service level for the slo scheduler, a dict of fastgen.v1.Slo's fields (ttft_ms,
 # token_rate, prompt_rate).
@@ -193,6 +195,8 @@ def sampling_params(kwargs: Mapping[str, object]) -> fastgen_pb2.SamplingParams:
     stop = values.pop("stop", ())
     logit_bias = {int(t): float(b) for t, b in dict(values.pop("logit_bias", {})).items()}
     values["stop_token_ids"] = [int(t) for t in values.get("stop_token_ids", ())]
+    if isinstance(values.get("constraint"), Mapping):
+        values["constraint"] = fastgen_pb2.Constraint(**values["constraint"])
     params = fastgen_pb2.SamplingParams(**values, logit_bias=logit_bias)
     params.stop.extend([stop] if isinstance(stop, str) else list(stop))
     return params

@@ -354,6 +354,8 @@ LONG = 40  # tokens per request: long enough that the failure lands mid-stream
 
 
 SEVERAL = 1  # the stream whose replica is hit: one of those asking for several completions
+# Structured output that LONG tokens cannot finish: the resumed streams rebuild their grammar state from the tokens.
+LONG_JSON = {"json_schema": '{"type":"object","properties":{"s":{"type":"string","minLength":400}},"required":["s"]}'}
 
 
 def request_params(i: int) -> dict:
@@ -366,6 +368,8 @@ def request_params(i: int) -> dict:
         params["n"] = 3
     if i % 3 == 0:
         params["stop"] = ["\x00never\x00"]
+    if i in (SEVERAL, 3, 4):
+        params["constraint"] = LONG_JSON
     return params
 
 
@@ -385,6 +389,7 @@ def e2e(tiny_model_dir, tmp_path_factory):
         wait_balancer_sees(balancer, {"r0": "serving", "r1": "serving"})
         with Client(procs["r1"].address, timeout=120) as direct:
             refs = [direct.generate(prompt(i), **request_params(i)) for i in range(STREAMS + UNARY)]
+        assert all(c.text.startswith('{"s": "') for i in (SEVERAL, 3, 4) for c in refs[i].completions())
         yield procs, balancer, refs, logs
     finally:
         for p in (*procs.values(), balancer):

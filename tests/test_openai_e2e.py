@@ -293,8 +293,9 @@ def test_errors_are_the_sdks_own_exceptions(served):
     with pytest.raises(openai.BadRequestError) as e:  # the replica's own refusal, passed through
         client.completions.create(model=served.model, prompt=[5] * 1100, max_tokens=2)
     assert "context" in e.value.message
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=served.model, prompt="x", echo=True, logprobs=1)
+    with pytest.raises(openai.BadRequestError) as e:  # max_tokens 0 scores a prompt (echo), else it is a mistake
+        client.completions.create(model=served.model, prompt="x", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert e.value.code == "model_not_found"

@@ -125,8 +125,13 @@ def test_max_completion_tokens_wins_over_max_tokens():
         (dict(messages=[{"content": "no role"}]), "messages[0].role"),
         (dict(messages=[{"role": "user", "content": None}]), "messages[0].content"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[{"type": "function", "function": {}}]), "tools[0]"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_schema"}), "response_format"),
+        (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+        (dict(guided_choice=[]), "guided_choice"),
+        (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
     ],
 )
 def test_wrong_chat_fields_are_400s_naming_the_field(fields, param):
@@ -145,7 +150,8 @@ def test_wrong_chat_fields_are_400s_naming_the_field(fields, param):
         (dict(prompt=None), "prompt"),
         (dict(logprobs=True), "logprobs"),
         (dict(logprobs=21), "logprobs"),
-        (dict(echo=True, logprobs=1), "echo"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
         (dict(suffix="!"), "suffix"),
         (dict(best_of=3), "best_of"),
     ],
@@ -154,8 +160,26 @@ def test_wrong_completion_fields_are_400s_naming_the_field(fields, param):
     assert error_of(completion, **fields).param == param
 
 
-def test_echo_with_logprobs_says_prompt_logprobs_are_not_supported():
-    assert "prompt logprobs, which are not supported" in error_of(completion, echo=True, logprobs=0).message
+def test_echo_with_logprobs_asks_for_prompt_logprobs():
+    assert params(completion(echo=True, logprobs=2)).prompt_logprobs == 2
+    assert not params(completion(logprobs=2)).HasField("prompt_logprobs")
+    api = completion(echo=True, logprobs=0, max_tokens=0)
+    assert api.prompt_only and params(api).max_new_tokens == 1
+    prompt = [pb.TokenLogprob(token_id=9, token=" b", logprob=-1.5), pb.TokenLogprob(token_id=8, token="c", logprob=-2)]
+    generated = pb.TokenLogprob(token_id=7, token="!", logprob=-0.5)
+    r = pb.GenerateResponse(text="!", prompt_text="a bc", prompt_logprobs=prompt, logprobs=[generated])
+    (choice,) = op.completion_response(META, api, [r])["choices"]
+    assert choice["text"] == "a bc" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["a", " b", "c"] and choice["logprobs"]["text_offset"] == [0, 1, 3]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.5, -2.0]
+    (choice,) = op.completion_response(META, completion(echo=True, logprobs=0), [r])["choices"]
+    assert choice["text"] == "a bc!" and choice["logprobs"]["token_logprobs"] == [None, -1.5, -2.0, -0.5]
+    (choice,) = op.completion_response(META, completion(prompt_logprobs=0), [r])["choices"]
+    assert choice["prompt_logprobs"] == [
+        None,
+        {"9": {"logprob": -1.5, "decoded_token": " b"}},
+        {"8": {"logprob": -2.0, "decoded_token": "c"}},
+    ]
 
 
 def test_the_body_must_be_an_object():
