@@ -19,6 +19,7 @@ from ..replica.config import (
     DTYPES,
     KERNEL_BACKENDS,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     SCHEDULERS,
     CacheConfig,
     default_max_batch_tokens,
@@ -100,6 +101,13 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         choices=LOAD_FORMATS,
         default=d.load_format,
         help="auto: read the weights; dummy: random weights made on the device, no checkpoint (default: %(default)s)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=d.quantization,
+        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype (default: "
+        "%(default)s)",
     )
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
     p.add_argument(

@@ -27,6 +27,7 @@ from ..replica.config import (
     DTYPES,
     KERNEL_BACKENDS,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     SCHEDULERS,
     CacheConfig,
     EngineConfig,
@@ -68,6 +69,7 @@ class DeployConfig:
     device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)
     kernels: str = EngineConfig.kernels
     load_format: str = EngineConfig.load_format
+    quantization: str = EngineConfig.quantization
     enforce_eager: bool = EngineConfig.enforce_eager
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
     max_batch_tokens: int | None = None  # None: the scheduler's default (default_max_batch_tokens)
@@ -198,6 +200,7 @@ def _choice_problems(c: DeployConfig) -> list[str]:
         ("--device", c.device, DEVICES),
         ("--kernels", c.kernels, KERNEL_BACKENDS),
         ("--load-format", c.load_format, LOAD_FORMATS),
+        ("--quantization", c.quantization, QUANTIZATIONS),
     ]
     return [f"{flag} {value!r}: use one of {', '.join(ok)}" for flag, value, ok in checks if value not in ok]
 
@@ -368,6 +371,7 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     argv = [python, "-m", "fastgen.replica", "--host", c.host, "--port", str(port), "--metrics-port", str(metrics_port)]
     argv += ["--replica-id", rid, "--model", c.model]
     argv += ["--device", c.device, "--kernels", c.kernels, "--load-format", c.load_format]
+    argv += ["--quantization", c.quantization]
     if c.dtype != "auto":  # the replica picks the dtype itself when not told
         argv += ["--dtype", c.dtype]
     argv += ["--max-batch-tokens", str(c.batch_tokens), "--max-seqs", str(c.max_seqs)]

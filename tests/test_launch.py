@@ -179,6 +179,7 @@ def test_port_layout_and_commands():
         "--device": "auto",
         "--kernels": "auto",
         "--load-format": "auto",
+        "--quantization": "auto",
         "--dtype": "float32",
         "--max-batch-tokens": "2048",  # the slo scheduler's cap: it is the default
         "--max-seqs": "64",
