@@ -356,7 +356,8 @@ def fuzz() -> str:
     d = load("fuzz/fuzz10k.json")
     by = d["by_target_method_code"]
     body = []
-    for tm in ("replica/unary", "replica/stream", "balancer/unary", "balancer/stream"):
+    targets = ("replica/unary", "replica/stream", "balancer/unary", "balancer/stream", "http/chat", "http/completion")
+    for tm in (t for t in targets if any(k.startswith(t + "/") for k in by)):
         other = sum(
             v for k, v in by.items() if k.startswith(tm + "/") and k.split("/")[2] not in ("OK", "INVALID_ARGUMENT")
         )
