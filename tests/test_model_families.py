@@ -157,6 +157,21 @@ def family_models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def shared_prefix_refs(family_models):
+    """family -> (prompts sharing a prefix the cache may serve, transformers' tokens), computed once per family."""
+    done = {}
+
+    def of(family: str):
+        if family not in done:
+            folder, prompts, _ = family_models[family]
+            shared = [prompts[0][:20] + p for p in prompts[:3]]
+            done[family] = (shared, hf_greedy_eager(folder, shared, NEW))
+        return done[family]
+
+    return of
+
+
 def run(folder, prompts, **options):
     pipe = pipeline(str(folder), dtype="float32", progress=False, **options)
     return pipe, pipe(prompts, max_new_tokens=NEW, min_new_tokens=NEW)
@@ -197,10 +212,9 @@ def test_families_match_transformers_across_budgets(family_models, family, kerne
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("scheduler", ["splitfuse", "prefill_first", "static", "slo"])
-def test_families_match_under_every_scheduler_and_prefix_caching(family_models, family, scheduler):
+def test_families_match_under_every_scheduler_and_prefix_caching(family_models, shared_prefix_refs, family, scheduler):
     folder, prompts, refs = family_models[family]
-    shared = [prompts[0][:20] + p for p in prompts[:3]]  # a common prefix that the cache may serve
-    shared_refs = hf_greedy_eager(folder, shared, NEW)
+    shared, shared_refs = shared_prefix_refs(family)
     for caching in (True, False):
         options = dict(max_batch_tokens=16, block_size=4, scheduler=scheduler, prefix_caching=caching)
         assert_matches(run(folder, prompts, **options)[1], refs)
