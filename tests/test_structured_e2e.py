@@ -4,6 +4,7 @@ tool_choice "required" and a named function (streamed and not), choice constrain
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .helpers import Deploy, alive, free_port_range
+from .helpers import Deploy, alive, free_port_range, require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -205,9 +206,13 @@ def test_prompt_logprobs_match_transformers_float32(client):
     assert scored[0] is None and abs(scored[1][str(ids[1])]["logprob"] - expected[0]) < 1e-3
 
 
-# ---- frameworks (optional: skipped unless installed; neither is a dependency) ----------------------------------------
+# ---- frameworks (the test extra installs both; without them these skip, and fail in CI) ------------------------------
 def test_langchain_bind_tools_and_structured_output(client):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    require_tool(
+        importlib.util.find_spec("langchain_openai"), 'langchain-openai not installed: pip install -e ".[test]"'
+    )
+    import langchain_openai
+
     llm = langchain_openai.ChatOpenAI(
         model=client.model_name, base_url=client.http_base, api_key=KEY, temperature=0, max_tokens=120, max_retries=0
     )
@@ -233,7 +238,8 @@ LL_DOCS = [
 def test_lm_eval_local_completions_scores_as_its_hf_model(client, tmp_path, monkeypatch):
     """A loglikelihood task made here (no download): lm-eval's local-completions model against the deployment gives
     the scores of lm-eval's own hf model on the same checkpoint."""
-    lm_eval = pytest.importorskip("lm_eval")
+    require_tool(importlib.util.find_spec("lm_eval"), 'lm-eval not installed: pip install -e ".[test]"')
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
     from fastgen.replica.weights import resolve_model
