@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from . import clib
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .dense import argmax
+from .moe import fused_moe, pack_experts
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .quant import QuantLinear, pack_quantized, quant_linear
 from .rotary import rotary_write_kv
@@ -710,5 +711,7 @@ CPU_KERNELS = Kernels(
     pack_gate_up=pack_gate_up,
     linear_silu_mul=linear_silu_mul,
     pack_quantized=pack_quantized,
+    pack_experts=pack_experts,
+    fused_moe=fused_moe,
     argmax=argmax_rows,
 )

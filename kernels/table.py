@@ -13,6 +13,7 @@ import torch
 
 from .attention import paged_attention
 from .dense import argmax, linear, no_packing
+from .moe import fused_moe, pack_experts
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .rotary import rotary_write_kv
 
@@ -57,6 +58,12 @@ class Kernels:
     # load for this backend's quantized kernel of each part's format on this CPU (kernels/quant.py); None where it
     # has none, and the layer dequantizes. `linear` and `linear_silu_mul` read what this returns.
     pack_quantized: Callable[[list, int], Packed | None]
+    # A mixture-of-experts layer's weights, w13 (experts, 2 intermediate, hidden) (gate rows, then up rows) and w2
+    # (experts, hidden, intermediate), packed once at load for this backend's fused_moe; None where the plain ones serve
+    pack_experts: Callable[[torch.Tensor, torch.Tensor], Packed | None]
+    # (x, w13 or None, w2 or None (packed.holds_weight), packed or None, moe.Routing) -> (tokens, hidden): each
+    # token's experts' SiLU-gated MLPs weighted and summed, in one call (kernels/moe.py holds the contract)
+    fused_moe: Callable[..., torch.Tensor]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
@@ -84,5 +91,7 @@ TORCH_KERNELS = Kernels(
     pack_gate_up=no_packing,
     linear_silu_mul=linear_silu_mul,
     pack_quantized=lambda parts, out_features: None,
+    pack_experts=pack_experts,
+    fused_moe=fused_moe,
     argmax=argmax,
 )

@@ -481,6 +481,8 @@ TRITON_KERNELS = Kernels(
     pack_gate_up=TORCH_KERNELS.pack_gate_up,
     linear_silu_mul=TORCH_KERNELS.linear_silu_mul,
     pack_quantized=TORCH_KERNELS.pack_quantized,  # quantized checkpoints are dequantized on CUDA
+    pack_experts=TORCH_KERNELS.pack_experts,
+    fused_moe=TORCH_KERNELS.fused_moe,
     argmax=TORCH_KERNELS.argmax,
     graph_safe=True,
 )
