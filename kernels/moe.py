@@ -3,7 +3,9 @@
 The contract every backend's `fused_moe` keeps (kernels/table.py): tokens are grouped by expert, each expert with
 tokens runs its gate/up and down GEMMs once over its group (an expert no token chose is never read), and each
 token's k contributions, each scaled by its routing weight, are summed in ascending expert order: the order
-transformers' experts loop adds them in, so float32 results are its bits wherever the GEMMs are."""
+transformers' experts loop adds them in, so float32 results are its bits wherever the GEMMs are. An id equal to the
+number of experts the weights hold marks a slot another rank computes (expert parallelism): it adds nothing, and
+sorts last."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ class Routing:
     """Which experts each token goes to and with what weight."""
 
     weights: torch.Tensor  # (tokens, k) float32
-    ids: torch.Tensor  # (tokens, k) int64, each row ascending
+    ids: torch.Tensor  # (tokens, k) int64, each row ascending; = experts: a slot computed elsewhere
 
 
 def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
@@ -37,7 +39,7 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
 @dataclass(frozen=True)
 class ExpertGroups:
     """The (token, slot) pairs of a routing sorted by expert: pair i of the sorted order is token rows[i], and
-    expert e's pairs are [starts[e], starts[e + 1])."""
+    expert e's pairs are [starts[e], starts[e + 1]); the slots computed elsewhere come last."""
 
     order: torch.Tensor  # (tokens * k,) flat (token, slot) indices, grouped by expert
     rows: torch.Tensor  # (tokens * k,) the token of each
@@ -47,7 +49,7 @@ class ExpertGroups:
 def group_by_expert(ids: torch.Tensor, experts: int) -> ExpertGroups:
     flat = ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=experts).tolist()
+    counts = torch.bincount(flat, minlength=experts + 1).tolist()[:experts]
     starts = [0]
     for n in counts:
         starts.append(starts[-1] + n)
@@ -81,7 +83,7 @@ def fused_moe(
     tokens, k = routing.ids.shape
     groups = group_by_expert(routing.ids, w13.shape[0])
     xs = x[groups.rows]  # (tokens * k, hidden) grouped by expert
-    out = torch.empty(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)  # slots computed elsewhere: 0
     for e in range(w13.shape[0]):
         lo, hi = groups.starts[e], groups.starts[e + 1]
         if lo < hi:

@@ -174,6 +174,12 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         help="no CUDA graphs: decode steps run op by op (vLLM's flag; graphs are on by default on cuda)",
     )
     p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tp: each rank holds whole experts of a mixture-of-experts model, not a slice of each "
+        "(vLLM's flag)",
+    )
+    p.add_argument(
         "--max-batch-tokens",
         type=int,
         default=d.max_batch_tokens,

@@ -71,6 +71,7 @@ class DeployConfig:
     load_format: str = EngineConfig.load_format
     quantization: str = EngineConfig.quantization
     enforce_eager: bool = EngineConfig.enforce_eager
+    enable_expert_parallel: bool = EngineConfig.enable_expert_parallel
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
     max_batch_tokens: int | None = None  # None: the scheduler's default (default_max_batch_tokens)
     max_seqs: int = SchedulerConfig.max_seqs
@@ -391,6 +392,8 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
         argv += ["--no-prefix-caching"]
     if c.enforce_eager:
         argv += ["--enforce-eager"]
+    if c.enable_expert_parallel:
+        argv += ["--enable-expert-parallel"]
     argv += ["--threads", str(c.threads)]
     argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
     if c.tp > 1:

@@ -102,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step op by op (vLLM's flag)"
     )
     p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tp: each rank holds whole experts of a mixture-of-experts model instead of a slice of every "
+        "expert (vLLM's flag)",
+    )
+    p.add_argument(
         "--max-batch-tokens",
         type=positive,
         default=None,
@@ -226,6 +232,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
+        enable_expert_parallel=args.enable_expert_parallel,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(args.scheduler),
             max_seqs=args.max_seqs,

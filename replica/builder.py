@@ -85,7 +85,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = DecoderModel(model_config, tp, kernels)
+            model = DecoderModel(model_config, tp, kernels, config.enable_expert_parallel)
     finally:
         torch.set_default_dtype(previous)
     if config.load_format == "dummy":  # random weights made where the parameters live: no read, no CPU copy

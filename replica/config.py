@@ -164,6 +164,9 @@ class EngineConfig:
     # vLLM's name: no CUDA graphs. Otherwise, with graph-safe kernels (Triton), decode-only steps run over static
     # buffers padded to batch-size buckets, replayed from graphs captured at start-up on CUDA.
     enforce_eager: bool = False
+    # vLLM's name: a mixture of experts' layers split by whole experts over the --tp ranks, not by each expert's
+    # intermediate rows (replica/models/moe.py); dense models ignore it.
+    enable_expert_parallel: bool = False
 
 
 def preset_path(model: str) -> Path | None:

@@ -113,13 +113,13 @@ FAMILIES = {
 }
 
 
-def make_family_model(path: Path, family: str, seed: int = 0, std: float = 0.15) -> Path:
+def make_family_model(path: Path, family: str, seed: int = 0, std: float = 0.15, families: dict = FAMILIES) -> Path:
     """A tiny random model of `family` saved as a Hugging Face safetensors folder (no tokenizer: token ids only).
     A large init std makes logits decisive, so greedy comparisons rarely hit near-ties; norms and biases are random
     too, so (1 + w) norms and bias terms are exercised."""
     import transformers
 
-    config_name, model_name, own = FAMILIES[family]
+    config_name, model_name, own = families[family]
     config = getattr(transformers, config_name)(**{**COMMON, **own, "initializer_range": std})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()

@@ -176,6 +176,7 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
             progress=False,
             scheduler=SchedulerConfig(max_batch_tokens=run["budget"], max_seqs=min(64, run["budget"])),
             cache=CacheConfig(block_size=run.get("block_size", 16), num_blocks=run.get("num_blocks", 256)),
+            enable_expert_parallel=run.get("expert_parallel", False),
         )
         if rank == 0:
             engine = build_engine(config, tp, channel)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import falcon, gemma, llama, opt, phi, phi3, qwen3
+from . import falcon, gemma, llama, mixtral, opt, phi, phi3, qwen3, qwen_moe
 from .decoder import DecoderModel, ModelConfig
 
-FAMILIES = (llama, qwen3, gemma, phi3, phi, opt, falcon)
+FAMILIES = (llama, qwen3, gemma, phi3, phi, opt, falcon, mixtral, qwen_moe)
 ARCHITECTURES = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
 
 

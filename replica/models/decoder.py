@@ -25,6 +25,7 @@ from ..parallel import (
     TPGroup,
     VocabParallelEmbedding,
 )
+from .moe import EXPERT_TENSOR, FusedExperts, MoEConfig, SparseMoeBlock
 
 # Random weights of load_format "dummy": Llama's initializer_range, so activations stay in range through the layers.
 DUMMY_STD = 0.02
@@ -33,7 +34,8 @@ DUMMY_SEED = 0
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, phi, opt, falcon
+    architecture: str  # the family: llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, phi, opt, falcon, mixtral, ...
+    # qwen2_moe, qwen3_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -81,6 +83,7 @@ class ModelConfig:
     embedding_dim: int = 0  # the embeddings' width where it is not hidden_size: projected in and out (OPT-350m)
     # (checkpoint's, ours) substrings of tensor names where a family names a module otherwise (e.g. Phi-2's dense)
     renames: tuple[tuple[str, str], ...] = ()
+    moe: MoEConfig | None = None  # a mixture of experts' MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE); None: dense
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -279,16 +282,24 @@ class PlainMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))  # (tokens, intermediate / tp) -> (tokens, hidden)
 
 
+def make_mlp(cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels, expert_parallel: bool) -> nn.Module:
+    if cfg.moe is not None and cfg.moe.sparse_layers[layer]:
+        return SparseMoeBlock(cfg.moe, cfg.hidden_size, tp, expert_parallel, kernels)
+    return PlainMLP(cfg, tp, kernels) if cfg.mlp == "plain" else MLP(cfg, tp, kernels)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm layer (Llama): x + attn(norm(x)), then + mlp(norm(.)). The residual add is fused into the next norm."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels, expert_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, kernels)
         self.self_attn = Attention(cfg, layer, tp, kernels)
         if not cfg.parallel_block:
             self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, kernels)
-        self.mlp = PlainMLP(cfg, tp, kernels) if cfg.mlp == "plain" else MLP(cfg, tp, kernels)
+        self.mlp = make_mlp(cfg, layer, tp, kernels, expert_parallel)
 
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
         x, residual = self.input_layernorm(x, residual)
@@ -300,8 +311,10 @@ class DecoderLayer(nn.Module):
 class ParallelDecoderLayer(DecoderLayer):
     """Attention and MLP side by side on one norm's output (Phi-2, Falcon-7B): x + attn(norm(x)) + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels) -> None:
-        super().__init__(cfg, layer, tp, kernels)
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels, expert_parallel: bool = False
+    ) -> None:
+        super().__init__(cfg, layer, tp, kernels, expert_parallel)
         if cfg.ln_mlp:
             self.ln_mlp = make_norm(cfg, cfg.hidden_size, kernels)
         self.two_norms = cfg.ln_mlp
@@ -326,8 +339,10 @@ class SandwichDecoderLayer(DecoderLayer):
     """Gemma's layer: attention's and the MLP's outputs are normalised too before they join the residual
     (post_attention_layernorm is the norm after attention here, pre_feedforward_layernorm the one before the MLP)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels) -> None:
-        super().__init__(cfg, layer, tp, kernels)
+    def __init__(
+        self, cfg: ModelConfig, layer: int, tp: TPGroup, kernels: Kernels, expert_parallel: bool = False
+    ) -> None:
+        super().__init__(cfg, layer, tp, kernels, expert_parallel)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, cfg.norm_offset)
 
@@ -339,7 +354,10 @@ class SandwichDecoderLayer(DecoderLayer):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
+    """expert_parallel: a mixture of experts' layers split by whole experts over the ranks, not by each expert's
+    intermediate rows (replica/models/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, kernels: Kernels, expert_parallel: bool = False) -> None:
         super().__init__()
         self.config = cfg
         self.kernels = kernels
@@ -360,7 +378,7 @@ class DecoderModel(nn.Module):
             if cfg.post_norm
             else DecoderLayer
         )
-        self.layers = nn.ModuleList(layer_cls(cfg, i, tp, kernels) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i, tp, kernels, expert_parallel) for i in range(cfg.num_layers))
         self.norm = None if cfg.post_norm else make_norm(cfg, cfg.hidden_size, kernels)
         self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels, cfg.lm_head_bias)
         self.register_buffer("cos_sin", rope_table(cfg, cfg.rope_theta), persistent=False)
@@ -441,6 +459,14 @@ class DecoderModel(nn.Module):
                 name = name.replace(theirs, ours)
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
+            expert = EXPERT_TENSOR.match(name)
+            if expert is not None:  # one expert's projection: a slice of the layer's fused experts (or none of it)
+                module_name = expert["module"]
+                if not isinstance(modules.get(module_name), FusedExperts):
+                    raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
+                for part in modules[module_name].load_expert(int(expert["expert"]), expert["proj"], tensor):
+                    seen.add((module_name, "weight", part))
+                continue
             module_name, _, param = name.rpartition(".")
             prefix, _, leaf = module_name.rpartition(".")
             parts = [(0, tensor)]
@@ -451,6 +477,9 @@ class DecoderModel(nn.Module):
                 parts = list(enumerate(self.fused_parts(leaf, tensor, modules[module_name].parts)))
             if module_name not in modules:
                 raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
+            if isinstance(modules[module_name], FusedExperts):  # transformers 5's experts, fused in one tensor each
+                seen.update((module_name, "weight", p) for p in modules[module_name].load(param, tensor))
+                continue
             for part, piece in parts:
                 modules[module_name].load(param, piece, part)
                 seen.add((module_name, param, part))

@@ -1,0 +1,158 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a float32 router picks each token's top-k experts,
+the experts' SiLU-gated MLPs run grouped by expert in one kernels.fused_moe call, and a sigmoid-gated shared expert
+joins where the family has one.
+
+Two ways to share the experts over a tensor-parallel group, both ending in one all-reduce per layer:
+- tensor parallel (default, as vLLM): every rank holds every expert's slice of the intermediate dimension;
+- expert parallel (`--enable-expert-parallel`): each rank holds whole experts, experts / ranks of them. Attention's
+  tensor parallelism leaves every rank with every token, so a rank computes its own experts' share of each token
+  and the all-reduce sums the shares; an all-to-all would move the tokens a rank already has (vLLM does the same
+  without data-parallel attention)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import Kernels
+from ...kernels.moe import Routing, route
+from ...kernels.quant import QuantizedTensor
+from ..parallel import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear, TPGroup, _divide
+
+# A checkpoint's per-expert tensor: <layer>.mlp.experts.<e>.<gate|up|down>_proj.weight (Mixtral's w1/w3/w2 renamed)
+EXPERT_TENSOR = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    experts_per_token: int  # k
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the k weights rescaled to sum to one (Mixtral; Qwen's norm_topk_prob)
+    sparse_layers: tuple[bool, ...]  # per layer: an MoE MLP (True) or the dense one (Qwen's mlp_only_layers)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+
+    def active_fraction(self) -> float:
+        """The share of the experts' weights one token reads: what a decode step's cost scales with."""
+        return self.experts_per_token / self.num_experts
+
+
+class FusedExperts(nn.Module):
+    """This rank's experts: w13 (local experts, 2 local intermediate, hidden) (gate rows, then up rows) and w2 (local
+    experts, hidden, local intermediate). Tensor parallel: every expert, a slice of each one's intermediate rows;
+    expert parallel: experts [first, first + local) whole."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, tp: TPGroup, expert_parallel: bool, kernels: Kernels) -> None:
+        super().__init__()
+        by_expert = expert_parallel and tp.size > 1
+        self.local_experts = _divide(moe.num_experts, tp.size, "experts") if by_expert else moe.num_experts
+        self.first = tp.rank * self.local_experts if by_expert else 0
+        self.intermediate = (
+            moe.intermediate_size if by_expert else _divide(moe.intermediate_size, tp.size, "expert intermediate size")
+        )
+        self.row0 = 0 if by_expert else tp.rank * self.intermediate  # this rank's first intermediate row
+        self.num_experts = moe.num_experts
+        self.w13 = nn.Parameter(torch.empty(self.local_experts, 2 * self.intermediate, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.local_experts, hidden, self.intermediate), requires_grad=False)
+        self.local_parts = list(range(3 * self.local_experts))  # (expert, gate | up | down): what a load must fill
+        self.packed = None
+        self.kernels = kernels
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> list[int]:
+        """One expert's gate_proj/up_proj (intermediate, hidden) or down_proj (hidden, intermediate) from a
+        checkpoint; returns the parts it filled (none: another rank's expert)."""
+        e = expert - self.first
+        if not 0 <= e < self.local_experts:
+            return []
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        n, r = self.intermediate, self.row0
+        if proj == "down_proj":
+            self.w2.data[e].copy_(tensor[:, r : r + n])
+            return [3 * e + 2]
+        half = 0 if proj == "gate_proj" else 1
+        self.w13.data[e, half * n : (half + 1) * n].copy_(tensor[r : r + n])
+        return [3 * e + half]
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> list[int]:
+        """transformers 5's fused form: gate_up_proj (experts, 2 intermediate, hidden), down_proj (experts, hidden,
+        intermediate)."""
+        filled = []
+        for expert in range(self.first, self.first + self.local_experts):
+            if name == "gate_up_proj":
+                gate, up = tensor[expert].chunk(2)
+                filled += self.load_expert(expert, "gate_proj", gate) + self.load_expert(expert, "up_proj", up)
+            elif name == "down_proj":
+                filled += self.load_expert(expert, "down_proj", tensor[expert])
+            else:
+                raise ValueError(f"unexpected experts tensor {name!r} in the checkpoint")
+        return filled
+
+    def pack(self) -> None:
+        self.packed = self.kernels.pack_experts(self.w13, self.w2)
+        if self.packed is not None and self.packed.holds_weight:
+            self.w13 = self.w2 = None  # two copies of every expert would double the model's memory
+
+    def local_routing(self, routing: Routing) -> Routing:
+        """Expert parallel: ids of this rank's experts made local; another rank's become local_experts (a slot the
+        kernels skip, adding nothing)."""
+        if self.local_experts == self.num_experts:
+            return routing
+        local = routing.ids - self.first
+        mine = (local >= 0) & (local < self.local_experts)
+        return Routing(routing.weights, torch.where(mine, local, self.local_experts))
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        # (tokens, hidden): this rank's share, summed over the group by the layer's all-reduce
+        return self.kernels.fused_moe(x, self.w13, self.w2, self.packed, self.local_routing(routing))
+
+
+class Router(nn.Module):
+    """The router's weight (experts, hidden), whole on every rank and kept in float32: routing decisions are
+    discrete, so the logits are computed at full precision whatever the activations' dtype."""
+
+    def __init__(self, experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32), requires_grad=False)
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        self.weight.data.copy_(tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)  # (tokens, experts) float32
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoEConfig, hidden: int, tp: TPGroup, expert_parallel: bool, kernels: Kernels) -> None:
+        super().__init__()
+        self.gate = Router(moe.num_experts, hidden)
+        self.experts = FusedExperts(moe, hidden, tp, expert_parallel, kernels)
+        if moe.shared_expert_intermediate_size:  # split like a dense MLP in either mode
+            self.shared_expert = SharedExpert(hidden, moe.shared_expert_intermediate_size, tp, kernels)
+            self.shared_expert_gate = ColumnParallelLinear(hidden, [1], False, TPGroup(), kernels)
+        self.k, self.renormalize = moe.experts_per_token, moe.renormalize
+        self.has_shared = bool(moe.shared_expert_intermediate_size)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = route(self.gate(x), self.k, self.renormalize)  # (tokens, k) each
+        y = self.experts(x, routing)  # (tokens, hidden), this rank's partial sum
+        if self.has_shared:  # sigmoid(g) is per token, so it scales the partial sums before the all-reduce
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(y)
+
+
+class SharedExpert(nn.Module):
+    """A gated MLP whose down projection's partial sums are left for the MoE block's single all-reduce."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpParallelLinear(hidden, intermediate, tp, kernels)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.project(self.gate_up_proj(x), None)  # (tokens, hidden): partial sums, not reduced
