@@ -8,6 +8,9 @@ Stages, each isolated (a stage that fails records its error and the next one sti
   kernels      decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
                step at batch 1 against the time to read the weights once, with CUDA graphs and without (--enforce-eager)
+  offline_moe  the offline stage on a mixture of experts (the Qwen3-30B-A3B preset, 128 experts, 8 per token): its
+               decode step against the time to read the weights a token routes through once (attention and 8 of 128
+               experts a layer)
   sla          the paper's comparison at reduced size: splitfuse, prefill_first and the slo scheduler (holding the
                strictest floor, R = 6), effective throughput at P = 512, R = 2, 4, 6 (closed-loop clients on the
                in-process engine); the slo step-time model's error on the device, every step's prediction and
@@ -72,6 +75,8 @@ class Plan:
     offline_budget: int = 2048
     hf_batch: int = 16
     decode_steps: int = 32
+    moe_model: str = "qwen3-30b-a3b"
+    moe_requests: int = 32  # transformers' experts loop makes its side of the comparison slow: fewer requests
     sla_requests: int = 64
     sla_clients: int = 32
     sla_prompt_mean: int = 1024
@@ -82,11 +87,13 @@ class Plan:
 FULL = Plan()
 
 
-def dry_plan(folder: Path) -> Plan:
+def dry_plan(folder: Path, moe_folder: Path) -> Plan:
     return Plan(
         device="cpu",
         dtype=torch.float32,
         model=str(folder),
+        moe_model=str(moe_folder),
+        moe_requests=4,
         copy_bytes=1 << 20,
         matmul_n=64,
         attn_shape=dict(heads=4, kv_heads=2, head_dim=32),
@@ -124,6 +131,28 @@ def toy_model(folder: Path) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         max_position_embeddings=8192,  # the llama3 rope's original context
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def toy_moe_model(folder: Path) -> Path:
+    """The qwen3-30b-a3b preset shrunk to two small layers of 8 experts, 2 per token."""
+    config = json.loads((preset_path("qwen3-30b-a3b") / "config.json").read_text())
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=4096,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -409,6 +438,11 @@ def token_prompts(n: int, lengths, vocab: int, seed: int = 0) -> list[list[int]]
     return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths(rng, n)]
 
 
+def offline_moe(ctx: Context) -> dict:
+    p = ctx.plan
+    return offline(replace(ctx, plan=replace(p, model=p.moe_model, offline_requests=p.moe_requests)))
+
+
 def offline(ctx: Context) -> dict:
     p = ctx.plan
     vocab = json.loads((model_folder(p) / "config.json").read_text())["vocab_size"]
@@ -485,11 +519,19 @@ def decode_step_ms(engine, steps: int) -> float:
 
 
 def weights_read_bytes(model) -> int:
-    """Bytes a decode step must read: every weight once, except the embedding table (one row per token) unless
-    it is also the LM head."""
-    total = sum(t.numel() * t.element_size() for t in model.parameters())
+    """Bytes a decode step of one token must read: every weight once, except the embedding table (one row per token)
+    unless it is also the LM head, and of a mixture of experts' experts only the k its token is routed to."""
+    from ..replica.models.moe import FusedExperts
+
+    def size(module) -> int:
+        return sum(t.numel() * t.element_size() for t in module.parameters())
+
+    total = size(model)
     if not model.config.tie_word_embeddings:
-        total -= sum(t.numel() * t.element_size() for t in model.embed_tokens.parameters())
+        total -= size(model.embed_tokens)
+    experts = sum(size(m) for m in model.modules() if isinstance(m, FusedExperts))
+    if experts:
+        total -= round(experts * (1 - model.config.moe.active_fraction()))
     return total
 
 
@@ -642,7 +684,14 @@ def closed_loop(
 # Report
 # ---------------------------------------------------------------------------------------------------------------
 
-STAGES = {"environment": environment, "cuda_tests": cuda_tests, "kernels": kernels, "offline": offline, "sla": sla}
+STAGES = {
+    "environment": environment,
+    "cuda_tests": cuda_tests,
+    "kernels": kernels,
+    "offline": offline,
+    "offline_moe": offline_moe,
+    "sla": sla,
+}
 
 
 def markdown(report: dict) -> str:
@@ -691,7 +740,7 @@ def run(out: Path, dry_run: bool, stages: list[str], argv: list[str], tests_time
         failed=[],
     )
     with tempfile.TemporaryDirectory() as tmp:
-        plan = dry_plan(toy_model(Path(tmp) / "toy")) if dry_run else FULL
+        plan = dry_plan(toy_model(Path(tmp) / "toy"), toy_moe_model(Path(tmp) / "toy-moe")) if dry_run else FULL
         if tests_timeout_s:
             plan = replace(plan, tests_timeout_s=tests_timeout_s)
         report["plan"] = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in asdict(plan).items()}

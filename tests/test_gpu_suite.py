@@ -21,6 +21,8 @@ def test_dry_run_writes_every_stage(tmp_path):
     offline = stages["offline"]["results"]
     assert offline["fastgen_tokens_per_s"] > 0 and offline["transformers_tokens_per_s"] > 0
     assert offline["decode_step_ms"] > 0 and offline["weights_read_bound_ms"] > 0
+    moe = stages["offline_moe"]["results"]
+    assert moe["fastgen_tokens_per_s"] > 0 and moe["weights_read_bound_ms"] > 0 and moe["model"].endswith("toy-moe")
     systems = stages["sla"]["results"]["systems"]
     assert set(systems) == {"splitfuse", "prefill_first", "slo"}
     assert all(set(s["effective_rps"]) == {"2", "4", "6"} and s["failed"] == 0 for s in systems.values())

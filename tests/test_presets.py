@@ -30,6 +30,9 @@ PUBLISHED_PARAMETERS = {
     "phi-4": 14_659_507_200,
     # Falcon-7B's card says 7.2B: its checkpoint stores the LM head beside the embedding it is tied to.
     "falcon-7b": 6_921_720_704,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen2-57b-a14b": 57_408_658_944,  # the card's 57.4B
 }
 
 
@@ -60,6 +63,10 @@ def test_presets_are_the_published_architectures():
     assert gemma3.local_rope_theta == 10000.0 and gemma3.rope_linear_factor == 8.0
     assert preset_config("qwen3-8b").qk_norm and preset_config("qwen3-8b").head_dim == 128
     assert preset_config("phi-3-mini").window(31) == 2047 and preset_config("phi-4").sliding_window is None
+    mixtral, qwen3_moe = preset_config("mixtral-8x7b").moe, preset_config("qwen3-30b-a3b").moe
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.renormalize) == (8, 2, True)
+    assert (qwen3_moe.num_experts, qwen3_moe.experts_per_token, qwen3_moe.renormalize) == (128, 8, True)
+    assert preset_config("qwen2-57b-a14b").moe.shared_expert_intermediate_size == 20480
 
 
 def test_a_preset_needs_the_dummy_load_format():
