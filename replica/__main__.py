@@ -273,7 +273,6 @@ def warm_up(engine) -> None:
     slo scheduler, then the short profile that seeds its step-time model."""
     from .request import SamplingParams
     from .slo_scheduler import SloScheduler, calibrate
-    from .step_model import FEATURES
 
     engine.add_request("warm-up", list(range(1, 9)), SamplingParams(max_new_tokens=2, ignore_eos=True))
     while engine.has_unfinished():
@@ -284,7 +283,7 @@ def warm_up(engine) -> None:
         log.info(
             "step-time model after %d calibration steps: %s (median error %.1f%%)",
             model.steps,
-            ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, model.coefficients or ())),
+            ", ".join(f"{n} {c:.3g}" for n, c in zip(model.features, model.coefficients or ())),
             100 * model.median_error(),
         )
 

@@ -42,7 +42,9 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
         raise ValueError(
             f"max_model_len {max_len} exceeds the model's {model_config.max_position_embeddings} positions"
         )
-    sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len)
+    moe = model_config.moe
+    routing = (moe.num_experts, moe.experts_per_token) if moe else None
+    sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len, moe_routing=routing)
 
     runner, num_blocks = build_runner(config, tp, broadcast)
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)

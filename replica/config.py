@@ -88,6 +88,9 @@ class SchedulerConfig:
     watermark: float = 0.01
     # The slo policy's targets; max_batch_tokens is then its cap on the tokens of one pass.
     slo: SloConfig = SloConfig()
+    # (experts, experts per token) of a mixture-of-experts model, set from the model: the slo policy's step-time
+    # model then counts the experts a step reads (replica/step_model.py); None: a dense model.
+    moe_routing: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:

@@ -111,7 +111,7 @@ class SloScheduler(Scheduler):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(config, allocator)
-        self.model = model or StepModel()
+        self.model = model or StepModel(experts=config.moe_routing)
         self.clock = clock
         self.overloaded = False
         self._streams: dict[int, _Stream] = {}

@@ -7,6 +7,11 @@ context the key rows the prompt tokens' attention reads (each token reads its se
 a fixed part (weights read, per-layer dispatch), a part per token (the linear layers) and a part per key row
 (attention), and the model fits each on the device it runs on.
 
+A mixture of experts reads only the experts its tokens are routed to, so its weights' cost is not fixed: a decode
+step of one token reads k of E experts a layer, a step of hundreds reads them all. Its model has a sixth feature,
+`expert_reads`, the expected share of the experts a step of that many tokens reads (expert_share), with c5 the
+cost of reading all of them; c0 is then what every step reads (attention, norms, the router, a shared expert).
+
 The fit is least squares over every step the engine ran, recent steps weighing more (exponential forgetting, as
 recursive least squares does): normal equations kept as running sums, solved after each step on columns scaled to
 unit length, with coefficients held non-negative (a feature whose coefficient comes out negative is dropped from
@@ -42,6 +47,7 @@ from pathlib import Path
 log = logging.getLogger("fastgen.replica")
 
 FEATURES = ("fixed", "prompt_tokens", "decode_seqs", "decode_context", "prompt_context")
+EXPERT_READS = "expert_reads"  # the sixth feature of a mixture of experts' model
 FORGETTING = 0.995  # weight of a step's timing after each later step: about the last 200 steps count
 RIDGE = 1e-6  # relative to each scaled column: keeps the solve defined when a feature has not varied yet
 MIN_STEPS = 8  # steps seen before the model predicts
@@ -78,6 +84,12 @@ class StepShape:
         )
 
 
+def expert_share(tokens: int, experts: int, per_token: int) -> float:
+    """The expected share of a layer's experts that `tokens` tokens read, each routed to per_token of them (routing
+    taken as uniform): an expert no token picks is never read, with probability (1 - per_token / experts) ** tokens."""
+    return 1.0 - (1.0 - per_token / experts) ** tokens
+
+
 def batch_shape(batch) -> StepShape:
     """The shape of a Batch (decodes first, then prompt chunks)."""
     decodes = batch.seqs[: batch.num_decodes]
@@ -93,13 +105,19 @@ def batch_shape(batch) -> StepShape:
 class StepModel:
     """Predicts a step's seconds from its StepShape and learns from every step observed.
 
-    `coefficients` seeds the model (one per FEATURES, seconds per unit) and makes it ready at once; `learn=False`
-    keeps them fixed (scripted tests, a model measured elsewhere)."""
+    `coefficients` seeds the model (one per feature, seconds per unit) and makes it ready at once; `learn=False`
+    keeps them fixed (scripted tests, a model measured elsewhere). `experts`: (experts, experts per token) of a
+    mixture of experts, whose model has the expert_reads feature too."""
 
-    def __init__(self, coefficients: Sequence[float] | None = None, learn: bool = True) -> None:
-        k = len(FEATURES)
+    def __init__(
+        self, coefficients: Sequence[float] | None = None, learn: bool = True, experts: tuple[int, int] | None = None
+    ) -> None:
+        self.experts = experts
+        self.features = FEATURES + ((EXPERT_READS,) if experts else ())
+        k = len(self.features)
         if coefficients is not None and len(coefficients) != k:
-            raise ValueError(f"a step model has {k} coefficients ({', '.join(FEATURES)}), got {len(coefficients)}")
+            names = ", ".join(self.features)
+            raise ValueError(f"a step model has {k} coefficients ({names}), got {len(coefficients)}")
         self.coefficients: list[float] | None = None if coefficients is None else [float(c) for c in coefficients]
         self.learn = learn
         self.steps = 0  # observed
@@ -125,14 +143,26 @@ class StepModel:
     def _fitted(self, shape: StepShape) -> float:
         if self.coefficients is None:
             return math.nan
-        return max(0.0, sum(c * x for c, x in zip(self.coefficients, shape.vector())))
+        return max(0.0, sum(c * x for c, x in zip(self.coefficients, self.vector(shape))))
+
+    def vector(self, shape: StepShape) -> tuple[float, ...]:
+        if self.experts is None:
+            return shape.vector()
+        return (*shape.vector(), expert_share(shape.prompt_tokens + shape.decode_seqs, *self.experts))
+
+    def _chunk_fitted(self, start: int, n: int) -> float:
+        c = self.coefficients
+        cost = c[1] * n + c[4] * chunk_context(start, n)
+        # The experts n tokens read on their own: at most what they add to a step that already reads some (the
+        # share is concave in tokens), so a plan on it errs on the short side.
+        return cost + (c[5] * expert_share(n, *self.experts) if self.experts else 0.0)
 
     def chunk_cost(self, start: int, n: int) -> float:
         """Seconds that a chunk of n prompt tokens starting at position `start` adds to a step (nan before the model
         is ready)."""
         if self.coefficients is None:
             return math.nan
-        return (self.coefficients[1] * n + self.coefficients[4] * chunk_context(start, n)) * self.drift
+        return self._chunk_fitted(start, n) * self.drift
 
     def chunk_fitting(self, start: int, seconds: float) -> int:
         """The most prompt tokens one chunk starting at position `start` may carry for its cost to stay within
@@ -149,7 +179,14 @@ class StepModel:
             n = seconds / b
         else:
             return 1 << 30
-        return int(min(n, 1 << 30))
+        n = int(min(n, 1 << 30))
+        if self.experts and self.coefficients[5] > 0:  # the experts' share too: the largest n whose cost fits
+            lo, hi = 0, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._chunk_fitted(start, mid) <= seconds else (lo, mid - 1)
+            n = lo
+        return n
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Takes a step's measured seconds; returns what the model predicted for it (nan before it was ready)."""
@@ -166,7 +203,7 @@ class StepModel:
             if seconds > 0:
                 miss = min(max(math.log(seconds / fitted), -math.log(DRIFT_LIMIT)), math.log(DRIFT_LIMIT))
                 self._drift_log += 2 / (DRIFT_SPAN + 1) * (miss - self._drift_log)
-        x = shape.vector()
+        x = self.vector(shape)
         for i, xi in enumerate(x):
             self._carried[i] = FORGETTING * self._carried[i] + (xi != 0)
             row = self._xtx[i]
@@ -184,9 +221,10 @@ class StepModel:
     def _solve(self) -> list[float]:
         """Least squares with every coefficient but the fixed part non-negative: solve, drop the most negative
         feature, solve again. A stale feature (STALE) keeps its coefficient."""
-        previous = self.coefficients or [0.0] * len(FEATURES)
-        held = {i: previous[i] for i in range(1, len(FEATURES)) if self._carried[i] < STALE}
-        active = [i for i in range(len(FEATURES)) if i not in held]
+        k = len(self.features)
+        previous = self.coefficients or [0.0] * k
+        held = {i: previous[i] for i in range(1, k) if self._carried[i] < STALE}
+        active = [i for i in range(k) if i not in held]
         while True:
             beta = _ridge_solve(self._xtx, self._xty, active)
             worst = min((i for i in active if i > 0), key=lambda i: beta[i], default=None)

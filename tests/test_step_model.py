@@ -202,3 +202,36 @@ def test_the_trace_records_prediction_and_measurement(tmp_path):
     assert math.isnan(float(unplanned["predicted_s"])) and float(unplanned["measured_s"]) == 0.012
     assert float(rows[0]["predicted_s"]) == 0.07 and float(rows[0]["measured_s"]) == 0.065
     assert int(rows[0]["prompt_tokens"]) == 128 and rows[0]["overloaded"] == "0"
+
+
+# ---- a mixture of experts ----------------------------------------------------------------------------------------
+EXPERTS = (8, 2)  # Mixtral's routing
+# 10 ms every step reads (attention, router), 60 ms to read every expert once, the rest as TRUE
+TRUE_MOE = (0.010, *TRUE[1:], 0.060)
+
+
+def test_a_mixture_of_experts_learns_what_reading_its_experts_costs():
+    """A decode step of one token reads 2 of 8 experts; a step of hundreds all of them: the model recovers the
+    expert term, and predicts a one-token step far below a full one."""
+    from fastgen.replica.step_model import EXPERT_READS, expert_share
+
+    assert expert_share(1, *EXPERTS) == pytest.approx(0.25) and expert_share(200, *EXPERTS) == pytest.approx(1.0)
+    assert expert_share(2, *EXPERTS) == pytest.approx(1 - 0.75**2)
+    model, rng = StepModel(experts=EXPERTS), random.Random(7)
+    assert model.features == (*FEATURES, EXPERT_READS)
+    for _ in range(300):
+        shape = StepShape(0, rng.randint(1, 6), 0, 0) if rng.random() < 0.5 else random_shape(rng)
+        model.observe(shape, sum(c * x for c, x in zip(TRUE_MOE, model.vector(shape))))
+    assert model.coefficients == pytest.approx(TRUE_MOE, rel=1e-3)
+    one = StepShape(0, 1, 100, 0)
+    assert model.predict(one) == pytest.approx(0.010 + 5e-4 + 100 * 2e-7 + 0.060 * 0.25, rel=1e-3)
+    with pytest.raises(ValueError, match="6 coefficients"):
+        StepModel(TRUE, experts=EXPERTS)
+
+
+@pytest.mark.parametrize("start", [0, 500])
+def test_a_mixture_of_experts_chunk_fits_its_time_with_the_experts_it_reads(start):
+    model = StepModel(TRUE_MOE, learn=False, experts=EXPERTS)
+    for seconds in (0.01, 0.05, 0.2):
+        n = model.chunk_fitting(start, seconds)
+        assert model.chunk_cost(start, n) <= seconds < model.chunk_cost(start, n + 1)
