@@ -51,7 +51,7 @@ SOURCES = [
         "linear_quant.c",
     )
 ]
-HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
+HEADERS = [CSRC / name for name in ("vector_math.h", "paged_cache.h", "amx.h", "parallel.h", "linear_f32.h")]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = [
