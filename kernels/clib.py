@@ -49,9 +49,10 @@ SOURCES = [
         "linear_f32.c",
         "elementwise_f32.c",
         "linear_quant.c",
+        "moe.c",
     )
 ]
-HEADERS = [CSRC / "vector_math.h", CSRC / "paged_cache.h", CSRC / "amx.h", CSRC / "parallel.h"]
+HEADERS = [CSRC / name for name in ("vector_math.h", "paged_cache.h", "amx.h", "parallel.h", "linear_f32.h")]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = [
@@ -260,6 +261,22 @@ class CLibrary:
     linear_f32_silu_mul_available: Callable[[], int] = entry()
     linear_f32_silu_mul: Callable[..., int] = entry(
         x=POINTER, x_stride=INT64, packed=POINTER, h=POINTER, h_stride=INT64, m=INT, inter=INT, k=INT, threads=INT
+    )
+    moe_f32_available: Callable[[], int] = entry()
+    moe_f32: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        w13=POINTER,
+        w2=POINTER,
+        ids=POINTER,
+        weights=POINTER,
+        y=POINTER,
+        tokens=INT,
+        k=INT,
+        experts=INT,
+        hidden=INT,
+        inter=INT,
+        threads=INT,
     )
 
     @classmethod

@@ -18,6 +18,8 @@
   with AVX-512, the MLP's gate and up projections packed side by side, so the same kernel applies SiLU(gate) * up as
   it stores its outputs (`pack_gate_up`, `linear_silu_mul`) and the (tokens, 2 intermediate) products never go to
   memory.
+- Mixture-of-experts layers in float32 (kernels/cpu_moe.py, csrc/moe.c): every expert with tokens, on the same
+  packed panels and inner loops as the float32 linear layers, and the weighted sum, in one call per layer.
 
 Every kernel splits its work over the process's torch threads (torch.get_num_threads()) through OpenMP, on the same
 thread pool as torch's own ops (csrc/parallel.h); small work stays on one thread. Each output is computed by one
@@ -35,10 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import clib
+from . import clib, cpu_moe
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .dense import argmax
-from .moe import fused_moe, pack_experts
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .quant import QuantLinear, pack_quantized, quant_linear
 from .rotary import rotary_write_kv
@@ -711,7 +712,7 @@ CPU_KERNELS = Kernels(
     pack_gate_up=pack_gate_up,
     linear_silu_mul=linear_silu_mul,
     pack_quantized=pack_quantized,
-    pack_experts=pack_experts,
-    fused_moe=fused_moe,
+    pack_experts=cpu_moe.pack_experts,
+    fused_moe=cpu_moe.fused_moe,
     argmax=argmax_rows,
 )

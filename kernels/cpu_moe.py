@@ -1,0 +1,124 @@
+"""The CPU backend's mixture-of-experts layer: float32 experts packed once at load into csrc/linear_f32.c's panels and
+run by csrc/moe.c in one call per layer (grouping, every expert with tokens, the weighted sum); kernels/moe.py's torch
+reference wherever that kernel does not apply.
+
+bfloat16 experts stay on the reference: the only bf16 GEMM kernel here (csrc/linear.c) needs AMX, and elsewhere
+oneDNN per expert is what the reference runs already."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import clib, moe
+
+
+@functools.cache
+def _moe_f32() -> clib.CLibrary | None:
+    """The library where its float32 MoE kernel runs on this CPU (AVX-512, or AVX2 with FMA), else None."""
+    library = clib.get_library()
+    return library if library is not None and library.moe_f32_available() else None
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """A layer's experts in csrc/moe.c's order, packed once at load: expert e's gate/up as pack_f32_gate_up packs a
+    dense MLP's (panel p, step c, lane j < 16: gate row 16 p + j, lane 16 + j: that up row), its down as pack_f32
+    packs a dense weight (lane j of panel p: row 32 p + j); rows padded with zeros."""
+
+    w13: torch.Tensor  # (experts, ceil(intermediate / 16), hidden, 32)
+    w2: torch.Tensor  # (experts, ceil(hidden / 32), intermediate, 32)
+    hidden: int
+    intermediate: int
+
+    @property
+    def holds_weight(self) -> bool:
+        """Every input the kernel declines goes to the reference with the weights unpacked."""
+        return True
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 (experts, 2 intermediate, hidden) and w2 (experts, hidden, intermediate) again."""
+        experts, inter, hidden = self.w13.shape[0], self.intermediate, self.hidden
+        rows = self.w13.permute(0, 1, 3, 2)  # (experts, panels, 32, hidden)
+        gate, up = (half.reshape(experts, -1, hidden)[:, :inter] for half in rows.split(16, dim=2))
+        w2 = self.w2.permute(0, 1, 3, 2).reshape(experts, -1, inter)[:, :hidden]
+        return torch.cat([gate, up], dim=1), w2
+
+
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
+    """float32 experts packed for the MoE kernel, or None where it does not run (no compiler, a CPU without AVX-512 or
+    AVX2, another dtype, shapes that do not fit together): the reference reads the plain weights there."""
+    if (
+        _moe_f32() is None
+        or not (w13.dtype == w2.dtype == torch.float32)
+        or not (w13.device.type == w2.device.type == "cpu")
+        or w13.dim() != 3
+        or w2.dim() != 3
+    ):
+        return None
+    experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if two_inter % 2 or w2.shape != (experts, hidden, inter) or not (experts and inter and hidden):
+        return None
+    gate, up = (F.pad(half, (0, 0, 0, -inter % 16)) for half in w13.detach().chunk(2, dim=1))
+    pairs = torch.stack([gate.view(experts, -1, 16, hidden), up.view(experts, -1, 16, hidden)], dim=2)
+    packed13 = pairs.flatten(2, 3).permute(0, 1, 3, 2).contiguous()
+    down = F.pad(w2.detach(), (0, 0, 0, -hidden % 32)).view(experts, -1, 32, inter)
+    return PackedExperts(packed13, down.permute(0, 1, 3, 2).contiguous(), hidden, inter)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor | None,
+    w2: torch.Tensor | None,
+    packed: PackedExperts | None,
+    routing: moe.Routing,
+) -> torch.Tensor:
+    """Same contract as moe.fused_moe (w13 and w2 may be None: packed.holds_weight): float32 through csrc/moe.c, each
+    token's result bit for bit the dense float32 path's on its own; anything else through the reference."""
+    if isinstance(packed, PackedExperts):
+        y = _moe_kernel(x, packed, routing)
+        if y is not None:
+            return y
+        if w13 is None or w2 is None:
+            w13, w2 = packed.unpacked()
+    return moe.fused_moe(x, w13, w2, None, routing)
+
+
+def _moe_kernel(x: torch.Tensor, packed: PackedExperts, routing: moe.Routing) -> torch.Tensor | None:
+    ids, weights = routing.ids, routing.weights
+    if (
+        x.dtype != torch.float32
+        or not x.is_cpu
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or x.shape[0] == 0
+        or x.shape[1] != packed.hidden
+        or ids.dim() != 2
+        or ids.shape != weights.shape
+        or ids.shape[0] != x.shape[0]
+    ):
+        return None
+    tokens, k = ids.shape
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    y = torch.empty((tokens, packed.hidden), dtype=torch.float32)
+    status = _moe_f32().moe_f32(
+        x.data_ptr(),
+        x.stride(0) if tokens > 1 else packed.hidden,  # a single row's stride is whatever torch chose: unused
+        packed.w13.data_ptr(),
+        packed.w2.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        y.data_ptr(),
+        tokens,
+        k,
+        packed.w13.shape[0],
+        packed.hidden,
+        packed.intermediate,
+        torch.get_num_threads(),
+    )
+    return y if status == 0 else None
