@@ -16,6 +16,7 @@ from fastgen.kernels import clib, cpu, cpu_moe, moe
 
 from .helpers import require_tool
 
+REFERENCE = moe.fused_moe  # before forbid_reference replaces it
 EXPERTS = 8
 # hidden 80, intermediate 40: last panels short of 32 and 16 features (masked); 640 x 600: both GEMMs in two k blocks
 # (more than linear_f32.h's KC steps), the gated sums kept in a scratch between them
@@ -198,11 +199,26 @@ def test_wrong_arguments_are_declined(kernel):
     x, y = torch.randn(2, 80), torch.empty(2, 80)
     weights = torch.full((2, 2), 0.5)
     library = kernel._moe_f32()
-    for ids, status in (([[0, 3], [1, 8]], -1), ([[0, 3], [-1, 2]], -1), ([[0, 3], [1, 7]], 0)):
+    for ids, status in (([[0, 3], [1, 9]], -1), ([[0, 3], [-1, 2]], -1), ([[0, 3], [1, 7]], 0), ([[0, 8], [8, 8]], 0)):
         ids = torch.tensor(ids)
         args = (x.data_ptr(), 80, packed.w13.data_ptr(), packed.w2.data_ptr(), ids.data_ptr(), weights.data_ptr())
         assert library.moe_f32(*args, y.data_ptr(), 2, 2, EXPERTS, 80, 40, 1) == status, ids
     assert kernel.pack_experts(w13, w2[:, :, :39]) is None  # shapes that do not fit together
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_slots_of_another_ranks_experts_add_nothing(kernel, forbid_reference, tokens):
+    """Expert parallelism: an id equal to the number of experts held is a slot another rank computes. The kernel
+    skips it (its expert is not read) and the token's other slots sum as before; a token with no slot here gets 0."""
+    w13, w2 = layer(*SHAPES["small"])
+    packed = kernel.pack_experts(w13[:4], w2[:4])  # this rank holds experts 0-3 of 8
+    x = torch.randn(tokens, 80, generator=torch.Generator().manual_seed(tokens))
+    r = routing("uniform", tokens, 2, seed=tokens)
+    local = moe.Routing(r.weights, torch.where(r.ids < 4, r.ids, 4))
+    mine = moe.Routing(r.weights * (r.ids < 4), torch.where(r.ids < 4, r.ids, 0))  # the same sum, other slots zeroed
+    y = kernel.fused_moe(x, None, None, packed, local)
+    torch.testing.assert_close(y.double(), per_token(x, w13[:4], w2[:4], mine), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(y, REFERENCE(x, w13[:4], w2[:4], None, local), rtol=1e-5, atol=2e-5)
 
 
 def test_avx2_build_matches_the_native_build(kernel, tmp_path):

@@ -75,18 +75,19 @@ int moe_f32_available(void) { return 1; }
 
 /* x (tokens, hidden) at row stride x_stride; w13: per expert ceil(inter / 16) gated panels of hidden steps (cpu_moe.py
  * pack_experts); w2: per expert ceil(hidden / 32) panels of inter steps; ids, weights (tokens, k); y (tokens, hidden),
- * contiguous. Returns -1 on bad arguments (an expert id out of range included) or when memory cannot be had. */
+ * contiguous; an id equal to `experts` is a slot another rank computes (expert parallelism): it adds nothing. Returns
+ * -1 on bad arguments (an expert id out of range included) or when memory cannot be had. */
 int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2, const int64_t *ids,
             const float *weights, float *y, int tokens, int k, int experts, int hidden, int inter, int threads) {
     if (tokens <= 0 || k <= 0 || experts <= 0 || hidden <= 0 || inter <= 0 || x_stride < hidden) return -1;
     if ((int64_t)tokens * k > INT_MAX) return -1;
     const int pairs = tokens * k, p13 = (inter + NP / 2 - 1) / (NP / 2), p2 = (hidden + NP - 1) / NP;
     for (int i = 0; i < pairs; i++)
-        if (ids[i] < 0 || ids[i] >= experts) return -1;
+        if (ids[i] < 0 || ids[i] > experts) return -1;
 
     /* Pair i (token i / k, slot i % k) goes to row at[i] of the sorted order, which holds token row_token[at[i]];
-     * expert e's rows are [start[e], start[e + 1]). */
-    int *start = calloc((size_t)experts + 1, sizeof(int)), *at = malloc(sizeof(int) * pairs);
+     * expert e's rows are [start[e], start[e + 1]); a slot of another rank's expert has no row (at[i] = -1). */
+    int *start = calloc((size_t)experts + 2, sizeof(int)), *at = malloc(sizeof(int) * pairs);
     int *row_token = malloc(sizeof(int) * pairs), *next = malloc(sizeof(int) * experts);
     float *xs = malloc(sizeof(float) * pairs * hidden), *h = malloc(sizeof(float) * pairs * inter);
     float *out = malloc(sizeof(float) * pairs * hidden);
@@ -101,8 +102,8 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
             next[e] = start[e];
         }
         for (int i = 0; i < pairs; i++) {
-            at[i] = next[ids[i]]++;
-            row_token[at[i]] = i / k;
+            at[i] = ids[i] < experts ? next[ids[i]]++ : -1;
+            if (at[i] >= 0) row_token[at[i]] = i / k;
         }
     }
     threads = threads_for(threads, (int64_t)pairs * 3 * inter * hidden, MIN_WORK_PER_THREAD);
@@ -129,7 +130,7 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
         const int part = thread_index(), parts = thread_count();
         float *mine = scratch ? scratch + scratch_floats * part : 0;
         int lo, hi;
-        share(pairs, part, parts, &lo, &hi);
+        share(start[experts], part, parts, &lo, &hi);
         for (int r = lo; r < hi; r++)
             memcpy(xs + (int64_t)r * hidden, x + row_token[r] * x_stride, sizeof(float) * hidden);
 #pragma omp barrier
@@ -171,11 +172,13 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
             for (int c = 0; c < hidden; c += 16) {
                 const m16 mask = hidden - c >= 16 ? (m16)0xFFFF : (m16)((1u << (hidden - c)) - 1);
                 v16 sum = v16_zero();
-                for (int s = 0; s < k; s++) {
+                for (int s = 0, first = 1; s < k; s++) {
                     const int i = t * k + s;
+                    if (at[i] < 0) continue;
                     const v16 term = v16_mul_exact(v16_load_masked(mask, out + (int64_t)at[i] * hidden + c),
                                                    v16_set1(weights[i]));
-                    sum = s ? v16_add_exact(sum, term) : term;
+                    sum = first ? term : v16_add_exact(sum, term);
+                    first = 0;
                 }
                 v16_store_masked(y + (int64_t)t * hidden + c, mask, sum);
             }
