@@ -6,6 +6,7 @@ Same call signatures and results as the torch references in this package:
   kv head, so each cached block is read once per tile whatever the GQA ratio.
 - `rotary_write_kv`: rotates q and k and scatters rotated k and plain v into their cache slots, one pass.
 - `rms_norm` / `add_rms_norm`: one program per row, float32 statistics.
+- `fused_moe`: grouped GEMMs over the tokens sorted by expert, in kernels/triton_moe.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton.language as tl
 from .attention import AttentionMetadata
 from .norm import silu_mul
 from .table import TORCH_KERNELS, Kernels
+from .triton_moe import fused_moe, pack_experts
 
 LOG2_E = 1.4426950408889634
 
@@ -481,8 +483,8 @@ TRITON_KERNELS = Kernels(
     pack_gate_up=TORCH_KERNELS.pack_gate_up,
     linear_silu_mul=TORCH_KERNELS.linear_silu_mul,
     pack_quantized=TORCH_KERNELS.pack_quantized,  # quantized checkpoints are dequantized on CUDA
-    pack_experts=TORCH_KERNELS.pack_experts,
-    fused_moe=TORCH_KERNELS.fused_moe,
+    pack_experts=pack_experts,
+    fused_moe=fused_moe,
     argmax=TORCH_KERNELS.argmax,
     graph_safe=True,
 )
