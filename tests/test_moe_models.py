@@ -173,3 +173,26 @@ def test_a_rank_skips_the_slots_of_experts_it_does_not_hold():
             experts.load_expert(e, "up_proj", w13[e, 8:])
             experts.load_expert(e, "down_proj", w2[e])
     torch.testing.assert_close(shares[0](x, routing) + shares[1](x, routing), whole(x, routing))
+
+
+@pytest.mark.slow
+@pytest.mark.cuda(interpreted=True)
+def test_moe_matches_on_the_triton_kernels(moe_models):
+    """Triton's fused experts in the engine, the graphed decode path included (its alignment reads nothing on the
+    host): interpreted on a CPU, compiled on a GPU. Qwen2-MoE: a shared expert and a dense layer too."""
+    import os
+    import subprocess
+    import sys
+
+    from .test_model_families import TRITON_SCRIPT
+
+    pytest.importorskip("triton")
+    folder, prompts, refs = moe_models["qwen2-moe"]
+    env = dict(os.environ) if torch.cuda.is_available() else dict(os.environ, TRITON_INTERPRET="1")
+    arg = json.dumps([str(folder), prompts, NEW])
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, arg], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
