@@ -78,7 +78,7 @@ from vllm.inputs import TokensPrompt
 folder, dtype, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
 llm = LLM(model=folder, dtype=dtype, skip_tokenizer_init=True, max_num_batched_tokens=budget, max_model_len=4096,
           enable_prefix_caching=False, seed=0)
-print("ready", flush=True)
+print("RESULT ready", flush=True)
 for line in sys.stdin:
     prompts, gen = json.loads(line)
     params = SamplingParams(max_tokens=gen, min_tokens=gen, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -86,7 +86,7 @@ for line in sys.stdin:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-    print(json.dumps(elapsed), flush=True)
+    print("RESULT", json.dumps(elapsed), flush=True)
 """
 
 
@@ -102,16 +102,21 @@ class VllmWorker:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=folder,  # not the repository root, whose folders an interpreter started there would see first
         )
-        while (line := self.proc.stdout.readline()) and line.strip() != "ready":
-            pass
-        if not line:
-            raise RuntimeError("vLLM's worker exited before it was ready (its log is above)")
+        self.result()
+
+    def result(self) -> str:
+        """The worker's next answer; vLLM logs to the same stdout, so answers are the lines marked RESULT."""
+        while line := self.proc.stdout.readline():
+            if line.startswith("RESULT "):
+                return line.removeprefix("RESULT ").strip()
+        raise RuntimeError("vLLM's worker exited (its log is above)")
 
     def time(self, prompts, gen: int) -> float:
         self.proc.stdin.write(json.dumps([prompts, gen]) + "\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        return float(self.result())
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -2,8 +2,9 @@
 run by csrc/moe.c in one call per layer (grouping, every expert with tokens, the weighted sum); kernels/moe.py's torch
 reference wherever that kernel does not apply.
 
-bfloat16 experts stay on the reference: the only bf16 GEMM kernel here (csrc/linear.c) needs AMX, and elsewhere
-oneDNN per expert is what the reference runs already."""
+bfloat16 experts are reordered once at load into oneDNN's blocked layout and run expert by expert (those with
+tokens) through oneDNN, as dense bf16 layers without AMX are: F.linear would reorder each weight on every call. No
+grouped bf16 kernel exists here yet (the only bf16 GEMM in csrc/, linear.c, needs AMX)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import clib, moe
+from .norm import silu_mul
 
 
 @functools.cache
@@ -48,9 +50,12 @@ class PackedExperts:
         return torch.cat([gate, up], dim=1), w2
 
 
-def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
-    """float32 experts packed for the MoE kernel, or None where it does not run (no compiler, a CPU without AVX-512 or
-    AVX2, another dtype, shapes that do not fit together): the reference reads the plain weights there."""
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | OneDnnExperts | None:
+    """float32 experts packed for the MoE kernel, bfloat16 ones for oneDNN, or None where neither runs (no compiler, a
+    CPU without AVX-512 or AVX2 or bf16 support, shapes that do not fit together): the reference reads the plain
+    weights there."""
+    if w13.dtype == torch.bfloat16:
+        return pack_onednn(w13, w2)
     if (
         _moe_f32() is None
         or not (w13.dtype == w2.dtype == torch.float32)
@@ -70,6 +75,39 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
     return PackedExperts(packed13, down.permute(0, 1, 3, 2).contiguous(), hidden, inter)
 
 
+@dataclass(frozen=True)
+class OneDnnExperts:
+    """bfloat16 experts, each weight reordered once at load for oneDNN's linear (the plain weights are dropped)."""
+
+    w13: tuple[torch.Tensor, ...]  # per expert, gate/up (2 intermediate, hidden) in oneDNN's layout
+    w2: tuple[torch.Tensor, ...]  # per expert, down (hidden, intermediate)
+
+    @property
+    def holds_weight(self) -> bool:
+        return True
+
+
+def _onednn_bf16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_onednn(w13: torch.Tensor, w2: torch.Tensor) -> OneDnnExperts | None:
+    if not (w13.dtype == w2.dtype == torch.bfloat16 and w13.is_cpu and w2.is_cpu and _onednn_bf16()):
+        return None
+    # 512 rows: the size hint oneDNN tunes the layout for, as the dense layers' (a full SplitFuse budget)
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    return OneDnnExperts(*(tuple(reorder(w.contiguous(), 512) for w in ws.detach()) for ws in (w13, w2)))
+
+
+def _onednn_moe(x: torch.Tensor, packed: OneDnnExperts, routing: moe.Routing) -> torch.Tensor:
+    linear = torch.ops.mkldnn._linear_pointwise
+
+    def mlp(e: int, xs: torch.Tensor) -> torch.Tensor:
+        return linear(silu_mul(linear(xs, packed.w13[e], None, "none", [], "")), packed.w2[e], None, "none", [], "")
+
+    return moe.per_expert(x.to(torch.bfloat16), routing, len(packed.w13), mlp).to(x.dtype)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor | None,
@@ -79,6 +117,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """Same contract as moe.fused_moe (w13 and w2 may be None: packed.holds_weight): float32 through csrc/moe.c, each
     token's result bit for bit the dense float32 path's on its own; anything else through the reference."""
+    if isinstance(packed, OneDnnExperts):
+        return _onednn_moe(x, packed, routing)
     if isinstance(packed, PackedExperts):
         y = _moe_kernel(x, packed, routing)
         if y is not None:

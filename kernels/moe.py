@@ -9,6 +9,7 @@ sorts last."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,14 +81,22 @@ def fused_moe(
 
     The reference runs one GEMM pair per expert that has tokens; the backends' kernels do the same grouping in one
     call."""
+    return per_expert(x, routing, w13.shape[0], lambda e, xs: F.linear(silu_mul(F.linear(xs, w13[e])), w2[e]))
+
+
+def per_expert(
+    x: torch.Tensor, routing: Routing, experts: int, mlp: Callable[[int, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """fused_moe with each expert's MLP as mlp(e, its rows of x) -> (rows, hidden), called once per expert that has
+    tokens (a loop over experts, for backends without a grouped kernel for the dtype)."""
     tokens, k = routing.ids.shape
-    groups = group_by_expert(routing.ids, w13.shape[0])
+    groups = group_by_expert(routing.ids, experts)
     xs = x[groups.rows]  # (tokens * k, hidden) grouped by expert
-    out = torch.zeros(tokens * k, w2.shape[1], dtype=x.dtype, device=x.device)  # slots computed elsewhere: 0
-    for e in range(w13.shape[0]):
+    out = torch.zeros(tokens * k, x.shape[1], dtype=x.dtype, device=x.device)  # slots computed elsewhere: 0
+    for e in range(experts):
         lo, hi = groups.starts[e], groups.starts[e + 1]
         if lo < hi:
-            out[lo:hi] = F.linear(silu_mul(F.linear(xs[lo:hi], w13[e])), w2[e])
+            out[lo:hi] = mlp(e, xs[lo:hi])
     contributions = torch.empty_like(out)
     contributions[groups.order] = out
     return combine(contributions.view(tokens, k, -1), routing.weights, x.dtype)

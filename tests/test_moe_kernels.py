@@ -148,16 +148,24 @@ def test_torch_reference_matches_the_per_token_loop(dtype, tokens, k, kind):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_bfloat16_is_left_to_the_reference(tokens):
-    """No bfloat16 MoE kernel here (cpu_moe.py says why): nothing is packed and the CPU table runs the reference, which
-    stays within bfloat16's rounding of the per-token loop."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_experts_run_through_onednn_packed_once(tokens, kind):
+    """bfloat16 experts (cpu_moe.py says why not one grouped kernel): packed once for oneDNN where the CPU has bf16
+    (the plain weights dropped), expert by expert; within bfloat16's rounding of the per-token loop, as the
+    reference is. Where oneDNN has no bf16, nothing is packed and the reference serves."""
     w13, w2 = layer(*SHAPES["small"], dtype=torch.bfloat16)
-    assert cpu.CPU_KERNELS.pack_experts(w13, w2) is None
     x = torch.randn(tokens, SHAPES["small"][0]).bfloat16()
-    r = routing("uniform", tokens, 2)
-    y = cpu.CPU_KERNELS.fused_moe(x, w13, w2, None, r)
-    assert torch.equal(y, moe.fused_moe(x, w13, w2, None, r))
+    r = routing(kind, tokens, 2)
+    packed = cpu.CPU_KERNELS.pack_experts(w13, w2)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert isinstance(packed, cpu_moe.OneDnnExperts) and packed.holds_weight
+        y = cpu.CPU_KERNELS.fused_moe(x, None, None, packed, r)
+    else:
+        assert packed is None
+        y = cpu.CPU_KERNELS.fused_moe(x, w13, w2, None, r)
+    assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), per_token(x, w13, w2, r), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(y.double(), moe.fused_moe(x, w13, w2, None, r).double(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64])
