@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -519,20 +519,44 @@ def decode_step_ms(engine, steps: int) -> float:
 
 
 def weights_read_bytes(model) -> int:
-    """Bytes a decode step of one token must read: every weight once, except the embedding table (one row per token)
-    unless it is also the LM head, and of a mixture of experts' experts only the k its token is routed to."""
+    """Bytes a decode step of one token must read: every weight once, in the form its kernel reads (a packed form where
+    a layer has one), except the embedding table (one row per token; a tied LM head counts the form it reads), and of a
+    mixture of experts' experts only the k its token is routed to."""
     from ..replica.models.moe import FusedExperts
 
-    def size(module) -> int:
-        return sum(t.numel() * t.element_size() for t in module.parameters())
-
-    total = size(model)
-    if not model.config.tie_word_embeddings:
-        total -= size(model.embed_tokens)
-    experts = sum(size(m) for m in model.modules() if isinstance(m, FusedExperts))
+    total = weight_bytes(model, skip=model.embed_tokens)
+    experts = sum(weight_bytes(m) for m in model.modules() if isinstance(m, FusedExperts))
     if experts:
         total -= round(experts * (1 - model.config.moe.active_fraction()))
     return total
+
+
+def weight_bytes(module: torch.nn.Module, skip: torch.nn.Module | None = None) -> int:
+    """Bytes of the weights a module's kernels read, each storage once: a layer's packed form (or its quantized
+    blocks) in place of its plain weight, which a backend may keep beside it unread."""
+    held: dict[tuple[int, int], int] = {}
+    for m in module.modules():
+        if m is skip:
+            continue
+        form = getattr(m, "packed", None) or getattr(m, "quantized", None)
+        kernel_tensors = list(tensors_in(form))
+        plain = ("weight", "w13", "w2") if kernel_tensors else ()
+        own = [t for name, t in m.named_parameters(recurse=False) if name not in plain]
+        for t in kernel_tensors + own:
+            held[(t.data_ptr(), t.nbytes)] = t.nbytes
+    return sum(held.values())
+
+
+def tensors_in(form):
+    """The tensors inside a packed form (dataclasses, tuples and lists of them, nested)."""
+    if isinstance(form, torch.Tensor):
+        yield form
+    elif is_dataclass(form) and not isinstance(form, type):
+        for f in fields(form):
+            yield from tensors_in(getattr(form, f.name))
+    elif isinstance(form, (tuple, list)):
+        for item in form:
+            yield from tensors_in(item)
 
 
 def transformers_model(folder: Path, dtype: torch.dtype, device: str):

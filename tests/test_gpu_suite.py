@@ -62,3 +62,25 @@ def test_pytest_summary():
     assert s["counts"] == {"failed": 1, "passed": 7, "skipped": 1, "deselected": 500, "error": 1}
     assert s["failed"] == output.splitlines()[:2] and len(s["skipped"]) == 1
     assert s["summary"] == "1 failed, 7 passed, 1 skipped, 500 deselected, 1 error in 12.3s"
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_weights_read_counts_the_form_each_kernel_reads(tmp_path, family):
+    """On the CPU the linear layers hold their weights packed, not as parameters: the bound must still count them
+    (it once counted only the norms, and the MoE bound rounded to 0). Expected: transformers' own parameter bytes,
+    less the embedding table unless the LM head is tied to it, less the experts no token is routed to."""
+    from dataclasses import replace
+
+    folder = (gpu_suite.toy_model if family == "dense" else gpu_suite.toy_moe_model)(tmp_path / family)
+    plan = gpu_suite.dry_plan(folder, folder)
+    pipe = gpu_suite.build_pipeline(replace(plan, model=str(folder)), plan.offline_budget)
+    hf = gpu_suite.transformers_model(folder, plan.dtype, "cpu")
+    expected = sum(t.nbytes for t in hf.parameters())
+    if not hf.config.tie_word_embeddings:
+        expected -= hf.get_input_embeddings().weight.nbytes
+    experts = [t for name, t in hf.named_parameters() if ".experts." in name]
+    if family == "moe":
+        assert experts
+        active = hf.config.num_experts_per_tok / hf.config.num_experts
+        expected -= round(sum(t.nbytes for t in experts) * (1 - active))
+    assert gpu_suite.weights_read_bytes(pipe.engine.runner.model) == expected
