@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = args.requests * args.gen
     summary = dict(
         benchmark="moe",
-        **run_info("fastgen.benchmarks.moe", argv),
+        **run_info("moe", argv),
         dtype=args.dtype,
         threads=args.threads,
         model=dict(**SHAPE, experts=EXPERTS, per_token=PER_TOKEN, expert_intermediate=EXPERT_INTERMEDIATE),

@@ -490,6 +490,31 @@ def tensor_parallel() -> str:
     return rows(["", "wall s (3 runs)", "tokens/s", "ms per step", "all-reduce ms per step (rank 0 / 1)"], body)
 
 
+# ---- 13. mixture of experts ----
+MOE = ["moe/moe_fp32_zen4.json", "moe/moe_bf16_zen4.json"]
+
+
+def moe() -> str:
+    body = []
+    for rel in MOE:
+        d = load(rel)
+        step, off = d["decode_step_ms"], d["offline_s"]
+        fg = off["fastgen"]
+        cells = [
+            d["dtype"],
+            str(d["repeats"]),
+            f"{num(statistics.median(step['moe']))} / {num(statistics.median(step['dense']))} ms",
+            f"**{num(median([div(m, n) for m, n in zip(step['moe'], step['dense'])]))}×**",
+            f"{num(d['offline_tokens'] / statistics.median(fg), 1)} tok/s",
+        ]
+        for peer in ("transformers", "vllm"):
+            per = [div(b, a) for a, b in zip(fg, off[peer])]
+            cells.append(f"{per_repeat(per)}; **{num(median(per))}×**")
+        body.append(cells)
+    head = ["dtype", "repeats", "decode step MoE / dense (medians)", "MoE ÷ dense (median per repeat)"]
+    return rows(head + ["FastGen offline", "FastGen ÷ transformers per repeat; median", "FastGen ÷ vLLM"], body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "offline-transformers": offline_transformers,
     "offline-vllm": offline_vllm,
@@ -506,6 +531,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "slo-floors": slo_floors,
     "slo-provenance": slo_provenance,
     "tensor-parallel": tensor_parallel,
+    "moe": moe,
 }
 
 
