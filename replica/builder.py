@@ -50,7 +50,9 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
-    return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
+    return Engine(
+        runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens, config.speculative_config
+    )
 
 
 def quantized_source(config: EngineConfig, device: torch.device):

@@ -154,6 +154,7 @@ class SloScheduler(Scheduler):
     def observe(self, batch: Batch) -> None:
         """The step is done and its tokens are out: the step-time model learns the step's time, and every stream
         that got a token moves its deadline."""
+        super().observe(batch)
         now = self.clock()
         if batch.plan is not None:
             self.model.observe(batch.plan.shape, now - self._step_start)
@@ -167,7 +168,7 @@ class SloScheduler(Scheduler):
     @staticmethod
     def _token(stream: _Stream, now: float) -> None:
         if stream.last is not None:
-            d = now - stream.last
+            d = (now - stream.last) / max(1, stream.seq.num_generated - stream.tokens)  # a verify emits several
             stream.ema = d if stream.ema is None else stream.ema + ALPHA * (d - stream.ema)
             stream.behind = stream.behind or stream.ema > stream.gap
         stream.last = now
@@ -186,12 +187,16 @@ class SloScheduler(Scheduler):
         now = self._step_start = self.clock()
         scheduled: set[int] = set()
         decoding = self._decode_all(scheduled)
-        decodes, preempted = decoding.seqs, list(decoding.preempted)
+        decodes, verifies = self._speculate(decoding.seqs, self.config.max_batch_tokens - len(decoding.seqs))
+        preempted = list(decoding.preempted)
         shape = StepShape(0, len(decodes), sum(s.start + 1 for s in decodes), 0)
+        for v in verifies:  # as batch_shape counts them: chunks that continue their sequences
+            shape = shape.plus_chunk(v.start, len(v.token_ids))
         decode_s = self.model.predict(shape)
-        budget_s, floor_s = self._time_budget([self._streams[s.seq_id] for s in decodes], decode_s, now)
+        streams = [self._streams[s.seq_id] for s in decodes + verifies]
+        budget_s, floor_s = self._time_budget(streams, decode_s, now)
         self.overloaded = decode_s > floor_s
-        tokens = self.config.max_batch_tokens - len(decodes)
+        tokens = self.config.max_batch_tokens - len(decodes) - sum(len(v.token_ids) for v in verifies)
         fresh = min(tokens, OVERLOAD_CHUNK) if self.overloaded else tokens
         order = self._order(shape, budget_s, now, admit=not preempted)
         plan = _Fill(shape, decode_s, budget_s, tokens, fresh)
@@ -205,7 +210,7 @@ class SloScheduler(Scheduler):
             sum(1 for s in self._streams.values() if s.behind),
             self.model.drift,
         )
-        return Batch(decodes + chunks, len(decodes), preempted, plan=self._plan)
+        return Batch(decodes + verifies + chunks, len(decodes), preempted, plan=self._plan)
 
     def _fill(
         self, plan: _Fill, order: _Order, now: float, scheduled: set[int], preempted: list[int]
