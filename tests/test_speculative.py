@@ -21,7 +21,7 @@ from fastgen.replica.batch_broadcast import decode_batch, encode_batch
 from fastgen.replica.config import SpeculativeConfig, parse_speculative_config
 from fastgen.replica.ngram import propose
 from fastgen.replica.outputs import StepStats
-from fastgen.replica.request import FinishReason, Resume, SamplingParams
+from fastgen.replica.request import Constraint, FinishReason, Resume, SamplingParams
 from fastgen.server.metrics import ReplicaMetrics
 from fastgen.testing import make_tiny_model
 
@@ -69,11 +69,21 @@ def speculated(stats) -> tuple[int, int]:
     return proposed, accepted
 
 
+def same_logprobs(a, b) -> bool:
+    """The same tokens and alternatives, logprobs equal but for rounding (a verify's pass adds in another order)."""
+    pairs = [(x, y) for x, y in zip(a, b)] + [(t, u) for x, y in zip(a, b) for t, u in zip(x.top, y.top)]
+    return len(a) == len(b) and all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4 for x, y in pairs)
+
+
 def compare(model_dir, requests: dict, **kw) -> tuple[dict, list]:
-    """Runs requests with and without speculation, asserts the same outputs; returns the speculative run's."""
+    """Runs requests with and without speculation, asserts the same outputs (logprobs and prompt logprobs too);
+    returns the speculative run's."""
     plain, _ = run(make_engine(model_dir, spec=None, **kw), requests)
     final, stats = run(make_engine(model_dir, **kw), requests)
     assert tokens(final) == tokens(plain)
+    for key, out in final.items():
+        assert same_logprobs(out.logprobs, plain[key].logprobs), key
+        assert same_logprobs(out.prompt_logprobs, plain[key].prompt_logprobs), key
     proposed, accepted = speculated(stats)
     assert 0 < accepted < proposed  # proposals were verified both ways
     return final, stats
@@ -104,8 +114,12 @@ def test_penalties_bias_and_min_tokens_apply_at_every_verified_position(model_di
         min_p=0.05,
         top_k=20,
     )
-    greedy = SamplingParams(max_new_tokens=24, repetition_penalty=1.2, ignore_eos=True)
-    compare(model_dir, {"a": (PROMPTS[0], params), "b": (PROMPTS[1], greedy), "c": (PROMPTS[2], params)})
+    greedy = SamplingParams(max_new_tokens=24, repetition_penalty=1.2, ignore_eos=True, logprobs=3)
+    scored = SamplingParams(max_new_tokens=16, prompt_logprobs=2, ignore_eos=True)  # its prefill beside verifies
+    requests = {"a": (PROMPTS[0], params), "b": (PROMPTS[1], greedy), "c": (PROMPTS[2], params)}
+    final, _ = compare(model_dir, requests | {"d": (PROMPTS[0] * 2, scored)}, max_batch_tokens=16)
+    assert len(final["d", 0].prompt_logprobs) == 2 * len(PROMPTS[0]) - 1
+    assert len(final["b", 0].logprobs) == 24
 
 
 def test_preemption_and_n_completions(model_dir):
@@ -162,7 +176,17 @@ def test_resumed_stream_continues_as_uninterrupted(model_dir):
     assert final["x", 0].token_ids == ref.token_ids
 
 
-def test_disable_by_batch_size_and_constrained_requests_do_not_speculate(model_dir):
+def test_constrained_requests_do_not_speculate(tiny_model_dir):
+    """A grammar must accept each proposal before the next mask exists: a constrained request decodes token by token
+    while one beside it, with the same prompt, speculates."""
+    regex = SamplingParams(max_new_tokens=12, constraint=Constraint("regex", "(ab ){6}"))
+    prompt = [100, 200, 300, 400] * 5
+    final, stats = run(make_engine(tiny_model_dir), {"c": (prompt, regex)})
+    assert final["c", 0].text.startswith("ab ab") and speculated(stats)[0] == 0
+    assert speculated(run(make_engine(tiny_model_dir), {"free": (prompt, GREEDY)})[1])[0] > 0
+
+
+def test_disable_by_batch_size(model_dir):
     spec = {**SPEC, "disable_by_batch_size": 2}
     engine = make_engine(model_dir, spec=spec)
     for i, p in enumerate(PROMPTS):
