@@ -32,7 +32,7 @@ from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
 from .prefix_cache import extend_hashes
 from .request import SeqStatus, Sequence
-from .speculative import Speculation
+from .speculative import AcceptanceRate, Speculation
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Scheduler:
         self._watermark_blocks = max(1, int(allocator.num_blocks * config.watermark)) if config.watermark else 0
         self._schedule = self._schedules()[config.policy]
         self.speculation: Speculation | None = None  # set by an engine that speculates
+        self.acceptance = AcceptanceRate()  # of the proposals verified lately
 
     def _schedules(self) -> dict[str, Callable[[], Batch]]:
         """The schedules this class builds, by policy name (a subclass adds its own)."""
@@ -151,15 +152,16 @@ class Scheduler:
     def observe(self, batch: Batch) -> None:
         """Called by the engine once the step that ran `batch` has sampled and emitted its tokens. The fixed
         schedules learn nothing from it; verified sequences settle."""
-        verified = {s.seq_id for s in batch.seqs if s.num_draft}
+        verified = {s.seq_id: s.num_draft for s in batch.seqs if s.num_draft}
         for seq in [s for s in self.running if s.seq_id in verified] if verified else ():
-            self._settle(seq)
+            self._settle(seq, verified[seq.seq_id])
 
-    def _settle(self, seq: Sequence) -> None:
+    def _settle(self, seq: Sequence, proposed: int) -> None:
         """A verified sequence after its step: every token but the last emitted one is computed (its decode token
         and the accepted proposals); the blocks those fill are published and those past its tokens freed."""
         start = seq.num_computed
         seq.num_computed = seq.num_tokens - 1
+        self.acceptance.add(proposed, seq.num_computed - start)
         self._publish(seq, start)
         self.allocator.shrink(seq.block_table, seq.num_tokens)
 
@@ -216,29 +218,40 @@ class Scheduler:
 
     def _speculate(self, decodes: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
         """(plain decodes, verifies): the decodes, oldest first, extended by the tokens proposed for them while
-        `budget` (tokens beyond the decodes' own) lasts. A proposal never lets a sequence pass max_new_tokens, even
-        if every token is accepted, and takes only free blocks."""
+        `budget` (tokens beyond the decodes' own) lasts, when the step is worth it. A proposal never lets a sequence
+        pass max_new_tokens, even if every token is accepted, and takes only free blocks."""
         spec = self.speculation
         if spec is None or not decodes or not spec.config.speculates(len(self.running)):
             return decodes, []
         by_id = {s.seq_id: s for s in self.running}
-        plain, verifies = [], []
+        drafts: dict[int, list[int]] = {}
         for d in decodes:
             seq = by_id[d.seq_id]
             limit = min(spec.config.num_speculative_tokens, budget, seq.max_tokens - seq.num_tokens - 1)
             draft = spec.propose(seq, limit)[:limit] if limit > 0 else []
-            draft = draft[: self.allocator.tokens_fitting(seq.block_table, seq.num_computed)]
+            if draft:
+                drafts[d.seq_id] = draft
+                budget -= len(draft)
+        if not drafts or not self._worth_verifying(decodes, drafts):
+            return decodes, []
+        plain, verifies = [], []
+        for d in decodes:
+            seq = by_id[d.seq_id]
+            draft = drafts.get(d.seq_id, [])[: self.allocator.tokens_fitting(seq.block_table, seq.num_computed)]
             if not draft:
                 plain.append(d)
                 continue
             self.allocator.allocate(seq.block_table, seq.num_computed + len(draft))
+            block_table = list(seq.block_table)
             verifies.append(
-                dataclasses.replace(
-                    d, token_ids=d.token_ids + draft, block_table=list(seq.block_table), num_draft=len(draft)
-                )
+                dataclasses.replace(d, token_ids=d.token_ids + draft, block_table=block_table, num_draft=len(draft))
             )
-            budget -= len(draft)
         return plain, verifies
+
+    def _worth_verifying(self, decodes: list[ScheduledSeq], drafts: dict[int, list[int]]) -> bool:
+        """Whether the step verifies the tokens proposed for these decodes (by seq id). The fixed schedules have no
+        step-time model to ask: they always do, disable_by_batch_size aside."""
+        return True
 
     def _admit(
         self, budget: int, scheduled: set[int], whole_prompts: bool, reserve_lifetime: bool = False

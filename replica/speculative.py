@@ -10,6 +10,26 @@ from dataclasses import dataclass
 from .config import SpeculativeConfig
 from .request import Sequence
 
+# The weight a verify's counts keep in AcceptanceRate per later verify: about the last 50 count.
+ACCEPTANCE_DECAY = 0.98
+
+
+@dataclass
+class AcceptanceRate:
+    """The share of proposed tokens accepted lately, from decaying counts; a half before any (the prior's weight is
+    two proposals, so the first verifies move it at once)."""
+
+    proposed: float = 2.0
+    accepted: float = 1.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed = self.proposed * ACCEPTANCE_DECAY + proposed
+        self.accepted = self.accepted * ACCEPTANCE_DECAY + accepted
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.proposed
+
 
 @dataclass(frozen=True)
 class Speculation:

@@ -22,6 +22,9 @@ from fastgen.replica.config import SpeculativeConfig, parse_speculative_config
 from fastgen.replica.ngram import propose
 from fastgen.replica.outputs import StepStats
 from fastgen.replica.request import Constraint, FinishReason, Resume, SamplingParams
+from fastgen.replica.slo_scheduler import PROBE_EVERY
+from fastgen.replica.speculative import AcceptanceRate
+from fastgen.replica.step_model import StepModel
 from fastgen.server.metrics import ReplicaMetrics
 from fastgen.testing import make_tiny_model
 
@@ -163,6 +166,24 @@ def test_slo_scheduler_counts_verify_tokens(model_dir):
     verified = [s for s in stats if s.spec_drafts]
     # The plan's shape counts a verify's tokens as a chunk continuing its sequence (as batch_shape does).
     assert all(s.plan.shape.prompt_tokens >= s.spec_draft_tokens + s.spec_drafts for s in verified)
+
+
+@pytest.mark.parametrize("verify_cost", [1e-5, 0.1])  # seconds per verify token: cheap, and dearer than a step
+def test_slo_scheduler_verifies_when_its_step_model_says_it_pays(model_dir, verify_cost):
+    """The slo scheduler asks its step-time model whether verifying raises tokens per second; when the model says
+    verify tokens cost far more than the tokens they may save, it verifies only every PROBE_EVERY-th time."""
+    requests = {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    plain, _ = run(make_engine(model_dir, spec=None, scheduler="slo"), requests)
+    engine = make_engine(model_dir, scheduler="slo")
+    engine.scheduler.model = StepModel((0.01, verify_cost, 1e-4, 0.0, 0.0), learn=False)
+    final, stats = run(engine, requests)
+    assert tokens(final) == tokens(plain)
+    verified = sum(1 for s in stats if s.spec_drafts)
+    if verify_cost < 1e-3:
+        assert verified > len(stats) // 2
+    else:
+        assert 0 < verified <= len(stats) // PROBE_EVERY + 1
+    assert engine.scheduler.acceptance.rate != AcceptanceRate().rate  # the settled verifies were counted
 
 
 def test_resumed_stream_continues_as_uninterrupted(model_dir):
