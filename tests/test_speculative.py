@@ -7,7 +7,9 @@ some accepted and some rejected, in every test."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ from fastgen.replica.speculative import AcceptanceRate
 from fastgen.replica.step_model import StepModel
 from fastgen.server.metrics import ReplicaMetrics
 from fastgen.testing import make_tiny_model
+
+from .tp_ranks import init, run_ranks
 
 VOCAB = 64
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -237,6 +241,46 @@ def test_step_stats_become_spec_decode_counters(model_dir):
     assert value("num_accepted_tokens") == sum(s.spec_accepted_tokens for s in stats) > 0
     first = sum(s.spec_accepted_per_pos[0] for s in stats if s.spec_accepted_per_pos)
     assert value("num_accepted_tokens_per_pos", position="0") == first > 0
+
+
+def spec_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    """Rank 0 runs PROMPTS greedy through a speculating tp=2 engine; rank 1 follows."""
+    from fastgen.replica.batch_broadcast import BatchBroadcast
+    from fastgen.replica.builder import build_engine, build_runner
+    from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
+    from fastgen.replica.parallel import TPGroup
+
+    init(rank, world, port)
+    tp, channel = TPGroup(rank, world), BatchBroadcast(rank)
+    config = EngineConfig(
+        model=model,
+        dtype="float32",
+        progress=False,
+        scheduler=SchedulerConfig(max_batch_tokens=16, max_seqs=16),
+        cache=CacheConfig(block_size=4, num_blocks=128),
+        speculative_config=parse_speculative_config(SPEC),
+    )
+    if rank == 0:
+        final, stats = run(build_engine(config, tp, channel), {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
+        channel.stop()
+        result = {"tokens": [final[str(i), 0].token_ids for i in range(len(PROMPTS))], "spec": speculated(stats)}
+        Path(out).write_text(json.dumps(result))
+    else:
+        runner, _ = build_runner(config, tp, channel)
+        runner.follow()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned ranks load torch and the model: about 10 s
+def test_tp2_verifies_on_every_rank(model_dir, tmp_path):
+    out = tmp_path / "tokens.json"
+    run_ranks(spec_rank, str(model_dir), str(out), timeout=150)
+    result = json.loads(out.read_text())
+    plain, _ = run(
+        make_engine(model_dir, spec=None, max_batch_tokens=16), {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    )
+    assert result["tokens"] == [plain[str(i), 0].token_ids for i in range(len(PROMPTS))]
+    assert 0 < result["spec"][1] < result["spec"][0]
 
 
 def test_verify_rows_cross_the_tensor_parallel_broadcast():
