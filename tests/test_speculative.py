@@ -289,6 +289,20 @@ def test_verify_rows_cross_the_tensor_parallel_broadcast():
     assert decode_batch(encode_batch(batch)) == batch
 
 
+@pytest.mark.slow  # SmolLM2-135M in float32 generating 2 x 32 tokens twice: about 15 s
+def test_smollm2_copying_greedy_same_tokens():
+    from fastgen.benchmarks.speculative import copying_prompts
+
+    prompts = copying_prompts(2, words=40)
+    outs = {}
+    for name, spec in (("plain", None), ("ngram", SPEC)):
+        pipe = pipeline("smollm2-135m", dtype="float32", max_batch_tokens=16, speculative_config=spec, progress=False)
+        outs[name] = [o.token_ids for o in pipe(prompts, max_new_tokens=32)]
+        stats = pipe.engine.scheduler.acceptance
+    assert outs["ngram"] == outs["plain"]
+    assert stats.rate > 0.3  # the passages are copied: most proposals hold
+
+
 # ---- the distribution of sampled outputs ------------------------------------------------------------------------
 def chi_square_p(a: Counter, b: Counter) -> float:
     """The p-value of Pearson's chi-square test that two samples of tokens come from one distribution (categories
