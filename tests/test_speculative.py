@@ -8,6 +8,7 @@ some accepted and some rejected, in every test."""
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -400,3 +401,25 @@ def test_ngram_proposals():
     assert propose([1, 2, 3], k=4, lookup_min=1, lookup_max=3) == []
     assert propose([7, 7], k=4, lookup_min=1, lookup_max=3) == [7]  # what follows, up to the end
     assert propose([], k=4, lookup_min=1, lookup_max=3) == []
+
+
+def test_ngram_search_equals_a_plain_scan():
+    """The packed-bytes search against the obvious loop, on random sequences of small and large token ids (a match
+    across token boundaries in the bytes must not count)."""
+
+    def scan(tokens, k, lo, hi):
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            for end in range(len(tokens) - 2, n - 2, -1):
+                if tokens[end - n + 1 : end + 1] == tokens[len(tokens) - n :]:
+                    return tokens[end + 1 : end + 1 + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 300, 70000, 2**31 - 1])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        assert propose(tokens, k, lo, hi) == scan(tokens, k, lo, hi), (tokens, k, lo, hi)
+    # 256, 0 packed little-endian hold 1's bytes across their boundary, later than the real 1 at index 0.
+    assert propose([1, 7, 256, 0, 9, 1], k=2, lookup_min=1, lookup_max=1) == [7, 256]
