@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(dtype=args.dtype, max_batch_tokens=args.max_batch_tokens, prefix_caching=False, progress=False)
     systems = {
         "plain": pipeline(args.model, **common),
-        "ngram": pipeline(args.model, speculative_config=args.speculative_config, **common),
+        "speculative": pipeline(args.model, speculative_config=args.speculative_config, **common),
     }
     prompts = copying_prompts(args.requests, args.words)
     for pipe in systems.values():
@@ -155,8 +155,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             acceptance_rate=accepted / proposed if proposed else None,
             accepted_per_verify=accepted / verified if verified else None,
         )
-    out["speedup"] = out["ngram"]["median_tokens_per_s"] / out["plain"]["median_tokens_per_s"]
-    out["same_tokens"] = all(a["outputs"] == b["outputs"] for a, b in zip(runs["plain"], runs["ngram"]))
+    out["speedup"] = out["speculative"]["median_tokens_per_s"] / out["plain"]["median_tokens_per_s"]
+    out["same_tokens"] = all(a["outputs"] == b["outputs"] for a, b in zip(runs["plain"], runs["speculative"]))
     return out
 
 
@@ -165,9 +165,9 @@ def print_summary(report: dict) -> None:
         f"{report['model']} {report['dtype']}, {report['requests']} requests x {report['max_new_tokens']} tokens, "
         f"{report['repeats']} repeats, {report['threads']} threads"
     )
-    print(f"{'streams':>7} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>8} {'accept':>7} {'per verify':>10} same")
+    print(f"{'streams':>7} {'plain tok/s':>12} {'spec tok/s':>12} {'ratio':>8} {'accept':>7} {'per verify':>10} same")
     for streams, level in report["levels"].items():
-        plain, spec = level["plain"], level["ngram"]
+        plain, spec = level["plain"], level["speculative"]
         rate = spec["acceptance_rate"]
         per = spec["accepted_per_verify"]
         print(

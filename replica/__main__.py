@@ -121,7 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=speculative,
         default=None,
         help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (optional "disable_by_batch_size": N); default: off',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\' (optional "disable_by_batch_size": N); default: off',
     )
     p.add_argument(
         "--max-batch-tokens",

@@ -155,12 +155,14 @@ class CacheConfig:
 
 # Speculative decoding (vLLM's `speculative_config`), e.g.
 #     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-# A speculating decode proposes up to num_speculative_tokens tokens (replica/ngram.py) and the next pass verifies them
-# with the decode's own token, as a chunk of 1 + k tokens (docs/speculative.md). disable_by_batch_size (vLLM's key)
-# turns proposals off for a step once that many sequences run: verifying then costs the batch more than it saves.
-METHODS = ("ngram",)  # draft_model is issue 49's second method, not built yet
+# A speculating decode proposes up to num_speculative_tokens tokens (replica/ngram.py, replica/draft_model.py) and
+# the next pass verifies them with the decode's own token, as a chunk of 1 + k tokens (docs/speculative.md).
+# disable_by_batch_size (vLLM's key) turns proposals off for a step once that many sequences run: verifying then
+# costs the batch more than it saves.
+# ngram: proposals from the sequence's own tokens; draft_model: from a smaller model with the same vocabulary.
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # rows of logits a decode may ask for in one pass
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
@@ -170,10 +172,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest suffix of the sequence looked up earlier in it
     prompt_lookup_min: int = 1  # the shortest
     disable_by_batch_size: int | None = None  # no proposals in a step with at least this many sequences running
+    model: str | None = None  # draft_model: the draft (an alias, Hugging Face folder or .gguf file, as --model)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config method draft_model needs a model: the draft's alias, folder or file")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config model is the draft of method draft_model: ngram takes none")
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

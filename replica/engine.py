@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ngram
 from .batch import Batch
 from .config import SpeculativeConfig
 from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
+from .draft_model import DraftProposer
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
+from .ngram import NgramProposer
 from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob, TopLogprob
 from .prompts import Prompt, PromptEncoder
 from .request import FinishReason, Resume, SamplingParams, Sequence, Slo
@@ -95,7 +96,9 @@ class Engine:
         eos_token_ids: list[int],
         default_max_new_tokens: int = 256,
         speculative_config: SpeculativeConfig | None = None,
+        draft: ModelRunner | None = None,
     ) -> None:
+        """draft: the draft model's runner, for speculative_config method draft_model."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -109,9 +112,11 @@ class Engine:
         self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
         self.constraints = Constraints(tokenizer, model_config.vocab_size, eos_token_ids)
         self._scoring = 0  # unfinished requests that ask for prompt logprobs: 0 skips looking for them in a step
-        self.speculative_config = speculative_config
         if speculative_config is not None:
-            scheduler.speculation = Speculation(speculative_config, self._propose)
+            config = speculative_config
+            ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self._proposer = DraftProposer(draft) if config.method == "draft_model" else ngram
+            scheduler.speculation = Speculation(config, self._propose)
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -285,13 +290,11 @@ class Engine:
         self.scheduler.observe(batch)
         return StepResult(outputs, self._stats(batch, accepted, now - forward_start, start))
 
-    def _propose(self, seq: Sequence, limit: int) -> list[int]:
-        """Up to `limit` tokens proposed for seq. None for a constrained completion: its grammar would have to accept
-        each proposal before the mask of the next position exists, so it does not speculate."""
-        c, config = self._by_seq[seq.seq_id], self.speculative_config
-        if c.matcher is not None:
-            return []
-        return ngram.propose(seq.token_ids, limit, config.prompt_lookup_min, config.prompt_lookup_max)
+    def _propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] tokens proposed for seqs[i]. None for a constrained completion: its grammar would have to
+        accept each proposal before the mask of the next position exists, so it does not speculate."""
+        limits = [0 if self._by_seq[s.seq_id].matcher is not None else n for s, n in zip(seqs, limits)]
+        return self._proposer.propose(seqs, limits)
 
     def _mark_prompt_logprobs(self, batch: Batch) -> Batch:
         """The batch with the prompt chunks of requests that ask for prompt logprobs marked all_logits."""

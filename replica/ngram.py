@@ -38,3 +38,14 @@ def _rfind(haystack: bytes, needle: bytes, end: int) -> int | None:
             return at // _WORD
         end = at + len(needle) - 1  # a match across token boundaries: look further left
     return None
+
+
+class NgramProposer:
+    """speculative_config method ngram, as the engine's proposer: each sequence's proposals from its own tokens."""
+
+    def __init__(self, lookup_min: int, lookup_max: int) -> None:
+        self.lookup_min = lookup_min
+        self.lookup_max = lookup_max
+
+    def propose(self, seqs, limits: list[int]) -> list[list[int]]:
+        return [propose(s.token_ids, n, self.lookup_min, self.lookup_max) if n else [] for s, n in zip(seqs, limits)]

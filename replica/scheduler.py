@@ -161,6 +161,7 @@ class Scheduler:
         and the accepted proposals); the blocks those fill are published and those past its tokens freed."""
         start = seq.num_computed
         seq.num_computed = seq.num_tokens - 1
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # the draft's KV of rejected tokens
         self.acceptance.add(proposed, seq.num_computed - start)
         self._publish(seq, start)
         self.allocator.shrink(seq.block_table, seq.num_tokens)
@@ -224,24 +225,30 @@ class Scheduler:
         if spec is None or not decodes or not spec.config.speculates(len(self.running)):
             return decodes, []
         by_id = {s.seq_id: s for s in self.running}
-        drafts: dict[int, list[int]] = {}
+        asked: list[Sequence] = []
+        limits: list[int] = []
         for d in decodes:
             seq = by_id[d.seq_id]
-            limit = min(spec.config.num_speculative_tokens, budget, seq.max_tokens - seq.num_tokens - 1)
-            draft = spec.propose(seq, limit)[:limit] if limit > 0 else []
-            if draft:
-                drafts[d.seq_id] = draft
-                budget -= len(draft)
-        if not drafts or not self._worth_verifying(decodes, drafts):
-            return decodes, []
+            room = self.allocator.tokens_fitting(seq.block_table, seq.num_computed)
+            limit = min(spec.config.num_speculative_tokens, budget, seq.max_tokens - seq.num_tokens - 1, room)
+            if limit > 0:
+                self.allocator.allocate(seq.block_table, seq.num_computed + limit)
+                asked.append(seq)
+                limits.append(limit)
+                budget -= limit
+        proposed = spec.propose(asked, limits) if asked else []
+        drafts = {s.seq_id: p[:n] for s, p, n in zip(asked, proposed, limits) if p}
+        if drafts and not self._worth_verifying(decodes, drafts):
+            drafts = {}
         plain, verifies = [], []
         for d in decodes:
             seq = by_id[d.seq_id]
-            draft = drafts.get(d.seq_id, [])[: self.allocator.tokens_fitting(seq.block_table, seq.num_computed)]
+            draft = drafts.get(d.seq_id, [])
+            self.allocator.shrink(seq.block_table, seq.num_computed + len(draft))  # the blocks proposals left unused
             if not draft:
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # a draft's proposals, unused
                 plain.append(d)
                 continue
-            self.allocator.allocate(seq.block_table, seq.num_computed + len(draft))
             block_table = list(seq.block_table)
             verifies.append(
                 dataclasses.replace(d, token_ids=d.token_ids + draft, block_table=block_table, num_draft=len(draft))
@@ -342,7 +349,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
+        seq.num_computed = seq.num_draft_computed = 0  # recompute prompt + generated tokens when readmitted
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

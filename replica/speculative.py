@@ -1,6 +1,6 @@
 """Speculative decoding's seam between the engine and the scheduler (no torch). The settings, vLLM's
-`speculative_config`, are SpeculativeConfig (config.py); the n-gram proposer is ngram.py; docs/speculative.md says
-how proposals are verified within a SplitFuse pass."""
+`speculative_config`, are SpeculativeConfig (config.py); the proposers are ngram.py and draft_model.py;
+docs/speculative.md says how proposals are verified within a SplitFuse pass."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class AcceptanceRate:
 
 @dataclass(frozen=True)
 class Speculation:
-    """What a scheduler speculates with: the settings, and the engine's proposer, (sequence, at most) -> tokens."""
+    """What a scheduler speculates with: the settings, and the engine's proposer: (sequences, at most how many tokens
+    for each) -> the tokens proposed for each. KV blocks for the proposals are allocated before it is called (a draft
+    model writes its own KV at their positions)."""
 
     config: SpeculativeConfig
-    propose: Callable[[Sequence, int], list[int]]
+    propose: Callable[[list[Sequence], list[int]], list[list[int]]]

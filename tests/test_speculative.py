@@ -83,17 +83,17 @@ def same_logprobs(a, b) -> bool:
     return len(a) == len(b) and all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4 for x, y in pairs)
 
 
-def compare(model_dir, requests: dict, **kw) -> tuple[dict, list]:
+def compare(model_dir, requests: dict, spec=SPEC, both_ways=True, **kw) -> tuple[dict, list]:
     """Runs requests with and without speculation, asserts the same outputs (logprobs and prompt logprobs too);
     returns the speculative run's."""
     plain, _ = run(make_engine(model_dir, spec=None, **kw), requests)
-    final, stats = run(make_engine(model_dir, **kw), requests)
+    final, stats = run(make_engine(model_dir, spec=spec, **kw), requests)
     assert tokens(final) == tokens(plain)
     for key, out in final.items():
         assert same_logprobs(out.logprobs, plain[key].logprobs), key
         assert same_logprobs(out.prompt_logprobs, plain[key].prompt_logprobs), key
     proposed, accepted = speculated(stats)
-    assert 0 < accepted < proposed  # proposals were verified both ways
+    assert proposed > 0 and (0 < accepted < proposed or not both_ways)  # proposals were verified both ways
     return final, stats
 
 
@@ -304,6 +304,52 @@ def test_smollm2_copying_greedy_same_tokens():
     assert stats.rate > 0.3  # the passages are copied: most proposals hold
 
 
+# ---- draft model -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    """A draft that is not the model: one layer, other weights, the same vocabulary."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft") / "llama", vocab=VOCAB, layers=1, seed=1)
+
+
+def draft(path, k=3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("budget", [64, 6])
+def test_a_draft_of_the_model_itself_has_every_greedy_proposal_accepted(model_dir, budget):
+    """The model as its own draft proposes what greedy decoding picks: every proposal is accepted, through split
+    prompts, preemption (a small pool) and the prefix cache (then a prompt that is an earlier one's output, in the
+    same engine), which holds only when the draft's KV is kept right through all of them. A sampled request beside
+    them rejects some."""
+    kw = {"max_batch_tokens": budget, "num_blocks": 20}
+    first = {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    engine = make_engine(model_dir, spec=draft(model_dir), **kw)
+    final, stats = run(engine, first)
+    assert tokens(final) == tokens(run(make_engine(model_dir, spec=None, **kw), first)[0])
+    assert speculated(stats)[0] == speculated(stats)[1] > 0
+    assert any(o.num_preemptions for o in final.values())
+    kw["num_blocks"] = 64
+    engine = make_engine(model_dir, spec=draft(model_dir), **kw)
+    run(engine, {"0": first["0"]})
+    follow = {"f": (PROMPTS[0] + final["0", 0].token_ids + [5], GREEDY), "s": (PROMPTS[2], SEEDED)}
+    again, stats = run(engine, follow)
+    assert again["f", 0].cached_prompt_tokens >= len(PROMPTS[0]) + 28
+    assert tokens(again) == tokens(run(make_engine(model_dir, spec=None, prefix_caching=False, **kw), follow)[0])
+    proposed, accepted = speculated(stats)
+    assert 0 < accepted < proposed
+
+
+def test_another_draft_gives_the_same_tokens(model_dir, other_dir):
+    n2 = SamplingParams(max_new_tokens=20, temperature=0.4, seed=2, n=2, ignore_eos=True, logprobs=1)
+    requests = {"a": (PROMPTS[0], GREEDY), "b": (PROMPTS[1], n2), "c": (PROMPTS[2], SEEDED)}
+    compare(model_dir, requests, spec=draft(other_dir, k=4), max_batch_tokens=12, num_blocks=48, both_ways=False)
+
+
+def test_a_draft_must_share_the_vocabulary(model_dir, tiny_model_dir):
+    with pytest.raises(ValueError, match="vocabulary of 49152 tokens, the model 64"):
+        make_engine(model_dir, spec=draft(tiny_model_dir))
+
+
 # ---- the distribution of sampled outputs ------------------------------------------------------------------------
 def chi_square_p(a: Counter, b: Counter) -> float:
     """The p-value of Pearson's chi-square test that two samples of tokens come from one distribution (categories
@@ -364,13 +410,15 @@ def test_config_parses_vllm_keys():
         ("{bad", "not valid JSON"),
         ("[1]", "must be a JSON object"),
         ({"num_speculative_tokens": 2}, "needs a method"),
-        ({"method": "eagle"}, "method must be one of ngram"),
+        ({"method": "eagle"}, "method must be one of ngram, draft_model"),
         ({"method": "ngram", "num_lookahead": 2}, "unknown speculative_config key 'num_lookahead'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer"),
         ({"method": "ngram", "num_speculative_tokens": 99}, "at most 16"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min (3) exceeds"),
         ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size must be an integer >= 1"),
+        ({"method": "draft_model"}, "draft_model needs a model"),
+        ({"method": "ngram", "model": "x"}, "ngram takes none"),
     ],
 )
 def test_config_errors_name_the_key(value, message):
