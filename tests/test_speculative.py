@@ -244,8 +244,9 @@ def test_step_stats_become_spec_decode_counters(model_dir):
     assert value("num_accepted_tokens_per_pos", position="0") == first > 0
 
 
-def spec_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
-    """Rank 0 runs PROMPTS greedy through a speculating tp=2 engine; rank 1 follows."""
+def spec_rank(rank: int, world: int, port: int, model: str, out: str, spec: str) -> None:
+    """Rank 0 runs PROMPTS greedy through a speculating tp=2 engine (a draft model on rank 0 alone); rank 1
+    follows."""
     from fastgen.replica.batch_broadcast import BatchBroadcast
     from fastgen.replica.builder import build_engine, build_runner
     from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -259,7 +260,7 @@ def spec_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
         progress=False,
         scheduler=SchedulerConfig(max_batch_tokens=16, max_seqs=16),
         cache=CacheConfig(block_size=4, num_blocks=128),
-        speculative_config=parse_speculative_config(SPEC),
+        speculative_config=parse_speculative_config(spec),
     )
     if rank == 0:
         final, stats = run(build_engine(config, tp, channel), {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
@@ -273,15 +274,17 @@ def spec_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
 
 
 @pytest.mark.slow  # two spawned ranks load torch and the model: about 10 s
-def test_tp2_verifies_on_every_rank(model_dir, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_verifies_on_every_rank(model_dir, other_dir, tmp_path, method):
     out = tmp_path / "tokens.json"
-    run_ranks(spec_rank, str(model_dir), str(out), timeout=150)
+    spec = SPEC if method == "ngram" else draft(other_dir)
+    run_ranks(spec_rank, str(model_dir), str(out), json.dumps(spec), timeout=150)
     result = json.loads(out.read_text())
     plain, _ = run(
         make_engine(model_dir, spec=None, max_batch_tokens=16), {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)}
     )
     assert result["tokens"] == [plain[str(i), 0].token_ids for i in range(len(PROMPTS))]
-    assert 0 < result["spec"][1] < result["spec"][0]
+    assert result["spec"][0] > 0 and result["spec"][1] < result["spec"][0]
 
 
 def test_verify_rows_cross_the_tensor_parallel_broadcast():
