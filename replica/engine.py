@@ -404,10 +404,10 @@ class Engine:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             logit_bias=p.logit_bias,
-            output_ids=c.output_ids + draft
-            if draft
-            else c.output_ids,  # the lists themselves: the sampler only reads them
-            context_ids=seq.token_ids + draft if draft else seq.token_ids,
+            # The lists themselves (the sampler only reads them); behind a verify's proposals, copies with them, made
+            # only where a penalty reads them.
+            output_ids=c.output_ids + draft if draft and (p.presence_penalty or p.frequency_penalty) else c.output_ids,
+            context_ids=seq.token_ids + draft if draft and p.repetition_penalty != 1.0 else seq.token_ids,
             logprobs=p.logprobs,
         )
 
