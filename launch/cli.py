@@ -180,6 +180,12 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         "(vLLM's flag)",
     )
     p.add_argument(
+        "--speculative-config",
+        default=d.speculative_config,
+        help='speculative decoding on every replica, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
+    )
+    p.add_argument(
         "--max-batch-tokens",
         type=int,
         default=d.max_batch_tokens,

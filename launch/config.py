@@ -33,6 +33,7 @@ from ..replica.config import (
     EngineConfig,
     SchedulerConfig,
     default_max_batch_tokens,
+    parse_speculative_config,
     preset_path,
 )
 from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
@@ -72,6 +73,7 @@ class DeployConfig:
     quantization: str = EngineConfig.quantization
     enforce_eager: bool = EngineConfig.enforce_eager
     enable_expert_parallel: bool = EngineConfig.enable_expert_parallel
+    speculative_config: str | None = None  # vLLM's JSON, passed to every replica as given; None: off
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
     max_batch_tokens: int | None = None  # None: the scheduler's default (default_max_batch_tokens)
     max_seqs: int = SchedulerConfig.max_seqs
@@ -223,6 +225,10 @@ def _engine_problems(c: DeployConfig) -> list[str]:
         (c.max_model_len is None or c.max_model_len >= 2, f"--max-model-len must be at least 2, got {c.max_model_len}"),
     ]
     problems = [message for ok, message in checks if not ok]
+    try:
+        parse_speculative_config(c.speculative_config)
+    except ValueError as exc:
+        problems.append(f"--speculative-config: {exc}")
     if 1 <= c.batch_tokens < c.max_seqs:
         # The engine refuses this too, but only after the model has loaded.
         problems.append(
@@ -394,6 +400,8 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
         argv += ["--enforce-eager"]
     if c.enable_expert_parallel:
         argv += ["--enable-expert-parallel"]
+    if c.speculative_config:
+        argv += ["--speculative-config", c.speculative_config]
     argv += ["--threads", str(c.threads)]
     argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
     if c.tp > 1:

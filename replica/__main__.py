@@ -31,8 +31,10 @@ from .config import (
     EngineConfig,
     SchedulerConfig,
     SloConfig,
+    SpeculativeConfig,
     default_max_batch_tokens,
     parse_size,
+    parse_speculative_config,
 )
 
 log = logging.getLogger("fastgen.replica")
@@ -68,6 +70,13 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def speculative(text: str) -> SpeculativeConfig | None:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,6 +115,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="with --tp: each rank holds whole experts of a mixture-of-experts model instead of a slice of every "
         "expert (vLLM's flag)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=speculative,
+        default=None,
+        help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}\' (optional "disable_by_batch_size": N); default: off',
     )
     p.add_argument(
         "--max-batch-tokens",
@@ -233,6 +250,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
+        speculative_config=args.speculative_config,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(args.scheduler),
             max_seqs=args.max_seqs,

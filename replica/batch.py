@@ -15,6 +15,14 @@ class ScheduledSeq:
     block_table: list[int]  # cache blocks holding positions 0 .. start + len(token_ids) - 1
     sample: bool  # the chunk ends the known tokens: sample the next one from its last logits
     all_logits: bool = False  # the logits of every position are returned, not only the last (prompt logprobs)
+    # Speculative decoding: token_ids is a decode's token and then this many proposed tokens, verified in this pass;
+    # the logits of its last 1 + num_draft positions are returned (replica/speculative.py).
+    num_draft: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the model returns for it."""
+        return len(self.token_ids) if self.all_logits else (1 + self.num_draft if self.sample else 0)
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Batch:
-    seqs: list[ScheduledSeq]  # decodes (one token) first, then prompt chunks
+    seqs: list[ScheduledSeq]  # decodes (one token) first, then verifies (speculative decodes), then prompt chunks
     num_decodes: int
     preempted: list[int]  # seq ids preempted while building this batch (their blocks are free again)
     # (src, dst) KV blocks to copy in every layer before the forward pass: a forked sequence's copy of its parent's

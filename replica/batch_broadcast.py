@@ -31,7 +31,7 @@ INLINE = 1024  # int64 numbers in the first broadcast of a message: its length, 
 IDLE_TIMEOUT = timedelta(days=365)
 # Exit status of a rank whose group broke (a peer died, or this rank failed between two collectives).
 EXIT_GROUP_BROKEN = 3
-_SEQ_HEADER = 5  # seq_id, start, sample, number of tokens, number of blocks
+_SEQ_HEADER = 5  # seq_id, start, flags (sample, all_logits, num_draft << 2), number of tokens, number of blocks
 
 
 def exit_now(code: int) -> NoReturn:
@@ -48,12 +48,13 @@ def exit_now(code: int) -> NoReturn:
 
 def encode_batch(batch: Batch) -> list[int]:
     """[seqs, decodes, preempted, copies, *preempted ids, *copies as src, dst pairs, then per sequence: seq_id,
-    start, sample, tokens, blocks, *token_ids, *block_table]."""
+    start, flags, tokens, blocks, *token_ids, *block_table]."""
     flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), len(batch.copies), *batch.preempted]
     for src, dst in batch.copies:
         flat += (src, dst)
     for s in batch.seqs:
-        flat += (s.seq_id, s.start, int(s.sample) | int(s.all_logits) << 1, len(s.token_ids), len(s.block_table))
+        flags = int(s.sample) | int(s.all_logits) << 1 | s.num_draft << 2
+        flat += (s.seq_id, s.start, flags, len(s.token_ids), len(s.block_table))
         flat += s.token_ids
         flat += s.block_table
     return flat
@@ -71,7 +72,7 @@ def decode_batch(flat: list[int]) -> Batch:
         i += _SEQ_HEADER
         tokens, blocks = flat[i : i + num_tokens], flat[i + num_tokens : i + num_tokens + num_blocks]
         i += num_tokens + num_blocks
-        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample & 1), bool(sample & 2)))
+        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample & 1), bool(sample & 2), sample >> 2))
     return Batch(seqs, num_decodes, preempted, copies)
 
 

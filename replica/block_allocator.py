@@ -79,6 +79,12 @@ class BlockAllocator:
                 self._free.append(block)
         block_table.clear()
 
+    def shrink(self, block_table: list[int], num_tokens: int) -> None:
+        """Frees the table's blocks past those holding num_tokens (a speculative decode's rejected proposals)."""
+        tail = block_table[self.blocks_for(num_tokens) :]
+        del block_table[len(block_table) - len(tail) :]
+        self.free(tail)
+
     # ---- sharing ---------------------------------------------------------------------------------------
     def share(self, block_table: list[int], blocks: Sequence[int]) -> None:
         """Appends blocks that other tables hold or the cache keeps, taking a reference on each."""

@@ -50,7 +50,36 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
-    return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
+    spec = config.speculative_config
+    draft = build_draft_runner(config, model_config, num_blocks) if spec and spec.method == "draft_model" else None
+    return Engine(
+        runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens, config.speculative_config, draft
+    )
+
+
+def build_draft_runner(config: EngineConfig, target: ModelConfig, num_blocks: int) -> ModelRunner:
+    """The draft model of speculative_config method draft_model, on rank 0 alone, with a KV cache of num_blocks
+    blocks (the target's block ids index both caches), run op by op. Refuses a draft whose vocabulary or context
+    differs from what the target needs."""
+    spec = config.speculative_config
+    cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
+    draft_config = dataclasses.replace(
+        config, model=spec.model, cache=cache, enforce_eager=True, enable_expert_parallel=False, progress=False
+    )
+    runner, _ = build_runner(draft_config)
+    draft = runner.model.config
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model {spec.model} has a vocabulary of {draft.vocab_size} tokens, the model "
+            f"{target.vocab_size}: a draft must share the model's tokenizer"
+        )
+    max_len = config.max_model_len or target.max_position_embeddings
+    if draft.max_position_embeddings < max_len:
+        raise ValueError(
+            f"the draft model {spec.model} has {draft.max_position_embeddings} positions, fewer than the "
+            f"{max_len} of the context: lower --max-model-len or choose another draft"
+        )
+    return runner
 
 
 def quantized_source(config: EngineConfig, device: torch.device):

@@ -5,7 +5,9 @@ them from here."""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +153,77 @@ class CacheConfig:
             raise ValueError(f"gpu memory utilization is a share of device memory in (0, 1], got {u}")
 
 
+# Speculative decoding (vLLM's `speculative_config`), e.g.
+#     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# A speculating decode proposes up to num_speculative_tokens tokens (replica/ngram.py, replica/draft_model.py) and
+# the next pass verifies them with the decode's own token, as a chunk of 1 + k tokens (docs/speculative.md).
+# disable_by_batch_size (vLLM's key) turns proposals off for a step once that many sequences run: verifying then
+# costs the batch more than it saves.
+# ngram: proposals from the sequence's own tokens; draft_model: from a smaller model with the same vocabulary.
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # rows of logits a decode may ask for in one pass
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: tokens proposed (and verified) per decode step at most
+    prompt_lookup_max: int = 4  # the longest suffix of the sequence looked up earlier in it
+    prompt_lookup_min: int = 1  # the shortest
+    disable_by_batch_size: int | None = None  # no proposals in a step with at least this many sequences running
+    model: str | None = None  # draft_model: the draft (an alias, Hugging Face folder or .gguf file, as --model)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config method draft_model needs a model: the draft's alias, folder or file")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config model is the draft of method draft_model: ngram takes none")
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"speculative_config {name} must be an integer >= {low}, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max}): lower the min or raise the max"
+            )
+        off = self.disable_by_batch_size
+        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {off!r}")
+
+    def speculates(self, running: int) -> bool:
+        """Whether a step with `running` sequences proposes at all."""
+        return self.disable_by_batch_size is None or running < self.disable_by_batch_size
+
+
+def parse_speculative_config(value: str | Mapping | None) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from JSON text or a dict with vLLM's keys; None for None or "". Raises ValueError naming
+    the key or value to change."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    unknown = [k for k in value if k not in _KEYS]
+    if unknown:
+        raise ValueError(f"unknown speculative_config key {unknown[0]!r}: use {', '.join(_KEYS)}")
+    if "method" not in value:
+        raise ValueError(f"speculative_config needs a method: one of {', '.join(METHODS)}")
+    return SpeculativeConfig(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"  # alias, Hugging Face folder or .gguf file
@@ -170,6 +243,8 @@ class EngineConfig:
     # vLLM's name: a mixture of experts' layers split by whole experts over the --tp ranks, not by each expert's
     # intermediate rows (replica/models/moe.py); dense models ignore it.
     enable_expert_parallel: bool = False
+    # vLLM's name: speculative decoding (replica/speculative.py); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
 
 def preset_path(model: str) -> Path | None:

@@ -10,7 +10,12 @@ runs, stops and finishes on its own.
 
 A constrained request (structured output) has a grammar matcher per completion (constraints.py): the step asks it for
 the tokens allowed now (the sampler masks the rest) and it accepts each emitted token. Unconstrained steps skip
-all of it."""
+all of it.
+
+With speculative decoding (speculative.py) a decode may come with proposed tokens, verified in the same pass: the
+sampler draws every position of it as if the proposals before it were accepted, and the proposals are accepted while
+they equal those draws (docs/speculative.md says why that is exact for greedy and the rejection-sampling rule
+otherwise); the first draw that differs, or the one after the last proposal, is emitted after them."""
 
 from __future__ import annotations
 
@@ -22,15 +27,19 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import Batch
+from .config import SpeculativeConfig
 from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
+from .draft_model import DraftProposer
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
+from .ngram import NgramProposer
 from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob, TopLogprob
 from .prompts import Prompt, PromptEncoder
 from .request import FinishReason, Resume, SamplingParams, Sequence, Slo
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
+from .speculative import Speculation
 
 _MASK64 = (1 << 64) - 1
 
@@ -86,7 +95,10 @@ class Engine:
         model_config: ModelConfig,
         eos_token_ids: list[int],
         default_max_new_tokens: int = 256,
+        speculative_config: SpeculativeConfig | None = None,
+        draft: ModelRunner | None = None,
     ) -> None:
+        """draft: the draft model's runner, for speculative_config method draft_model."""
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -100,6 +112,11 @@ class Engine:
         self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
         self.constraints = Constraints(tokenizer, model_config.vocab_size, eos_token_ids)
         self._scoring = 0  # unfinished requests that ask for prompt logprobs: 0 skips looking for them in a step
+        if speculative_config is not None:
+            config = speculative_config
+            ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self._proposer = DraftProposer(draft) if config.method == "draft_model" else ngram
+            scheduler.speculation = Speculation(config, self._propose)
 
     # ---- requests ---------------------------------------------------------------------------------------
     @property
@@ -264,12 +281,20 @@ class Engine:
         for s in batch.seqs:  # queue time ends when a request's first forward pass starts
             timings = self._by_seq[s.seq_id].timings
             timings.first_scheduled = timings.first_scheduled or forward_start
-        owners, rows = self._rows([self._by_seq[s.seq_id] for s in batch.seqs if s.sample])
+        owners, rows = self._rows(
+            [(self._by_seq[s.seq_id], s.token_ids[1:] if s.num_draft else []) for s in batch.seqs if s.sample]
+        )
         sampled = sample(logits, rows, self.runner.kernels.argmax)
         now = time.monotonic()
-        outputs = [self._emit(c, t, lp, now) for c, t, lp in zip(owners, sampled.tokens, sampled.logprobs)]
+        outputs, accepted = self._emit_all(owners, sampled, now)
         self.scheduler.observe(batch)
-        return StepResult(outputs, self._stats(batch, now - forward_start, start))
+        return StepResult(outputs, self._stats(batch, accepted, now - forward_start, start))
+
+    def _propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] tokens proposed for seqs[i]. None for a constrained completion: its grammar would have to
+        accept each proposal before the mask of the next position exists, so it does not speculate."""
+        limits = [0 if self._by_seq[s.seq_id].matcher is not None else n for s, n in zip(seqs, limits)]
+        return self._proposer.propose(seqs, limits)
 
     def _mark_prompt_logprobs(self, batch: Batch) -> Batch:
         """The batch with the prompt chunks of requests that ask for prompt logprobs marked all_logits."""
@@ -293,8 +318,8 @@ class Engine:
         keep, row = [], 0
         for s in batch.seqs:
             if not s.all_logits:
-                keep += [row] if s.sample else []
-                row += s.sample
+                keep += range(row, row + s.num_logits)
+                row += s.num_logits
                 continue
             c, n = self._by_seq[s.seq_id], len(s.token_ids)
             self._record_prompt_logprobs(c, s.start, logits[row : row + n])
@@ -319,18 +344,24 @@ class Engine:
             alternatives = tuple(TopLogprob(i, v) for i, v in zip(ids[j], values[j])) if k else ()
             lps.append(self._named(TokenLogprob(token, lp, alternatives)))
 
-    def _rows(self, sampled: list[_Completion]) -> tuple[list[_Completion], list[SamplingRow]]:
-        """The completions to sample and their rows, from the logits of the sequences sampled (one row each, in
-        batch order). A prompt prefilled for n > 1 completions forks here and gets n rows from its one."""
-        owners: list[_Completion] = []
+    def _rows(
+        self, sampled: list[tuple[_Completion, list[int]]]
+    ) -> tuple[list[tuple[_Completion, list[int]]], list[SamplingRow]]:
+        """The completions to sample with their proposals, and their rows, from the logits of the sequences sampled
+        (in batch order, 1 + its proposals each). A prompt prefilled for n > 1 completions forks here and gets n
+        rows from its one."""
+        owners: list[tuple[_Completion, list[int]]] = []
         rows: list[SamplingRow] = []
-        for i, c in enumerate(sampled):
+        source = 0  # the logits row of the position sampled
+        for c, draft in sampled:
             group = (c,) if c.req.forked else (c, *self._fork(c))
             for member in group:
-                rows.append(self._sampling_row(member, None if len(rows) == i else i))
-                owners.append(member)
-        if any(c.matcher is not None for c in owners):  # no mask work in a step without a constrained row
-            for row, allowed in zip(rows, self.constraints.masks([c.matcher for c in owners])):
+                for j in range(len(draft) + 1):  # position j is drawn as if draft[:j] were accepted
+                    rows.append(self._sampling_row(member, draft[:j], None if len(rows) == source + j else source + j))
+                owners.append((member, draft))
+            source += len(draft) + 1
+        if any(c.matcher is not None for c, _ in owners):  # constrained completions propose nothing: a row each
+            for row, allowed in zip(rows, self.constraints.masks([c.matcher for c, _ in owners])):
                 row.allowed = allowed
         return owners, rows
 
@@ -354,17 +385,18 @@ class Engine:
         self.scheduler.fork(seq, [c.seq for c in children])
         return children
 
-    def _sampling_row(self, c: _Completion, source: int | None) -> SamplingRow:
+    def _sampling_row(self, c: _Completion, draft: list[int], source: int | None) -> SamplingRow:
+        """The row of the token after c's tokens and `draft` (proposals taken as accepted)."""
         p, seq = c.req.params, c.seq
         # A grammar decides where a constrained output ends: a ban on EOS there could leave no token allowed.
-        banned = c.req.banned if seq.num_generated < p.min_new_tokens and c.matcher is None else []
-        # The token being sampled goes at index num_tokens: its draws are keyed by (seed, that position).
+        banned = c.req.banned if seq.num_generated + len(draft) < p.min_new_tokens and c.matcher is None else []
+        # The token being sampled goes at index num_tokens + len(draft): its draws are keyed by (seed, that position).
         return SamplingRow(
             p.temperature,
             p.top_p,
             p.top_k,
             c.seed,
-            seq.num_tokens,
+            seq.num_tokens + len(draft),
             banned,
             source=source,
             min_p=p.min_p,
@@ -372,18 +404,45 @@ class Engine:
             frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty,
             logit_bias=p.logit_bias,
-            output_ids=c.output_ids,  # the lists themselves: the sampler only reads them
-            context_ids=seq.token_ids,
+            # The lists themselves (the sampler only reads them); behind a verify's proposals, copies with them, made
+            # only where a penalty reads them.
+            output_ids=c.output_ids + draft if draft and (p.presence_penalty or p.frequency_penalty) else c.output_ids,
+            context_ids=seq.token_ids + draft if draft and p.repetition_penalty != 1.0 else seq.token_ids,
             logprobs=p.logprobs,
         )
 
-    def _emit(self, c: _Completion, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
+    def _emit_all(self, owners: list[tuple[_Completion, list[int]]], sampled, now: float):
+        """One output per completion sampled, and (proposed, accepted) per verified one. A completion emits its
+        proposals while they equal the tokens drawn at their positions, then the draw after the last one accepted."""
+        outputs, accepted, row = [], [], 0
+        for c, draft in owners:
+            tokens, logprobs = sampled.tokens[row : row + len(draft) + 1], sampled.logprobs[row : row + len(draft) + 1]
+            row += len(draft) + 1
+            n = next((j for j, t in enumerate(draft) if tokens[j] != t), len(draft))
+            outputs.append(self._emit(c, tokens[: n + 1], logprobs[: n + 1], now))
+            accepted += [(len(draft), n)] if draft else []
+        return outputs, accepted
+
+    def _emit(
+        self, c: _Completion, tokens: list[int], logprobs: list[TokenLogprob | None], now: float
+    ) -> RequestOutput:
+        """Appends tokens to c until one ends it; one output with those appended."""
+        c.timings.first_token = c.timings.first_token or now
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            reason = self._append(c, token, logprob)
+            if reason is not None:
+                return self._finish(c, reason, tokens[: i + 1], now)
+        # Hold back text that could still turn out to start a stop string.
+        hold = max((len(s) for s in c.req.params.stop), default=1) - 1
+        return self._output(c, tokens, max(c.emitted, len(c.text) - hold), None, now)
+
+    def _append(self, c: _Completion, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Appends one token to c: why it ends c, or None."""
         seq, params = c.seq, c.req.params
         seq.token_ids.append(token)
         c.output_ids.append(token)
         if c.logprobs is not None and logprob is not None:
             c.logprobs.append(self._named(logprob))
-        c.timings.first_token = c.timings.first_token or now
         reason = self._token_reason(token, params)  # EOS or a stop token: its text is left out
         if c.matcher is not None:
             c.matcher.accept(token)  # the mask allowed only tokens it accepts
@@ -402,11 +461,7 @@ class Engine:
                 cut, stop = found
                 end = cut + len(stop) if params.include_stop_str_in_output else cut
                 c.text, reason = c.text[:end], FinishReason.STOP
-        if reason is not None:
-            return self._finish(c, reason, [token], now)
-        # Hold back text that could still turn out to start a stop string.
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        return self._output(c, [token], max(c.emitted, len(c.text) - hold), None, now)
+        return reason
 
     def _token_reason(self, token: int, params: SamplingParams) -> FinishReason | None:
         if token in self.eos_token_ids and not params.ignore_eos:
@@ -480,7 +535,7 @@ class Engine:
             prompt_text=req.prompt_text,
         )
 
-    def _stats(self, batch: Batch, forward_s: float, start: float) -> StepStats:
+    def _stats(self, batch: Batch, accepted: list[tuple[int, int]], forward_s: float, start: float) -> StepStats:
         alloc = self.scheduler.allocator
         prefix = self.scheduler.prefix_stats()
         return StepStats(
@@ -500,6 +555,12 @@ class Engine:
             prefix_cache_evictions=prefix.evictions,
             prefix_cache_blocks=alloc.num_cached,
             plan=batch.plan,
+            spec_drafts=len(accepted),
+            spec_draft_tokens=sum(k for k, _ in accepted),
+            spec_accepted_tokens=sum(n for _, n in accepted),
+            spec_accepted_per_pos=tuple(
+                sum(n > j for _, n in accepted) for j in range(max((k for k, _ in accepted), default=0))
+            ),
         )
 
 

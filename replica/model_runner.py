@@ -54,9 +54,9 @@ class ModelRunner:
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Returns logits (rows, vocab) in the model's dtype, in batch order: the last position of each sampled
-        sequence, every position of one marked all_logits (prompt logprobs). On rank 0 of a
-        tensor-parallel group the other ranks get the batch first; a failure there leaves the ranks out of step and
-        ends the process."""
+        sequence, the last 1 + num_draft of a verify, every position of one marked all_logits (prompt logprobs). On
+        rank 0 of a tensor-parallel group the other ranks get the batch first; a failure there leaves the ranks out
+        of step and ends the process."""
         if self.broadcast is None:
             return self.forward(batch)
         try:
@@ -133,10 +133,8 @@ def step_lists(batch: Batch, block_size: int) -> StepLists:
         out.slots += [s.block_table[p // block_size] * block_size + p % block_size for p in span]
         out.query_start.append(out.query_start[-1] + n)
         out.seq_lens.append(s.start + n)
-        if s.all_logits:  # prompt logprobs: every position's logits, the sampled (last) one included
-            out.sample_rows += range(out.query_start[-2], out.query_start[-1])
-        elif s.sample:
-            out.sample_rows.append(out.query_start[-1] - 1)
+        # Every position's for prompt logprobs, the last 1 + num_draft for a verify, the last for a sampled chunk.
+        out.sample_rows += range(out.query_start[-1] - s.num_logits, out.query_start[-1])
     return out
 
 

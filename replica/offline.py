@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from .builder import build_engine
-from .config import CacheConfig, EngineConfig, SchedulerConfig, SloConfig
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SloConfig, parse_speculative_config
 from .engine import Engine
 from .prompts import Prompt
 from .request import FinishReason, SamplingParams
@@ -88,11 +88,13 @@ def pipeline(
     prefix_caching: bool = CacheConfig.prefix_caching,
     enforce_eager: bool = EngineConfig.enforce_eager,
     slo: SloConfig | None = None,
+    speculative_config: dict | str | None = None,
 ) -> Pipeline:
     """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
     device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
     "llama-3-8b", or any other) with random weights instead of reading them. slo: the service level the slo
-    scheduler plans every request for (SloConfig's defaults otherwise)."""
+    scheduler plans every request for (SloConfig's defaults otherwise). speculative_config: vLLM's dict (or its JSON),
+    e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
     max_seqs = max_seqs or min(SchedulerConfig.max_seqs, max_batch_tokens)
     config = EngineConfig(
         model=model,
@@ -110,5 +112,6 @@ def pipeline(
         max_model_len=max_model_len,
         progress=progress,
         enforce_eager=enforce_eager,
+        speculative_config=parse_speculative_config(speculative_config),
     )
     return Pipeline(build_engine(config))

@@ -78,6 +78,12 @@ class StepStats:
     prefix_cache_evictions: int = 0  # cached blocks reused for other KV since the previous step
     prefix_cache_blocks: int = 0  # blocks holding cached prefixes after the step, held or not
     plan: StepPlan | None = None  # the slo scheduler's plan for the step (its step-time prediction, budget, load)
+    # Speculative decoding (vLLM's spec_decode counters): verified decodes, the tokens proposed for them, those
+    # accepted, and per proposal position j the decodes whose proposal j was accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -213,6 +213,9 @@ class Sequence:
     # preemption finding its own blocks again does not count.
     num_cached_prompt_tokens: int = 0
     resumed: bool = False  # continues a request another replica started and failed in (stream migration)
+    # Speculative decoding with a draft model: the draft's KV holds token_ids[:num_draft_computed] (and the tokens it
+    # proposed past them, counted here until verification settles how many were accepted).
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,11 @@ With prefix caching a sequence admitted from the queue first takes the longest c
 and computes only the rest, at least its last token (so there are logits to sample from); that cached prefix costs no
 token budget. A block is published as soon as the batch that fills it is built, so a request admitted later in the
 same batch can share it: every layer writes the batch's KV before its attention reads the cache.
+
+With speculative decoding (`speculation`, set by the engine) a decode may carry tokens proposed for it, to be verified
+in the same pass, while the budget lasts after every decode has its token and before prompt chunks get theirs. The
+proposals take only free blocks (nothing is preempted for them) and are not counted as computed: once the step's
+tokens are out, `observe` counts the accepted ones, publishes the blocks they fill and frees the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
 from .prefix_cache import extend_hashes
 from .request import SeqStatus, Sequence
+from .speculative import AcceptanceRate, Speculation
 
 
 @dataclass
@@ -51,6 +57,8 @@ class Scheduler:
         self._evictions_seen = allocator.num_evictions
         self._watermark_blocks = max(1, int(allocator.num_blocks * config.watermark)) if config.watermark else 0
         self._schedule = self._schedules()[config.policy]
+        self.speculation: Speculation | None = None  # set by an engine that speculates
+        self.acceptance = AcceptanceRate()  # of the proposals verified lately
 
     def _schedules(self) -> dict[str, Callable[[], Batch]]:
         """The schedules this class builds, by policy name (a subclass adds its own)."""
@@ -143,7 +151,20 @@ class Scheduler:
 
     def observe(self, batch: Batch) -> None:
         """Called by the engine once the step that ran `batch` has sampled and emitted its tokens. The fixed
-        schedules learn nothing from it."""
+        schedules learn nothing from it; verified sequences settle."""
+        verified = {s.seq_id: s.num_draft for s in batch.seqs if s.num_draft}
+        for seq in [s for s in self.running if s.seq_id in verified] if verified else ():
+            self._settle(seq, verified[seq.seq_id])
+
+    def _settle(self, seq: Sequence, proposed: int) -> None:
+        """A verified sequence after its step: every token but the last emitted one is computed (its decode token
+        and the accepted proposals); the blocks those fill are published and those past its tokens freed."""
+        start = seq.num_computed
+        seq.num_computed = seq.num_tokens - 1
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # the draft's KV of rejected tokens
+        self.acceptance.add(proposed, seq.num_computed - start)
+        self._publish(seq, start)
+        self.allocator.shrink(seq.block_table, seq.num_tokens)
 
     def refuse_for(self) -> float | None:
         """Seconds new requests should wait before retrying while the scheduler sheds load; None: admit them."""
@@ -155,8 +176,9 @@ class Scheduler:
         order) fill the rest of the budget, splitting a prompt that does not fit."""
         scheduled: set[int] = set()
         decoding = self._decode_all(scheduled)
-        decodes, chunks, preempted = decoding.seqs, [], list(decoding.preempted)
-        budget = self.config.max_batch_tokens - len(decodes)
+        decodes, verifies = self._speculate(decoding.seqs, self.config.max_batch_tokens - len(decoding.seqs))
+        chunks, preempted = list(verifies), list(decoding.preempted)
+        budget = self.config.max_batch_tokens - len(decodes) - sum(len(v.token_ids) for v in verifies)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -194,6 +216,49 @@ class Scheduler:
                 if self._make_room(seq, seq.num_tokens, scheduled, preempted, preempt_self=True):
                     decodes.append(self._take(seq, 1, scheduled))
         return Batch(decodes, len(decodes), preempted)
+
+    def _speculate(self, decodes: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+        """(plain decodes, verifies): the decodes, oldest first, extended by the tokens proposed for them while
+        `budget` (tokens beyond the decodes' own) lasts, when the step is worth it. A proposal never lets a sequence
+        pass max_new_tokens, even if every token is accepted, and takes only free blocks."""
+        spec = self.speculation
+        if spec is None or not decodes or not spec.config.speculates(len(self.running)):
+            return decodes, []
+        by_id = {s.seq_id: s for s in self.running}
+        asked: list[Sequence] = []
+        limits: list[int] = []
+        for d in decodes:
+            seq = by_id[d.seq_id]
+            room = self.allocator.tokens_fitting(seq.block_table, seq.num_computed)
+            limit = min(spec.config.num_speculative_tokens, budget, seq.max_tokens - seq.num_tokens - 1, room)
+            if limit > 0:
+                self.allocator.allocate(seq.block_table, seq.num_computed + limit)
+                asked.append(seq)
+                limits.append(limit)
+                budget -= limit
+        proposed = spec.propose(asked, limits) if asked else []
+        drafts = {s.seq_id: p[:n] for s, p, n in zip(asked, proposed, limits) if p}
+        if drafts and not self._worth_verifying(decodes, drafts):
+            drafts = {}
+        plain, verifies = [], []
+        for d in decodes:
+            seq = by_id[d.seq_id]
+            draft = drafts.get(d.seq_id, [])
+            self.allocator.shrink(seq.block_table, seq.num_computed + len(draft))  # the blocks proposals left unused
+            if not draft:
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # a draft's proposals, unused
+                plain.append(d)
+                continue
+            block_table = list(seq.block_table)
+            verifies.append(
+                dataclasses.replace(d, token_ids=d.token_ids + draft, block_table=block_table, num_draft=len(draft))
+            )
+        return plain, verifies
+
+    def _worth_verifying(self, decodes: list[ScheduledSeq], drafts: dict[int, list[int]]) -> bool:
+        """Whether the step verifies the tokens proposed for these decodes (by seq id). The fixed schedules have no
+        step-time model to ask: they always do, disable_by_batch_size aside."""
+        return True
 
     def _admit(
         self, budget: int, scheduled: set[int], whole_prompts: bool, reserve_lifetime: bool = False
@@ -284,7 +349,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
+        seq.num_computed = seq.num_draft_computed = 0  # recompute prompt + generated tokens when readmitted
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -31,6 +31,10 @@ Each step:
    failed) is not held to OVERLOAD_CHUNK: it is stalled past its floor already, and chunking its context would
    stall it for many steps more to shorten each of everyone else's by little.
 
+With speculative decoding, the decodes' proposals (verified in the step, as chunks continuing their sequences) count
+in the step's shape before prompt chunks fill it, and a step verifies them only when the model predicts more tokens
+per second with them than without (`_worth_verifying`).
+
 Admission, KV allocation, preemption, prefix caching and forks are the SplitFuse scheduler's (this is a subclass).
 Until the model has seen a few steps (a replica calibrates it at start-up) steps are bounded by max_batch_tokens
 alone, as SplitFuse's are.
@@ -58,6 +62,7 @@ ALPHA = 2 / (16 + 1)  # the SLA's moving average of inter-token gaps (span 16, a
 RETRY_BOUNDS_S = (0.1, 60.0)  # the retry hint of a refused request stays within these
 MIN_PROMPT_SHARE = 0.05  # of step time, when judging which deadlines can still be met (overloaded: little)
 STARVING_SHARE = 0.25  # of a step's prompt time and tokens the starving take first while others can be on time
+PROBE_EVERY = 16  # steps whose proposals the step-time model declines, per step that verifies them all the same
 
 
 @dataclass(eq=False)
@@ -118,6 +123,7 @@ class SloScheduler(Scheduler):
         self._forked: list[Sequence] = []  # children started since the last observe: their first token came with it
         self._step_start = 0.0
         self._plan: StepPlan | None = None
+        self._declined = 0  # steps in a row whose proposals the step-time model found not worth verifying
 
     def _schedules(self) -> dict[str, Callable[[], Batch]]:
         return super()._schedules() | {"slo": self._schedule_slo}
@@ -154,6 +160,7 @@ class SloScheduler(Scheduler):
     def observe(self, batch: Batch) -> None:
         """The step is done and its tokens are out: the step-time model learns the step's time, and every stream
         that got a token moves its deadline."""
+        super().observe(batch)
         now = self.clock()
         if batch.plan is not None:
             self.model.observe(batch.plan.shape, now - self._step_start)
@@ -167,7 +174,7 @@ class SloScheduler(Scheduler):
     @staticmethod
     def _token(stream: _Stream, now: float) -> None:
         if stream.last is not None:
-            d = now - stream.last
+            d = (now - stream.last) / max(1, stream.seq.num_generated - stream.tokens)  # a verify emits several
             stream.ema = d if stream.ema is None else stream.ema + ALPHA * (d - stream.ema)
             stream.behind = stream.behind or stream.ema > stream.gap
         stream.last = now
@@ -181,17 +188,41 @@ class SloScheduler(Scheduler):
         lo, hi = RETRY_BOUNDS_S
         return lo if math.isnan(step) else min(hi, max(lo, left * step))
 
+    def _worth_verifying(self, decodes: list[ScheduledSeq], drafts: dict[int, list[int]]) -> bool:
+        """Verify when the step-time model says the tokens expected per second rise: the step with the verifies
+        (each a chunk of 1 + d tokens) over the step without, against (decodes + the accepted tokens expected at the
+        recent acceptance rate) over decodes. Before the model is ready, always; when it declines, still every
+        PROBE_EVERY-th time, so that the acceptance rate follows the workload."""
+        if not self.model.ready:
+            return True
+        plain = StepShape(0, len(decodes), sum(s.start + 1 for s in decodes), 0)
+        rest = [s for s in decodes if s.seq_id not in drafts]
+        verify = StepShape(0, len(rest), sum(s.start + 1 for s in rest), 0)
+        for s in decodes:
+            if s.seq_id in drafts:
+                verify = verify.plus_chunk(s.start, 1 + len(drafts[s.seq_id]))
+        expected = self.acceptance.rate * sum(len(d) for d in drafts.values())
+        if self.model.predict(verify) * len(decodes) <= self.model.predict(plain) * (len(decodes) + expected):
+            self._declined = 0
+            return True
+        self._declined += 1
+        return self._declined % PROBE_EVERY == 0
+
     # ---- the schedule --------------------------------------------------------------------------------------
     def _schedule_slo(self) -> Batch:
         now = self._step_start = self.clock()
         scheduled: set[int] = set()
         decoding = self._decode_all(scheduled)
-        decodes, preempted = decoding.seqs, list(decoding.preempted)
+        decodes, verifies = self._speculate(decoding.seqs, self.config.max_batch_tokens - len(decoding.seqs))
+        preempted = list(decoding.preempted)
         shape = StepShape(0, len(decodes), sum(s.start + 1 for s in decodes), 0)
+        for v in verifies:  # as batch_shape counts them: chunks that continue their sequences
+            shape = shape.plus_chunk(v.start, len(v.token_ids))
         decode_s = self.model.predict(shape)
-        budget_s, floor_s = self._time_budget([self._streams[s.seq_id] for s in decodes], decode_s, now)
+        streams = [self._streams[s.seq_id] for s in decodes + verifies]
+        budget_s, floor_s = self._time_budget(streams, decode_s, now)
         self.overloaded = decode_s > floor_s
-        tokens = self.config.max_batch_tokens - len(decodes)
+        tokens = self.config.max_batch_tokens - len(decodes) - sum(len(v.token_ids) for v in verifies)
         fresh = min(tokens, OVERLOAD_CHUNK) if self.overloaded else tokens
         order = self._order(shape, budget_s, now, admit=not preempted)
         plan = _Fill(shape, decode_s, budget_s, tokens, fresh)
@@ -205,7 +236,7 @@ class SloScheduler(Scheduler):
             sum(1 for s in self._streams.values() if s.behind),
             self.model.drift,
         )
-        return Batch(decodes + chunks, len(decodes), preempted, plan=self._plan)
+        return Batch(decodes + verifies + chunks, len(decodes), preempted, plan=self._plan)
 
     def _fill(
         self, plan: _Fill, order: _Order, now: float, scheduled: set[int], preempted: list[int]

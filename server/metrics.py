@@ -140,6 +140,19 @@ PREFIX_CACHE_BLOCKS = _replica(
 PREFIX_CACHE_EVICTIONS = _replica(
     "fastgen_prefix_cache_evictions_total", Counter, "Cached KV blocks given over to other KV when the pool ran short."
 )
+# Speculative decoding, vLLM's spec_decode counters: accepted / draft tokens is the acceptance rate, and
+# accepted_per_pos{position=j} / drafts the rate at which proposal j (0 first) is accepted.
+SPEC_DRAFTS = _replica("fastgen_spec_decode_num_drafts_total", Counter, "Decodes that verified proposed tokens.")
+SPEC_DRAFT_TOKENS = _replica("fastgen_spec_decode_num_draft_tokens_total", Counter, "Proposed tokens verified.")
+SPEC_ACCEPTED_TOKENS = _replica(
+    "fastgen_spec_decode_num_accepted_tokens_total", Counter, "Proposed tokens accepted (emitted without a pass each)."
+)
+SPEC_ACCEPTED_PER_POS = _replica(
+    "fastgen_spec_decode_num_accepted_tokens_per_pos_total",
+    Counter,
+    "Proposed tokens accepted, by their position among a decode's proposals (0 first).",
+    ("position",),
+)
 TOKENS_PER_FORWARD = _replica(
     "fastgen_tokens_per_forward",
     Histogram,
@@ -363,6 +376,10 @@ REPLICA_METRICS = (
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_BLOCKS,
     PREFIX_CACHE_EVICTIONS,
+    SPEC_DRAFTS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_ACCEPTED_PER_POS,
     TOKENS_PER_FORWARD,
     BUDGET_FILL,
     FORWARD_TIME,
@@ -455,6 +472,10 @@ class StepStatsLike(Protocol):
     prefix_cache_evictions: int
     prefix_cache_blocks: int
     plan: PlanLike | None
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: tuple[int, ...]
 
     @property
     def num_tokens(self) -> int: ...
@@ -505,6 +526,7 @@ class ReplicaMetrics:
         self._bound = {d: m.labels(**self._replica_labels) for d, m in metrics.items() if d.labels == REPLICA_LABELS}
         self._by_reason = metrics[REQUESTS_FINISHED]
         self._by_code = metrics[REQUESTS]
+        self._by_position = metrics[SPEC_ACCEPTED_PER_POS]
         for reason in FINISH_REASONS:
             self._by_reason.labels(**self._replica_labels, reason=reason)
         for method in REPLICA_METHODS:
@@ -534,6 +556,8 @@ class ReplicaMetrics:
         if stats.num_preempted:
             m[PREEMPTIONS].inc(stats.num_preempted)
         self._record_prefix_cache(stats)
+        if stats.spec_drafts:
+            self._record_speculation(stats)
         if stats.num_tokens:
             m[TOKENS_PER_FORWARD].observe(stats.num_tokens)
             if stats.token_budget:
@@ -561,6 +585,14 @@ class ReplicaMetrics:
     def on_shed(self) -> None:
         """A request was refused because the replica was overloaded (the slo scheduler's --admission refuse)."""
         self._bound[SLO_SHED].inc()
+
+    def _record_speculation(self, stats: StepStatsLike) -> None:
+        m = self._bound
+        m[SPEC_DRAFTS].inc(stats.spec_drafts)
+        m[SPEC_DRAFT_TOKENS].inc(stats.spec_draft_tokens)
+        m[SPEC_ACCEPTED_TOKENS].inc(stats.spec_accepted_tokens)
+        for position, n in enumerate(stats.spec_accepted_per_pos):
+            self._by_position.labels(**self._replica_labels, position=str(position)).inc(n)
 
     def _record_prefix_cache(self, stats: StepStatsLike) -> None:
         m = self._bound

@@ -48,6 +48,10 @@ def stats(**overrides):
         prefix_cache_evictions=2,
         prefix_cache_blocks=9,
         plan=None,
+        spec_drafts=0,
+        spec_draft_tokens=0,
+        spec_accepted_tokens=0,
+        spec_accepted_per_pos=(),
     )
     fields.update(overrides)
     s = SimpleNamespace(**fields)

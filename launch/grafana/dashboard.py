@@ -217,6 +217,24 @@ ENGINE = (
         ),
     ),
     Panel(
+        "Speculative decoding acceptance",
+        "Share of proposed tokens accepted (each one a token without a forward pass of its own), and per proposal "
+        "position the share of verified decodes that accepted it. Empty without --speculative-config.",
+        "percentunit",
+        (
+            Query(
+                f"{rate('fastgen_spec_decode_num_accepted_tokens_total', by='replica')} / "
+                f"{rate('fastgen_spec_decode_num_draft_tokens_total', by='replica')}",
+                "{{replica}}",
+            ),
+            Query(
+                f"{rate('fastgen_spec_decode_num_accepted_tokens_per_pos_total', by='position')} / ignoring(position) "
+                f"group_left {rate('fastgen_spec_decode_num_drafts_total')}",
+                "position {{position}}",
+            ),
+        ),
+    ),
+    Panel(
         "Token-budget fill",
         "Tokens in a forward pass over the token budget: how tightly Dynamic SplitFuse packs the batch (1 = full).",
         "percentunit",
