@@ -60,6 +60,7 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_seqs)
         rows, width = self.buckets[-1], -(-max_model_len // block_size)
         self.max_blocks = width
+        self.pool_bytes = 0  # device memory the captured graphs reserved (0 until captured)
         # Static inputs; every bucket's graph reads the first `bucket` rows.
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -157,8 +158,9 @@ class DecodeGraphs:
             entry.graph = graph
             pool = graph.pool()
         torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         log.info(
             "CUDA graphs captured for decode batches of %s sequences (%.0f MiB of device memory)",
             ", ".join(map(str, self.buckets)),
-            (torch.cuda.memory_reserved(self.device) - before) / 2**20,
+            self.pool_bytes / 2**20,
         )
