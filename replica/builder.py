@@ -104,7 +104,9 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     block_size = config.cache.block_size
     # The memory budget is per rank; each block holds only this rank's KV heads.
     per_block = bytes_per_block(model_config.num_layers, block_size, attn.kv_heads, attn.head_dim, dtype)
-    num_blocks = tp.agree_min(_kv_blocks(config, model, per_block, dtype, device), device)
+    # The agreement runs on the CPU over the broadcast's gloo group, never over NCCL (see agree_min).
+    group = broadcast.group if broadcast is not None else None
+    num_blocks = tp.agree_min(_kv_blocks(config, model, per_block, dtype, device), group)
     if tp.rank == 0:
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %s",
