@@ -39,8 +39,10 @@ Imports only what the GPU machine has: torch, triton, transformers, pytest (as a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import logging
 import os
 import platform
 import random
@@ -423,7 +425,8 @@ def memory(ctx: Context) -> dict:
     utilization. Step times are medians of wall time (each step returns its sampled tokens, so it ends synchronised)."""
     p = ctx.plan
     free_before, total = device_memory(ctx)
-    pipe = build_pipeline(p, p.offline_budget, gpu_memory_utilization=MEMORY_UTILIZATION if ctx.cuda else None)
+    with logged("fastgen.replica") as lines:  # the builder's sizing: its figures, and the graphs' measured pool
+        pipe = build_pipeline(p, p.offline_budget, gpu_memory_utilization=MEMORY_UTILIZATION if ctx.cuda else None)
     engine = pipe.engine
     runner, allocator = engine.runner, engine.scheduler.allocator
     kv_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
@@ -440,6 +443,7 @@ def memory(ctx: Context) -> dict:
         kv_blocks=allocator.num_blocks,
         cuda_graphs_gib=gib(runner.graphs.pool_bytes if runner.graphs else 0),
         free_after_build_gib=gib(free_built),
+        sizing_log=[line for line in lines if line.startswith(("device memory", "KV cache", "CUDA graphs"))],
     )
     vocab = engine.model_config.vocab_size
     seqs = engine.scheduler.config.max_seqs
@@ -476,6 +480,23 @@ def memory(ctx: Context) -> dict:
     if not ctx.cuda:
         raise Skipped(f"{no_cuda(ctx)} (the pool from --kv-cache-memory; steps timed on the CPU at toy size)", results)
     return results
+
+
+@contextlib.contextmanager
+def logged(logger: str):
+    """The INFO messages `logger` writes inside the block, as a list of strings."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger(logger)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def device_memory(ctx: Context) -> tuple[int, int]:
