@@ -288,30 +288,50 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _tiles_host(query_start: list[int] | tuple[int, ...], tokens_per_tile: int) -> list[int]:
+    """The tile map as host ints: every tile's sequence, then every tile's first query token within it."""
+    seqs, firsts = [], []
+    for i, (start, end) in enumerate(zip(query_start[:-1], query_start[1:])):
+        for first in range(0, end - start, tokens_per_tile):
+            seqs.append(i)
+            firsts.append(first)
+    return seqs + firsts
+
+
 @functools.lru_cache(maxsize=32)
 def _tile_map(query_start: tuple[int, ...], tokens_per_tile: int, device: torch.device) -> torch.Tensor:
     """(2, tiles) int32 on device: each tile's sequence and first query token within it. Cached because every
-    layer of a step asks for the same map."""
-    starts = torch.tensor(query_start, dtype=torch.int64)
-    lens = starts[1:] - starts[:-1]  # (seqs,)
-    per_seq = (lens + tokens_per_tile - 1) // tokens_per_tile
-    seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)  # (tiles,)
-    first_tile = torch.cumsum(per_seq, 0) - per_seq
-    local = torch.arange(len(seq)) - first_tile[seq]
-    return torch.stack([seq, local * tokens_per_tile]).to(torch.int32).to(device)
+    layer of a step asks for the same map. The model runner sends it with the step's inputs instead
+    (`attention_plan`); this serves other callers (graph capture, benchmarks)."""
+    return torch.tensor(_tiles_host(query_start, tokens_per_tile), dtype=torch.int32).view(2, -1).to(device)
 
 
-def _attention_config(
-    meta: AttentionMetadata, group: int, head_dim_pad: int, dtype: torch.dtype
-) -> tuple[int, int, int]:
+def _attention_config(max_query_len: int, group: int, head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps). Decode-only batches use the smallest tile that holds one token's heads:
     decode is bound by reading the cache, so larger tiles would only add idle rows. Float32 (no tensor-core path
     at full precision) and head dims over 128 get smaller tiles, which keep them from spilling registers."""
     rows = triton.next_power_of_2(group)
-    decode_only = meta.max_query_len <= 1
+    decode_only = max_query_len <= 1
     if dtype == torch.float32 or head_dim_pad > 128:
         return max(16 if decode_only else 32, rows), 32, 8
     return max(16 if decode_only else 64, rows), 64, 4
+
+
+def _tiles_key(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple[tuple, int, int, int]:
+    """(workspace key of the tile map: ("tiles", tokens per tile), BLOCK_M, BLOCK_N, num_warps) of an attention
+    call."""
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps = _attention_config(max_query_len, group, head_dim_pad, dtype)
+    return ("tiles", block_m // group), block_m, block_n, num_warps
+
+
+def attention_plan(
+    query_start: list[int], max_query_len: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[tuple, list[int]]:
+    """The step's tile map as host ints, with the workspace key paged_attention looks it up by: the model runner sends
+    it in the step's one pinned copy (a (2, tiles) view of it), so no layer copies it from pageable memory."""
+    key = _tiles_key(max_query_len, heads // kv_heads, head_dim, dtype)[0]
+    return key, _tiles_host(query_start, key[1])
 
 
 def paged_attention(
@@ -334,10 +354,10 @@ def paged_attention(
     if tokens == 0:
         return out
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps = _attention_config(meta, group, head_dim_pad, q.dtype)
-    tokens_per_tile = block_m // group
-    # Held by the step's metadata: a captured graph keeps reading this tensor, so it must outlive the cache entry.
-    key = ("tiles", tokens_per_tile)
+    key, block_m, block_n, num_warps = _tiles_key(meta.max_query_len, group, head_dim, q.dtype)
+    tokens_per_tile = key[1]
+    # Held by the step's metadata (sent there by the model runner, or made here once per step): a captured graph
+    # keeps reading this tensor, so it must outlive the cache entry.
     tiles = meta.workspace.get(key)
     if tiles is None:
         tiles = meta.workspace[key] = _tile_map(tuple(meta.query_start_host), tokens_per_tile, q.device)
@@ -487,4 +507,5 @@ TRITON_KERNELS = Kernels(
     fused_moe=fused_moe,
     argmax=TORCH_KERNELS.argmax,
     graph_safe=True,
+    attention_plan=attention_plan,
 )

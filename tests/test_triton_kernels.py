@@ -328,6 +328,22 @@ def test_tile_map():
     assert tiles.tolist() == [[0, 1, 2, 2, 2, 3], [0, 0, 0, 4, 8, 0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 1, 10, 1], [37]])
+def test_attention_plan_is_the_map_paged_attention_reads(q_lens, dtype, seed):
+    """The tile map the model runner sends with the step's inputs (attention_plan) is found by paged_attention under
+    its key, so no layer builds and copies its own; and the output is the same as with the map it would build."""
+    b = make_paged_batch(q_lens, [n + 20 for n in q_lens], heads=6, kv_heads=2, head_dim=80, block_size=16, dtype=dtype)
+    key, ints = tk.attention_plan(b.meta.query_start_host, b.meta.max_query_len, 6, 2, 80, dtype)
+    assert ints == tk._tiles_host(b.meta.query_start_host, key[1])
+    own = tk.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.1)
+    assert list(b.meta.workspace) == [key]  # the key the kernel looks its map up by
+    built = b.meta.workspace.pop(key)
+    b.meta.workspace[key] = sent = torch.tensor(ints, device=b.q.device).view(2, -1).to(torch.int32)
+    torch.testing.assert_close(tk.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.1), own, rtol=0, atol=0)
+    assert b.meta.workspace[key] is sent and torch.equal(sent, built)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real compiler: the interpreter accepts code that would not compile, so lower every kernel to a cubin for
 # sm_90 and sm_80 (no GPU needed), with the argument types and specialisations a launch would give it.
@@ -445,3 +461,23 @@ def test_kernels_compile_for_gpu(monkeypatch):
         for args, kwargs in recorder.launches:
             for capability in (90, 80):  # H100/H200, A100
                 assert _compile_for_gpu(recorder.kernel, args, kwargs, capability).asm["cubin"], (name, capability)
+
+
+def test_the_model_runner_sends_the_tile_map_with_the_step(tiny_model_dir):
+    """ModelRunner.prepare puts the Triton kernels' tile map in the step's metadata, a view of the step's one copy,
+    under the key paged_attention reads: a mixed step's first layer no longer builds it and copies it from pageable
+    memory (a blocking copy on CUDA)."""
+    from fastgen.replica import pipeline
+    from fastgen.replica.batch import Batch, ScheduledSeq
+
+    runner = pipeline(str(tiny_model_dir), dtype="float16", kernels="torch", device="cpu", progress=False).engine.runner
+    runner.model.kernels = tk.TRITON_KERNELS  # prepare asks the model's table; the layers keep theirs (unused here)
+    batch = Batch([ScheduledSeq(0, [5], 9, [0], True), ScheduledSeq(1, list(range(3, 40)), 0, [1, 2, 3], True)], 1, [])
+    meta = runner.prepare(batch).meta
+    attn = runner.model.layers[0].self_attn
+    key = tk.attention_plan(
+        meta.query_start_host, meta.max_query_len, attn.heads, attn.kv_heads, attn.head_dim, torch.float16
+    )[0]
+    tiles = meta.workspace[key]
+    expected = tk._tile_map(tuple(meta.query_start_host), key[1], "cpu")
+    assert tiles.dtype == torch.int32 and torch.equal(tiles.cpu(), expected)
