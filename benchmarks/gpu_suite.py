@@ -11,7 +11,9 @@ run must learn things: are the kernels right, is the engine right, does it fit t
                    against transformers (full output in DIR/engine_tests.log)
   memory           a Llama-3-8B preset with dummy weights, its KV pool sized from device memory (0.9): what the
                    weights, the pool, the CUDA graphs and memory torch does not track hold, and the fullest step, a
-                   full decode batch and a single decode timed; whether the device stayed within the utilization
+                   full decode batch and a single decode timed; whether the device stayed within the utilization;
+                   the launch overhead graphs remove (a single decode eager less graphed) as a share of the fullest
+                   step, which bounds what piecewise graphs of mixed steps could gain
   kernel_tests     `pytest -m cuda` of the Triton kernel tests, compiled for the device (DIR/kernel_tests.log)
   kernels          decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
@@ -80,6 +82,7 @@ class Plan:
     matmul_n: int = 8192
     attn_shape: dict = field(default_factory=lambda: dict(heads=32, kv_heads=8, head_dim=128))
     decode_attention: tuple[int, int] = (64, 2048)  # sequences x context
+    single_decode_attention: int = 8192  # one sequence's context: 8 programs unsplit, flash-decoding's case
     mixed_attention: tuple[int, int, int] = (60, 4, 512)  # decodes, prompt chunks, chunk length
     fused_tokens: int = 8192
     fused_hidden: int = 4096
@@ -114,6 +117,7 @@ def dry_plan(folder: Path, moe_folder: Path) -> Plan:
         matmul_n=64,
         attn_shape=dict(heads=4, kv_heads=2, head_dim=32),
         decode_attention=(4, 64),
+        single_decode_attention=300,
         mixed_attention=(3, 2, 16),
         fused_tokens=32,
         fused_hidden=64,
@@ -466,6 +470,19 @@ def memory(ctx: Context) -> dict:
         decode_step_ms=median_ms(decode),
         single_decode_step_ms=round(decode_step_ms(engine, p.decode_steps), 3),
     )
+    # What graphs save a decode step is launch overhead; a mixed SplitFuse step runs eagerly and pays it too. Its share
+    # of the fullest step bounds what capturing a mixed step's decode-shaped parts (vLLM's piecewise graphs) could gain.
+    graphs, runner.graphs = runner.graphs, None
+    eager_ms = decode_step_ms(engine, p.decode_steps)
+    runner.graphs = graphs
+    overhead_ms = eager_ms - results["single_decode_step_ms"]
+    results.update(
+        single_decode_step_eager_ms=round(eager_ms, 3),
+        launch_overhead_ms=round(overhead_ms, 3),
+        launch_overhead_of_fullest_step=round(overhead_ms / results["fullest_step_ms"], 3)
+        if results["fullest_step_ms"]
+        else None,
+    )
     if ctx.cuda:
         free_min = total - max_used(ctx, free_built, total)
         reserved = torch.cuda.max_memory_reserved(torch.device(p.device))
@@ -543,6 +560,7 @@ def kernels(ctx: Context) -> dict:
     decodes, chunks, chunk = p.mixed_attention
     cases = {
         f"decode {seqs} × {context}": ([1] * seqs, [context] * seqs),
+        f"decode 1 × {p.single_decode_attention} (split-KV)": ([1], [p.single_decode_attention]),
         f"mixed {chunks} chunks × {chunk} + {decodes} decodes": (
             [1] * decodes + [chunk] * chunks,
             [context] * decodes + [chunk * (i + 1) for i in range(chunks)],

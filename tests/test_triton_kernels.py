@@ -218,6 +218,44 @@ def test_attention_chunk_mid_block_over_several_blocks(seed, poisoned_empty):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_decode_splits_fill_the_device_only_where_the_grid_is_small():
+    assert tk.decode_splits(64, 8, 4096) == 1  # 512 programs already
+    assert tk.decode_splits(1, 8, 4096) == 16  # 8 programs on 132 SMs: 16 splits of 256 keys
+    assert tk.decode_splits(1, 8, 300) == 2  # no split shorter than MIN_KEYS_PER_SPLIT
+    assert tk.decode_splits(1, 8, 200) == 1
+    assert tk.decode_splits(4, 8, 100_000) == 4  # 32 programs x 4 reaches the target
+    assert tk.decode_splits(1, 1, 100_000) == tk.MAX_SPLITS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "kv_heads,heads,head_dim,block_size,softcap", [(2, 8, 128, 16, 0.0), (1, 3, 80, 32, 0.0), (4, 4, 64, 16, 30.0)]
+)
+def test_split_kv_decode_matches_the_reference(
+    kv_heads, heads, head_dim, block_size, softcap, dtype, seed, poisoned_empty
+):
+    """Flash-decoding (decode-only steps with few sequences x KV heads split their keys over programs, merged after):
+    against the torch reference, with a one-token context (every split but the first empty) and contexts that end
+    mid-block and mid-split."""
+    seq_lens = [1, block_size, random.randint(300, 700), random.randint(900, 1300)]
+    b = make_paged_batch(
+        [1] * 4,
+        seq_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        poison=True,
+    )
+    assert tk.decode_splits(4, kv_heads, b.meta.max_seq_len) > 1
+    scale = head_dim**-0.5
+    out = poisoned_empty(tk.paged_attention, b.q, b.k_cache, b.v_cache, b.meta, scale, 0, softcap)
+    ref = REF.paged_attention(b.q, b.k_cache.nan_to_num(0.0), b.v_cache.nan_to_num(0.0), b.meta, scale, 0, softcap)
+    assert not out.isnan().any(), f"seed={seed} seq_lens={seq_lens}"
+    assert rel_err(out, ref) < TOLERANCE[dtype], f"seed={seed} seq_lens={seq_lens}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("kv_heads,heads,head_dim,block_size", [(2, 4, 64, 16), (3, 9, 80, 32), (1, 8, 128, 16)])
 def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty):
@@ -427,17 +465,19 @@ def test_kernels_compile_for_gpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = importlib.import_module(MODULE)
     recorders = {}
-    for name in ("_paged_attention_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel"):
+    kernels = ("_paged_attention_kernel", "_decode_split_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel")
+    for name in kernels:
         recorders[name] = _Recorder(getattr(compiled, name))
         monkeypatch.setattr(compiled, name, recorders[name])
 
-    for dtype, q_lens, (kv_heads, heads, head_dim) in [
-        (torch.float16, [1, 1], (8, 32, 128)),  # decode-only tile
-        (torch.bfloat16, [1, 40], (3, 9, 80)),  # prefill tile
-        (torch.float32, [1, 40], (2, 16, 96)),  # float32 tile
+    for dtype, q_lens, seq_lens, (kv_heads, heads, head_dim) in [
+        (torch.float16, [1, 1], [50, 60], (8, 32, 128)),  # decode-only tile
+        (torch.bfloat16, [1, 1], [50, 3000], (8, 32, 128)),  # split-KV decode
+        (torch.bfloat16, [1, 40], [50, 60], (3, 9, 80)),  # prefill tile
+        (torch.float32, [1, 40], [50, 60], (2, 16, 96)),  # float32 tile
     ]:
         b = make_paged_batch(
-            q_lens, [50, 60], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, poison=True
+            q_lens, seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, poison=True
         )
         q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
         compiled.paged_attention(q, k_cache, v_cache, meta, 0.1)
