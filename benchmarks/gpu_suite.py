@@ -1,11 +1,21 @@
 """The GPU suite: one command that measures FastGen on a CUDA machine and writes down what it found.
 
-    python -m fastgen.benchmarks.gpu_suite --out DIR [--dry-run]
+    python -m fastgen.benchmarks.gpu_suite --out DIR [--dry-run] [--budget-s S] [--stages a,b]
 
-Stages, each isolated (a stage that fails records its error and the next one still runs):
-  environment  the GPU, driver, torch/triton/transformers versions, memory, measured copy bandwidth and bf16 matmul rate
-  cuda_tests   `pytest -m cuda` in a subprocess, summarised (full output in DIR/cuda_tests.log)
-  kernels      decode attention and the fused kernels' bandwidth against the measured copy bandwidth
+Stages, each isolated (a stage that fails records its error and the next one still runs), in the order a first GPU
+run must learn things: are the kernels right, is the engine right, does it fit the memory, then how fast it is.
+  environment      the GPU, driver, torch/triton/transformers versions, memory, measured copy bandwidth and bf16 matmul
+                   rate
+  kernel_accuracy  the Triton kernels against the torch references in bf16 and fp16 at the real model's shape
+  engine_tests     `pytest -m cuda` but the kernel tests, in a subprocess: the engine on CUDA, CUDA graphs replayed,
+                   against transformers (full output in DIR/engine_tests.log)
+  memory           a Llama-3-8B preset with dummy weights, its KV pool sized from device memory (0.9): what the
+                   weights, the pool, the CUDA graphs and memory torch does not track hold, and the fullest step, a
+                   full decode batch and a single decode timed; whether the device stayed within the utilization;
+                   the launch overhead graphs remove (a single decode eager less graphed) as a share of the fullest
+                   step, which bounds what piecewise graphs of mixed steps could gain
+  kernel_tests     `pytest -m cuda` of the Triton kernel tests, compiled for the device (DIR/kernel_tests.log)
+  kernels          decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
                step at batch 1 against the time to read the weights once, with CUDA graphs and without (--enforce-eager)
   offline_moe  the offline stage on a mixture of experts (the Qwen3-30B-A3B preset, 128 experts, 8 per token): its
@@ -16,7 +26,13 @@ Stages, each isolated (a stage that fails records its error and the next one sti
                in-process engine); the slo step-time model's error on the device, every step's prediction and
                measurement in DIR/sla_slo_steps.csv (and a plot where matplotlib is installed)
 
-Writes DIR/gpu_suite.json and DIR/gpu_suite.md; exit status 1 if any stage failed. --dry-run runs every stage at toy
+--budget-s plans the stages to fit that many seconds: each stage has an estimate (ESTIMATE_S, seconds on one H200;
+the report records what each took, to correct them), the process's start-up is counted (STARTUP_S), stages that do not
+fit are skipped and reported with why, and before each stage the time left is checked again (a stage that ran over its
+estimate makes later ones skip, and the pytest stages' timeouts are cut to what is left).
+
+Writes DIR/gpu_suite.json and DIR/gpu_suite.md after every stage (a run cut short keeps what finished); exit status 1
+if any stage failed. --dry-run runs every stage at toy
 size on the CPU (a shrunk preset, seconds), so that CI keeps the suite working; stages whose figures only mean
 something on a GPU say "skipped: no CUDA" there, after running what can run on a CPU.
 Imports only what the GPU machine has: torch, triton, transformers, pytest (as a subprocess) and FastGen.
@@ -25,8 +41,10 @@ Imports only what the GPU machine has: torch, triton, transformers, pytest (as a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import logging
 import os
 import platform
 import random
@@ -64,6 +82,7 @@ class Plan:
     matmul_n: int = 8192
     attn_shape: dict = field(default_factory=lambda: dict(heads=32, kv_heads=8, head_dim=128))
     decode_attention: tuple[int, int] = (64, 2048)  # sequences x context
+    single_decode_attention: int = 8192  # one sequence's context: 8 programs unsplit, flash-decoding's case
     mixed_attention: tuple[int, int, int] = (60, 4, 512)  # decodes, prompt chunks, chunk length
     fused_tokens: int = 8192
     fused_hidden: int = 4096
@@ -98,6 +117,7 @@ def dry_plan(folder: Path, moe_folder: Path) -> Plan:
         matmul_n=64,
         attn_shape=dict(heads=4, kv_heads=2, head_dim=32),
         decode_attention=(4, 64),
+        single_decode_attention=300,
         mixed_attention=(3, 2, 16),
         fused_tokens=32,
         fused_hidden=64,
@@ -185,7 +205,11 @@ class Context:
     plan: Plan
     out: Path
     dry_run: bool
+    deadline: float | None = None  # time.perf_counter() by which the run must end (--budget-s)
     _peaks: tuple[float, float] | None = None
+
+    def seconds_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
     @property
     def cuda(self) -> bool:
@@ -304,24 +328,40 @@ def nvidia_smi(query: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def cuda_tests(ctx: Context) -> dict:
-    """`pytest -m cuda` on the device; in a dry run only collected (the summary path still runs)."""
+KERNEL_TESTS = ("tests/test_triton_kernels.py", "tests/test_triton_moe.py")
+
+
+def kernel_tests(ctx: Context) -> dict:
+    """`pytest -m cuda` of the Triton kernel tests, compiled for the device."""
+    return cuda_tests(ctx, "kernel_tests", list(KERNEL_TESTS))
+
+
+def engine_tests(ctx: Context) -> dict:
+    """`pytest -m cuda` of every other test: the engine, CUDA graphs, sampling and sizing on the device."""
+    return cuda_tests(ctx, "engine_tests", ["tests"] + [f"--ignore={name}" for name in KERNEL_TESTS])
+
+
+def cuda_tests(ctx: Context, name: str, selection: list[str]) -> dict:
+    """`pytest -m cuda` over `selection` (paths from the repository root) on the device, within the time left of
+    the budget; in a dry run only collected (the summary path still runs)."""
     tests = REPO / "tests"
     if not tests.is_dir():
         raise RuntimeError(f"no tests folder at {tests}: run the suite from a checkout (pip install -e .)")
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider", str(tests)]
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider", *selection]
     if ctx.dry_run:
         cmd.append("--collect-only")
     # The kernels must compile for the device, not run in the interpreter.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    log = ctx.out / "cuda_tests.log"
+    timeout = max(1, int(min(ctx.plan.tests_timeout_s, ctx.seconds_left())))
+    log = ctx.out / f"{name}.log"
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.plan.tests_timeout_s)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         output, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         output, code = f"{as_text(e.stdout)}{as_text(e.stderr)}\nTIMED OUT after {e.timeout} s", None
     log.write_text(output)
-    results = dict(command=" ".join(cmd[2:]), exit_status=code, log=log.name, **summarise_pytest(output))
+    results = dict(command=" ".join(cmd[2:]), timeout_s=timeout, exit_status=code, log=log.name)
+    results |= summarise_pytest(output)
     if ctx.dry_run:
         raise Skipped(f"{no_cuda(ctx)} (tests collected only)", results)
     if code != 0:  # 5 (nothing collected) is a failure too: the suite expects CUDA tests
@@ -350,6 +390,159 @@ def summarise_pytest(output: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Stage: kernel accuracy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def kernel_accuracy(ctx: Context) -> dict:
+    """The Triton kernels against the torch references in fp16 and bf16 at the benchmark's shape (32 heads, 8 KV
+    heads, head_dim 128, contexts to 2048): the dtypes the interpreter cannot check. A dry run skips: the torch
+    references at that size take minutes on a CPU, and there is nothing of ours to compare them with."""
+    if not ctx.cuda:
+        raise Skipped(no_cuda(ctx), {})
+    from ..kernels import TORCH_KERNELS, select_kernels
+    from .kernels import run_checks
+
+    checks = [
+        row(check=name, dtype=dtype, rel_err=err, tolerance=tol, ok=err < tol)
+        for name, dtype, err, tol in run_checks(
+            select_kernels("triton", ctx.plan.device), TORCH_KERNELS, ctx.plan.device
+        )
+    ]
+    results = dict(checks=checks)
+    failed = [f"{c['check']} ({c['dtype']})" for c in checks if not c["ok"]]
+    if failed:
+        raise StageFailed(f"over tolerance: {', '.join(failed)}", results)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage: real-size memory and step times
+# ---------------------------------------------------------------------------------------------------------------
+
+MEMORY_UTILIZATION = 0.9  # the replica's default --gpu-memory-utilization
+
+
+def memory(ctx: Context) -> dict:
+    """The model at real size with its KV pool sized from the device (on CUDA): where the memory went, and whether
+    the fullest step, a full decode batch through the graphs and a single decode kept the device within the
+    utilization. Step times are medians of wall time (each step returns its sampled tokens, so it ends synchronised)."""
+    p = ctx.plan
+    free_before, total = device_memory(ctx)
+    with logged("fastgen.replica") as lines:  # the builder's sizing: its figures, and the graphs' measured pool
+        pipe = build_pipeline(p, p.offline_budget, gpu_memory_utilization=MEMORY_UTILIZATION if ctx.cuda else None)
+    engine = pipe.engine
+    runner, allocator = engine.runner, engine.scheduler.allocator
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    free_built, _ = device_memory(ctx)
+    results = dict(
+        model=p.model,
+        token_budget=p.offline_budget,
+        max_seqs=engine.scheduler.config.max_seqs,
+        utilization=MEMORY_UTILIZATION,
+        total_gib=gib(total),
+        free_before_gib=gib(free_before),
+        weights_gib=gib(weight_bytes(runner.model)),
+        kv_pool_gib=gib(kv_bytes),
+        kv_blocks=allocator.num_blocks,
+        cuda_graphs_gib=gib(runner.graphs.pool_bytes if runner.graphs else 0),
+        free_after_build_gib=gib(free_built),
+        sizing_log=[line for line in lines if line.startswith(("device memory", "KV cache", "CUDA graphs"))],
+    )
+    vocab = engine.model_config.vocab_size
+    seqs = engine.scheduler.config.max_seqs
+    prompt = max(1, p.offline_budget // seqs)
+    rng = random.Random(3)
+    params = SamplingParams(max_new_tokens=p.decode_steps + 2, min_new_tokens=p.decode_steps + 2, ignore_eos=True)
+    for i in range(seqs):  # every sequence's prompt in the first steps, each step at the full token budget
+        engine.add_request(f"memory-{i}", [rng.randrange(3, vocab) for _ in range(prompt)], params)
+    prefill, decode = [], []
+    reset_peak(ctx)
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        result = engine.step()
+        elapsed = time.perf_counter() - start
+        if result.stats is not None:
+            (prefill if result.stats.num_prefill_tokens else decode).append(elapsed)
+    results.update(
+        fullest_step_ms=median_ms(prefill),
+        decode_batch=seqs,
+        decode_step_ms=median_ms(decode),
+        single_decode_step_ms=round(decode_step_ms(engine, p.decode_steps), 3),
+    )
+    # What graphs save a decode step is launch overhead; a mixed SplitFuse step runs eagerly and pays it too. Its share
+    # of the fullest step bounds what capturing a mixed step's decode-shaped parts (vLLM's piecewise graphs) could gain.
+    graphs, runner.graphs = runner.graphs, None
+    eager_ms = decode_step_ms(engine, p.decode_steps)
+    runner.graphs = graphs
+    overhead_ms = eager_ms - results["single_decode_step_ms"]
+    results.update(
+        single_decode_step_eager_ms=round(eager_ms, 3),
+        launch_overhead_ms=round(overhead_ms, 3),
+        launch_overhead_of_fullest_step=round(overhead_ms / results["fullest_step_ms"], 3)
+        if results["fullest_step_ms"]
+        else None,
+    )
+    if ctx.cuda:
+        free_min = total - max_used(ctx, free_built, total)
+        reserved = torch.cuda.max_memory_reserved(torch.device(p.device))
+        results.update(
+            peak_reserved_gib=gib(reserved),
+            untracked_gib=gib(total - free_min - reserved),  # CUDA context, cuBLAS/NCCL workspaces, kernel modules
+            least_free_gib=gib(free_min),
+            used_of_total=round((total - free_min) / total, 3),
+        )
+        results["within_utilization"] = results["used_of_total"] <= MEMORY_UTILIZATION
+    del pipe, engine, runner
+    if not ctx.cuda:
+        raise Skipped(f"{no_cuda(ctx)} (the pool from --kv-cache-memory; steps timed on the CPU at toy size)", results)
+    return results
+
+
+@contextlib.contextmanager
+def logged(logger: str):
+    """The INFO messages `logger` writes inside the block, as a list of strings."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger(logger)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def device_memory(ctx: Context) -> tuple[int, int]:
+    """(free, total) bytes of the device as the driver sees them; (0, 0) on the CPU."""
+    return torch.cuda.mem_get_info(torch.device(ctx.plan.device)) if ctx.cuda else (0, 0)
+
+
+def reset_peak(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(torch.device(ctx.plan.device))
+
+
+def max_used(ctx: Context, free_built: int, total: int) -> int:
+    """Most device memory in use during the steps: what was in use after the build, plus how far torch's reserved
+    memory rose above what it held then (the driver's own figure cannot be sampled mid-step)."""
+    device = torch.device(ctx.plan.device)
+    return total - free_built + torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
+
+
+def median_ms(times: list[float]) -> float | None:
+    return round(sorted(times)[len(times) // 2] * 1e3, 3) if times else None
+
+
+def gib(n: int) -> float:
+    return round(n / 2**30, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Stage: kernels
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -367,6 +560,7 @@ def kernels(ctx: Context) -> dict:
     decodes, chunks, chunk = p.mixed_attention
     cases = {
         f"decode {seqs} × {context}": ([1] * seqs, [context] * seqs),
+        f"decode 1 × {p.single_decode_attention} (split-KV)": ([1], [p.single_decode_attention]),
         f"mixed {chunks} chunks × {chunk} + {decodes} decodes": (
             [1] * decodes + [chunk] * chunks,
             [context] * decodes + [chunk * (i + 1) for i in range(chunks)],
@@ -415,7 +609,14 @@ def model_folder(plan: Plan) -> Path:
     return resolve_model(plan.model, "dummy")
 
 
-def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse", enforce_eager: bool = False, slo=None):
+def build_pipeline(
+    plan: Plan,
+    budget: int,
+    policy: str = "splitfuse",
+    enforce_eager: bool = False,
+    slo=None,
+    gpu_memory_utilization: float | None = None,
+):
     from ..replica import pipeline
 
     return pipeline(
@@ -425,6 +626,7 @@ def build_pipeline(plan: Plan, budget: int, policy: str = "splitfuse", enforce_e
         load_format="dummy",
         max_batch_tokens=budget,
         kv_cache_memory=plan.kv_cache_memory,
+        gpu_memory_utilization=gpu_memory_utilization,
         scheduler=policy,
         progress=False,
         enforce_eager=enforce_eager,
@@ -708,21 +910,69 @@ def closed_loop(
 # Report
 # ---------------------------------------------------------------------------------------------------------------
 
+# In the order a first GPU run must learn things: kernel accuracy in bf16/fp16, the engine with graphs against
+# transformers, real-size memory and step times, then speed.
 STAGES = {
     "environment": environment,
-    "cuda_tests": cuda_tests,
+    "kernel_accuracy": kernel_accuracy,
+    "engine_tests": engine_tests,
+    "memory": memory,
+    "kernel_tests": kernel_tests,
     "kernels": kernels,
     "offline": offline,
     "offline_moe": offline_moe,
     "sla": sla,
 }
+# Seconds each stage should take at full size on one H200, estimated by reading (Triton compiles cost 1-2 s a kernel
+# variant, a random 8B model a few seconds to build, transformers' generate ~30 ms a token at batch 16, a 30B MoE in
+# transformers' experts loop far more). Every report records each stage's seconds beside its estimate: correct these
+# from the first run's.
+ESTIMATE_S = {
+    "environment": 20,
+    "kernel_accuracy": 40,
+    "engine_tests": 150,
+    "memory": 90,
+    "kernel_tests": 180,
+    "kernels": 45,
+    "offline": 150,
+    "offline_moe": 240,
+    "sla": 200,
+}
+# The process before the first stage and after the last: python and torch imports, the CUDA context, the report.
+STARTUP_S = 30
+
+
+def plan_stages(stages: list[str], budget_s: float | None) -> tuple[list[str], dict[str, str]]:
+    """The stages to run, in the order given, that fit the budget with start-up counted, and why each other one
+    is skipped. A stage that does not fit does not stop a later, shorter one."""
+    if budget_s is None:
+        return list(stages), {}
+    left = budget_s - STARTUP_S
+    planned, skipped = [], {}
+    for name in stages:
+        if ESTIMATE_S[name] <= left:
+            planned.append(name)
+            left -= ESTIMATE_S[name]
+        else:
+            skipped[name] = f"over budget: estimated {ESTIMATE_S[name]} s, {left:.0f} s of --budget-s {budget_s:g} left"
+    return planned, skipped
+
+
+def plan_lines(stages: list[str], budget_s: float | None) -> list[str]:
+    planned, skipped = plan_stages(stages, budget_s)
+    total = STARTUP_S + sum(ESTIMATE_S[name] for name in planned)
+    head = f"plan for --budget-s {budget_s:g}" if budget_s is not None else "plan (no --budget-s)"
+    lines = [f"{head}: {total} s estimated on one H200, start-up {STARTUP_S} s included"]
+    lines += [f"  run   {name:<16} {ESTIMATE_S[name]:>4} s" for name in planned]
+    lines += [f"  skip  {name:<16} {reason}" for name, reason in skipped.items()]
+    return lines
 
 
 def markdown(report: dict) -> str:
     lines = [f"# GPU suite{' (dry run)' if report['dry_run'] else ''}", ""]
     lines += [f"{report['command']}  ", f"started {report['started']}, {report['seconds']} s in all", ""]
-    lines += ["| stage | status | seconds |", "|---|---|---|"]
-    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} |" for s in report["stages"]]
+    lines += ["| stage | status | seconds | estimate (s) |", "|---|---|---|---|"]
+    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} | {s.get('estimate_s', '')} |" for s in report["stages"]]
     for stage in report["stages"]:
         lines += ["", f"## {stage['name']}: {stage['status']}", ""]
         if stage["error"]:
@@ -750,17 +1000,31 @@ def markdown_table(rows: list[dict]) -> list[str]:
     ]
 
 
-def run(out: Path, dry_run: bool, stages: list[str], argv: list[str], tests_timeout_s: int | None = None) -> dict:
+def run(
+    out: Path,
+    dry_run: bool,
+    stages: list[str],
+    argv: list[str],
+    tests_timeout_s: int | None = None,
+    budget_s: float | None = None,
+    start: float | None = None,
+) -> dict:
+    """Runs the stages that fit `budget_s` seconds from `start` (time.perf_counter(); now by default), writing the
+    report after each; a stage the time left no longer fits is recorded as skipped."""
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
+    planned, skipped = plan_stages(stages, budget_s)
     report = dict(
         suite="gpu_suite",
         dry_run=dry_run,
         command=" ".join(["python -m fastgen.benchmarks.gpu_suite", *argv]),
         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         seconds=0.0,
+        budget_s=budget_s,
+        planned=[dict(name=name, estimate_s=ESTIMATE_S.get(name)) for name in planned],
         plan={},
         stages=[],
+        skipped=skipped,
         failed=[],
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -768,10 +1032,21 @@ def run(out: Path, dry_run: bool, stages: list[str], argv: list[str], tests_time
         if tests_timeout_s:
             plan = replace(plan, tests_timeout_s=tests_timeout_s)
         report["plan"] = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in asdict(plan).items()}
-        ctx = Context(plan, out, dry_run)
+        # The stages get what the plan gave them: start-up covers the imports before `start` and the last report.
+        deadline = None if budget_s is None else start + budget_s - STARTUP_S
+        ctx = Context(plan, out, dry_run, deadline)
         torch.manual_seed(0)
         for i, name in enumerate(stages):
-            record = run_stage(name, STAGES[name], ctx, i + 1, len(stages))
+            if name in skipped:
+                record = dict(name=name, status=f"skipped: {skipped[name]}", seconds=0.0, results={}, error=None)
+            elif budget_s is not None and ESTIMATE_S[name] > ctx.seconds_left():
+                left = ctx.seconds_left()
+                skipped[name] = f"over budget at run time: estimated {ESTIMATE_S[name]} s, {left:.0f} s left"
+                record = dict(name=name, status=f"skipped: {skipped[name]}", seconds=0.0, results={}, error=None)
+                print(f"[gpu_suite] {i + 1}/{len(stages)} {name}: {record['status']}", flush=True)
+            else:
+                record = run_stage(name, STAGES[name], ctx, i + 1, len(stages))
+            record["estimate_s"] = ESTIMATE_S.get(name)
             report["stages"].append(record)
             report["failed"] += [name] if record["status"] == "failed" else []
             report["seconds"] = round(time.perf_counter() - start, 1)
@@ -790,16 +1065,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="every stage at toy size on the CPU (seconds)")
     parser.add_argument("--tests-timeout", type=int, default=None, help="seconds for pytest -m cuda (default 240)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {', '.join(STAGES)}")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds the whole run may take, start-up included: runs the stages that fit (in --stages' order) and "
+        "reports the rest as skipped; 540 fits the device's 10-minute command with room to start",
+    )
+    start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         parser.error(f"unknown stage(s) {', '.join(unknown)}: choose from {', '.join(STAGES)}")
+    if args.budget_s is not None and args.budget_s <= STARTUP_S:
+        parser.error(f"--budget-s {args.budget_s:g} leaves nothing after the {STARTUP_S} s of start-up: give more")
+    for line in plan_lines(stages, args.budget_s):
+        print(f"[gpu_suite] {line}", flush=True)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_suite needs a CUDA GPU and torch sees none: run with --dry-run for the CPU check", file=sys.stderr)
         return 2
-    report = run(args.out, args.dry_run, stages, argv, args.tests_timeout)
+    report = run(args.out, args.dry_run, stages, argv, args.tests_timeout, args.budget_s, start)
     print(f"[gpu_suite] wrote {args.out / 'gpu_suite.json'} and {args.out / 'gpu_suite.md'}", flush=True)
     if report["failed"]:
         print(f"[gpu_suite] FAILED stages: {', '.join(report['failed'])}", file=sys.stderr, flush=True)

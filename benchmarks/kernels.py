@@ -79,10 +79,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def run_checks(triton_k, torch_k) -> list[tuple[str, str, float, float]]:
+def run_checks(triton_k, torch_k, device: str = DEVICE) -> list[tuple[str, str, float, float]]:
     """(check, dtype, relative error, tolerance) rows."""
     rows = []
-    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0), 8192).to(DEVICE)
+    shape = dict(SHAPE, device=device)
+    cos_sin = rope_cos_sin(rope_inv_freq(HEAD_DIM, 500000.0), 8192).to(device)
     for dtype in (torch.float16, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         tol = TOLERANCE[dtype]
@@ -93,17 +94,17 @@ def run_checks(triton_k, torch_k) -> list[tuple[str, str, float, float]]:
                 [1, 17, 100, 513, 1500, 2048, 200, 1000 + 7],
                 block_size=block_size,
                 dtype=dtype,
-                **SHAPE,
+                **shape,
             )
             out = triton_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5)
             ref = torch_k.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, HEAD_DIM**-0.5)
             err = rel_err(out, ref)
             rows.append((f"paged_attention mixed, block {block_size}", name, err, tol))
 
-        b = make_paged_batch([1] * 4 + [64], [30, 300, 700, 1200, 500], block_size=16, dtype=dtype, **SHAPE)
+        b = make_paged_batch([1] * 4 + [64], [30, 300, 700, 1200, 500], block_size=16, dtype=dtype, **shape)
         tokens = b.q.shape[0]
-        k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in "kv")
-        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in "kv")
+        positions = torch.randint(0, 8192, (tokens,), device=device)
         caches = [(b.k_cache.clone(), b.v_cache.clone()) for _ in range(2)]
         q_out = triton_k.rotary_write_kv(b.q, k, v, cos_sin, positions, *caches[0], b.meta.slot_mapping)
         q_ref = torch_k.rotary_write_kv(b.q, k, v, cos_sin, positions, *caches[1], b.meta.slot_mapping)
@@ -111,8 +112,8 @@ def run_checks(triton_k, torch_k) -> list[tuple[str, str, float, float]]:
         err = max(rel_err(q_out, q_ref), rel_err(written[0], written[2]), rel_err(written[1], written[3]))
         rows.append(("rotary_write_kv (q, written k and v)", name, err, tol))
 
-        x, residual = (torch.randn(300, 4096, dtype=dtype, device=DEVICE) for _ in range(2))
-        weight = torch.randn(4096, dtype=dtype, device=DEVICE)
+        x, residual = (torch.randn(300, 4096, dtype=dtype, device=device) for _ in range(2))
+        weight = torch.randn(4096, dtype=dtype, device=device)
         out, new_res = triton_k.add_rms_norm(x, residual, weight, 1e-5)
         ref, ref_res = torch_k.add_rms_norm(x, residual, weight, 1e-5)
         err = max(rel_err(out, ref), rel_err(new_res, ref_res))

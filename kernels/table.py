@@ -69,6 +69,10 @@ class Kernels:
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
     # size), so a CUDA graph captured once replays it correctly for any batch of that size.
     graph_safe: bool = False
+    # (query_start_host, max_query_len, heads, kv_heads, head_dim, dtype) -> (AttentionMetadata.workspace key, ints)
+    # or None: a per-step table paged_attention would otherwise build on the host and copy to the device in its
+    # first layer, for the model runner to send in the step's one copy instead (the Triton tile map)
+    attention_plan: Callable[..., tuple[tuple, list[int]] | None] = lambda *args: None
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: None = None) -> torch.Tensor:

@@ -288,30 +288,204 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    tokens,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """Flash-decoding: one program per (decoding sequence, KV head, split of its keys). Each split's running max m,
+    sum l and unnormalised output acc (log2 units) go to fp32 partials, which _combine_splits merges. The split's
+    range comes from the sequence length on the device, so a captured graph serves any lengths."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    tok = tl.load(query_start_ptr + seq)  # one query token per sequence
+    kv_end = tl.load(seq_lens_ptr + seq)  # every cached key is visible to a decode
+    # Keys per split in whole BLOCK_N tiles; ceilings by hand, as tl.cdiv is one of the library functions noted above
+    chunk = ((kv_end + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    kv_start = split * chunk
+    kv_stop = tl.minimum(kv_start + chunk, kv_end)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + tl.minimum(rows, GROUP - 1)  # padding rows repeat the last head; never stored
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_off = tok.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_start, kv_stop, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_stop
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if SOFTCAP > 0:
+            s = (2.0 / (1.0 + tl.exp(-2.0 * s / SOFTCAP)) - 1.0) * (SOFTCAP * 1.4426950408889634)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # finite: every block holds a visible key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty split (a sequence shorter than the splits) stores m = -inf, l = 0, acc = 0: weight 0 when merged.
+    part = (split * tokens + tok).to(tl.int64) * HEADS + head  # (BLOCK_M,) row of the (SPLITS, tokens, HEADS) partials
+    tl.store(m_ptr + part, m_i, mask=row_ok)
+    tl.store(l_ptr + part, l_i, mask=row_ok)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+# Below about this many (sequence, KV head) programs a decode-only step leaves most of an H100/H200's 132 SMs idle:
+# split each sequence's keys over more programs (flash-decoding).
+SPLIT_TARGET_PROGRAMS = 128
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256  # shorter splits cost more in partials and merging than they save
+
+
+def decode_splits(seqs: int, kv_heads: int, max_seq_len: int) -> int:
+    """Splits of each sequence's keys for a decode-only step (1: no split). From shapes and the longest context only:
+    in a captured graph these are the bucket's size and the model's length, so one graph serves every step."""
+    programs = seqs * kv_heads
+    if programs >= SPLIT_TARGET_PROGRAMS:
+        return 1
+    return max(1, min(MAX_SPLITS, SPLIT_TARGET_PROGRAMS // programs, -(-max_seq_len // MIN_KEYS_PER_SPLIT)))
+
+
+def _decode_split_attention(q, k_cache, v_cache, meta, scale, softcap, splits, out) -> torch.Tensor:
+    """Decode-only paged attention over `splits` programs per (sequence, KV head), merged on the device."""
+    tokens, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    m = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device)
+    l_sum = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device)
+    acc = torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
+    small = q.dtype == torch.float32 or head_dim_pad > 128
+    _decode_split_kernel[(tokens, kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        m,
+        l_sum,
+        acc,
+        meta.query_start,
+        meta.seq_lens,
+        meta.block_tables,
+        tokens,
+        scale if softcap else scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        meta.block_tables.stride(0),
+        HEADS=heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=32 if small else 64,
+        SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=float(softcap),
+        num_warps=4,
+        num_stages=2,
+        enable_fp_fusion=True,
+    )
+    # Merge: each split weighted by 2^(its max - the overall max); split 0 always holds key 0, so that max is finite.
+    weight = torch.exp2(m - m.amax(0))  # (splits, tokens, heads)
+    total = (weight * l_sum).sum(0)
+    out.copy_(((weight[..., None] * acc).sum(0) / total[..., None]).to(out.dtype))
+    return out
+
+
+def _tiles_host(query_start: list[int] | tuple[int, ...], tokens_per_tile: int) -> list[int]:
+    """The tile map as host ints: every tile's sequence, then every tile's first query token within it."""
+    seqs, firsts = [], []
+    for i, (start, end) in enumerate(zip(query_start[:-1], query_start[1:])):
+        for first in range(0, end - start, tokens_per_tile):
+            seqs.append(i)
+            firsts.append(first)
+    return seqs + firsts
+
+
 @functools.lru_cache(maxsize=32)
 def _tile_map(query_start: tuple[int, ...], tokens_per_tile: int, device: torch.device) -> torch.Tensor:
     """(2, tiles) int32 on device: each tile's sequence and first query token within it. Cached because every
-    layer of a step asks for the same map."""
-    starts = torch.tensor(query_start, dtype=torch.int64)
-    lens = starts[1:] - starts[:-1]  # (seqs,)
-    per_seq = (lens + tokens_per_tile - 1) // tokens_per_tile
-    seq = torch.repeat_interleave(torch.arange(len(lens)), per_seq)  # (tiles,)
-    first_tile = torch.cumsum(per_seq, 0) - per_seq
-    local = torch.arange(len(seq)) - first_tile[seq]
-    return torch.stack([seq, local * tokens_per_tile]).to(torch.int32).to(device)
+    layer of a step asks for the same map. The model runner sends it with the step's inputs instead
+    (`attention_plan`); this serves other callers (graph capture, benchmarks)."""
+    return torch.tensor(_tiles_host(query_start, tokens_per_tile), dtype=torch.int32).view(2, -1).to(device)
 
 
-def _attention_config(
-    meta: AttentionMetadata, group: int, head_dim_pad: int, dtype: torch.dtype
-) -> tuple[int, int, int]:
+def _attention_config(max_query_len: int, group: int, head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps). Decode-only batches use the smallest tile that holds one token's heads:
     decode is bound by reading the cache, so larger tiles would only add idle rows. Float32 (no tensor-core path
     at full precision) and head dims over 128 get smaller tiles, which keep them from spilling registers."""
     rows = triton.next_power_of_2(group)
-    decode_only = meta.max_query_len <= 1
+    decode_only = max_query_len <= 1
     if dtype == torch.float32 or head_dim_pad > 128:
         return max(16 if decode_only else 32, rows), 32, 8
     return max(16 if decode_only else 64, rows), 64, 4
+
+
+def _tiles_key(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple[tuple, int, int, int]:
+    """(workspace key of the tile map: ("tiles", tokens per tile), BLOCK_M, BLOCK_N, num_warps) of an attention
+    call."""
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps = _attention_config(max_query_len, group, head_dim_pad, dtype)
+    return ("tiles", block_m // group), block_m, block_n, num_warps
+
+
+def attention_plan(
+    query_start: list[int], max_query_len: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[tuple, list[int]]:
+    """The step's tile map as host ints, with the workspace key paged_attention looks it up by: the model runner sends
+    it in the step's one pinned copy (a (2, tiles) view of it), so no layer copies it from pageable memory."""
+    key = _tiles_key(max_query_len, heads // kv_heads, head_dim, dtype)[0]
+    return key, _tiles_host(query_start, key[1])
 
 
 def paged_attention(
@@ -333,11 +507,15 @@ def paged_attention(
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    if meta.max_query_len <= 1 and not window:
+        splits = decode_splits(tokens, kv_heads, meta.max_seq_len)
+        if splits > 1:
+            return _decode_split_attention(q, k_cache, v_cache, meta, scale, softcap, splits, out)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps = _attention_config(meta, group, head_dim_pad, q.dtype)
-    tokens_per_tile = block_m // group
-    # Held by the step's metadata: a captured graph keeps reading this tensor, so it must outlive the cache entry.
-    key = ("tiles", tokens_per_tile)
+    key, block_m, block_n, num_warps = _tiles_key(meta.max_query_len, group, head_dim, q.dtype)
+    tokens_per_tile = key[1]
+    # Held by the step's metadata (sent there by the model runner, or made here once per step): a captured graph
+    # keeps reading this tensor, so it must outlive the cache entry.
     tiles = meta.workspace.get(key)
     if tiles is None:
         tiles = meta.workspace[key] = _tile_map(tuple(meta.query_start_host), tokens_per_tile, q.device)
@@ -487,4 +665,5 @@ TRITON_KERNELS = Kernels(
     fused_moe=fused_moe,
     argmax=TORCH_KERNELS.argmax,
     graph_safe=True,
+    attention_plan=attention_plan,
 )

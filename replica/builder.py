@@ -18,7 +18,7 @@ from .config import QUANTIZATIONS, EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine
 from .host_memory import keep_freed_memory
-from .kv_cache import allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
+from .kv_cache import DeviceMemory, allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
 from .model_runner import ModelRunner
 from .models import DecoderModel, ModelConfig
 from .parallel import TPGroup
@@ -111,6 +111,8 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     kernels = select_kernels(config.kernels, device)
     if device.type == "cpu":
         keep_freed_memory()
+    # Before anything of ours is on the device (the CUDA context is, once asked): the baseline of the KV sizing.
+    at_start = _memory_at_start(device)
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -133,7 +135,10 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     block_size = config.cache.block_size
     # The memory budget is per rank; each block holds only this rank's KV heads.
     per_block = bytes_per_block(model_config.num_layers, block_size, attn.kv_heads, attn.head_dim, dtype)
-    num_blocks = tp.agree_min(_kv_blocks(config, model, per_block, dtype, device), device)
+    # The agreement runs on the CPU over the broadcast's gloo group, never over NCCL (see agree_min).
+    group = broadcast.group if broadcast is not None else None
+    graphed = kernels.graph_safe and not config.enforce_eager
+    num_blocks = tp.agree_min(_kv_blocks(config, model, per_block, dtype, device, at_start, graphed), group)
     if tp.rank == 0:
         log.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %s",
@@ -142,7 +147,6 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             num_blocks * block_size,
             gib(num_blocks * per_block),
         )
-    graphed = kernels.graph_safe and not config.enforce_eager
     # Graphed decode steps pad their batch with rows that write to one extra block, which the allocator never sees.
     kv = allocate_kv_cache(
         model_config.num_layers, num_blocks + graphed, block_size, attn.kv_heads, attn.head_dim, dtype, device
@@ -162,53 +166,87 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     return ModelRunner(model, kv, block_size, device, broadcast, graphs), num_blocks
 
 
+def _memory_at_start(device: torch.device) -> tuple[int, int]:
+    """(free bytes on the device, bytes torch's allocator reserves there) before the model loads; (0, 0) off CUDA."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
+
+
 def _kv_blocks(
-    config: EngineConfig, model: DecoderModel, per_block: int, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model: DecoderModel,
+    per_block: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    at_start: tuple[int, int],
+    graphed: bool,
 ) -> int:
     """This rank's pool: num_blocks if given; on CUDA with a utilization, what the device has left after the
-    weights and a profiling pass; otherwise the memory budget."""
+    weights, a profiling pass, what appeared outside torch's allocator meanwhile and room for the CUDA graphs
+    (captured after the pool, whose addresses they hold); otherwise the memory budget."""
     cache = config.cache
     if cache.num_blocks:
         return cache.num_blocks
     if device.type != "cuda" or cache.gpu_memory_utilization is None:
         return max(1, cache.memory_bytes // per_block)
+    free_at_start, reserved_at_start = at_start
     weights_bytes = torch.cuda.memory_allocated(device)  # nothing but the model is on the device yet
-    peak = _activation_peak(config, model, dtype, device)
-    total = torch.cuda.mem_get_info(device)[1]
-    blocks = kv_blocks_for_device(total, weights_bytes, peak, cache.gpu_memory_utilization, per_block)
+    sched = config.scheduler
+    peak = _activation_peak(config, model, dtype, device, sched.max_batch_tokens)
+    # The graphs' pool holds the largest bucket's forward pass, beside the one output buffer every bucket fills.
+    graphs = _activation_peak(config, model, dtype, device, sched.max_seqs) if graphed else 0
+    # As vLLM: after profiling, what the device lost since the start less what torch's allocator grew by is memory
+    # torch does not track (cuBLAS workspaces, NCCL buffers, Triton's and torch's kernel modules).
+    grown = free_at_start - torch.cuda.mem_get_info(device)[0]
+    untracked = max(0, grown - (torch.cuda.memory_reserved(device) - reserved_at_start))
+    memory = DeviceMemory(torch.cuda.mem_get_info(device)[1], free_at_start, weights_bytes, peak, untracked, graphs)
+    blocks = kv_blocks_for_device(memory, cache.gpu_memory_utilization, per_block)
     log.info(
-        "device memory %s x %g: weights %s, activation peak %s at %d tokens -> KV pool %d blocks (%d tokens)",
-        gib(total),
+        "device memory %s x %g (%s free at start): weights %s, activation peak %s at %d tokens, %s outside torch, "
+        "%s for CUDA graphs -> KV pool %d blocks (%d tokens)",
+        gib(memory.total),
         cache.gpu_memory_utilization,
+        gib(free_at_start),
         gib(weights_bytes),
         gib(peak),
-        config.scheduler.max_batch_tokens,
+        sched.max_batch_tokens,
+        gib(untracked),
+        gib(graphs),
         blocks,
         blocks * config.cache.block_size,
     )
     return blocks
 
 
-def _activation_peak(config: EngineConfig, model: DecoderModel, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes a full step allocates on the CUDA device above what is there before it (weights and the profile's own
-    small KV cache): the peak of `profile_step`."""
+def _activation_peak(
+    config: EngineConfig, model: DecoderModel, dtype: torch.dtype, device: torch.device, tokens: int
+) -> int:
+    """Bytes the fullest step of `tokens` tokens allocates on the CUDA device above what is there before it
+    (weights and the profile's own small KV cache): the peak of `profile_step`."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    profile_step(config, model, dtype, device)
+    profile_step(config, model, dtype, device, tokens)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.empty_cache()
     return peak
 
 
-def profile_step(config: EngineConfig, model: DecoderModel, dtype: torch.dtype, device: torch.device) -> None:
-    """Runs the largest step the scheduler can build, forward pass and sampling, on a throwaway KV cache just
-    large enough for it. Every rank of a tensor-parallel group runs the same step, so their collectives match."""
+def profile_step(
+    config: EngineConfig, model: DecoderModel, dtype: torch.dtype, device: torch.device, tokens: int | None = None
+) -> None:
+    """Runs the largest step the scheduler can build of `tokens` tokens (the token budget by default; max_seqs gives
+    the largest decode step), forward pass and sampling, on a throwaway KV cache just large enough for it. Every
+    rank of a tensor-parallel group runs the same step, so their collectives match."""
     block_size = config.cache.block_size
     batch, num_blocks = profile_batch(
-        config.scheduler.max_batch_tokens, config.scheduler.max_seqs, block_size, model.config.max_position_embeddings
+        tokens or config.scheduler.max_batch_tokens,
+        config.scheduler.max_seqs,
+        block_size,
+        model.config.max_position_embeddings,
     )
     attn = model.layers[0].self_attn
     kv = allocate_kv_cache(len(model.layers), num_blocks, block_size, attn.kv_heads, attn.head_dim, dtype, device)

@@ -35,7 +35,6 @@ def bucket_sizes(max_seqs: int) -> list[int]:
 @dataclass
 class _Captured:
     meta: AttentionMetadata  # views of the static buffers for this bucket
-    logits: torch.Tensor | None  # (bucket, vocab): the graph's output buffer, None until captured
     graph: torch.cuda.CUDAGraph | None
 
 
@@ -60,6 +59,11 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_seqs)
         rows, width = self.buckets[-1], -(-max_model_len // block_size)
         self.max_blocks = width
+        self.pool_bytes = 0  # device memory the captured graphs reserved (0 until captured)
+        # (largest bucket, vocab): every bucket's graph copies its logits into the first rows, so one output buffer
+        # is held, not one per bucket (bucket x vocab each: a GiB at 256 sequences and a 128k vocabulary). Made by
+        # the first forward pass (the largest bucket's warm-up, outside any capture), which knows the width and dtype.
+        self.logits: torch.Tensor | None = None
         # Static inputs; every bucket's graph reads the first `bucket` rows.
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -81,7 +85,6 @@ class DecodeGraphs:
                     seq_lens_host=[max_model_len] * b,
                 ),
                 None,
-                None,
             )
             for b in self.buckets
         }
@@ -99,8 +102,8 @@ class DecodeGraphs:
         )
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Logits (sequences, vocab) of a batch that `fits`. With captured graphs they are a view of the bucket's
-        output buffer, valid until the next step."""
+        """Logits (sequences, vocab) of a batch that `fits`: a view of the one output buffer, valid until the next
+        step."""
         n = len(batch.seqs)
         bucket = next(b for b in self.buckets if b >= n)
         self._load(batch, bucket)
@@ -108,7 +111,7 @@ class DecodeGraphs:
         if entry.graph is None:
             return self._forward(entry.meta, bucket)[:n]
         entry.graph.replay()
-        return entry.logits[:n]
+        return self.logits[:n]
 
     def _load(self, batch: Batch, bucket: int) -> None:
         """Copies the batch into the static buffers' first rows and padding into the rest of the bucket: one
@@ -138,8 +141,13 @@ class DecodeGraphs:
             self.block_tables[n:bucket, 0].fill_(self.pad_slot // self.block_size)
 
     def _forward(self, meta: AttentionMetadata, bucket: int) -> torch.Tensor:
+        """The bucket's logits, copied into the output buffer's first rows (bucket, vocab); inside a capture the
+        model's own logits are the pool's to reuse once the graph ends."""
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], meta, self.kv_caches)  # (bucket, hidden)
-        return self.model.logits(hidden)  # (bucket, vocab)
+        logits = self.model.logits(hidden)  # (bucket, vocab)
+        if self.logits is None:
+            self.logits = logits.new_empty(self.buckets[-1], logits.shape[1])
+        return self.logits[:bucket].copy_(logits)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -153,12 +161,13 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                entry.logits = self._forward(entry.meta, bucket)
+                self._forward(entry.meta, bucket)
             entry.graph = graph
             pool = graph.pool()
         torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         log.info(
             "CUDA graphs captured for decode batches of %s sequences (%.0f MiB of device memory)",
             ", ".join(map(str, self.buckets)),
-            (torch.cuda.memory_reserved(self.device) - before) / 2**20,
+            self.pool_bytes / 2**20,
         )

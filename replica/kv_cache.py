@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -29,20 +31,38 @@ def copy_blocks(kv_caches, copies: list[tuple[int, int]], device) -> None:
         v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
 
-def kv_blocks_for_device(total: int, weights: int, peak: int, utilization: float, bytes_per_block: int) -> int:
-    """KV blocks that fit a device: `utilization` of its total memory, less what the weights hold and the
-    activation peak of a forward pass at the token budget (all in bytes; vLLM's --gpu-memory-utilization).
-    Raises ValueError, with the figures and what to change, when not one block is left."""
-    usable = int(total * utilization)
-    budget = usable - weights - peak
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the builder measured on one device, in bytes (builder._kv_blocks), as vLLM profiles it."""
+
+    total: int  # the device's memory
+    free_at_start: int  # free before the model loaded: what the CUDA context and other processes left
+    weights: int  # torch's allocations once the model is loaded
+    activation_peak: int  # a forward pass and sampling at the token budget, above the weights
+    untracked: int  # appeared since the start outside torch's allocator: cuBLAS/NCCL workspaces, kernel modules
+    graphs: int  # room for the CUDA graphs captured after the pool: the largest decode bucket's peak and its output
+
+
+def kv_blocks_for_device(memory: DeviceMemory, utilization: float, bytes_per_block: int) -> int:
+    """KV blocks that fit a device: `utilization` of its total memory (vLLM's --gpu-memory-utilization), but no more
+    than was free at the start (another process's memory is not ours), less the weights, the activation peak, the
+    memory torch does not track and the CUDA graphs' room. Raises ValueError, with the figures and what to change,
+    when not one block is left."""
+    usable = min(int(memory.total * utilization), memory.free_at_start)
+    held = memory.weights + memory.activation_peak + memory.untracked + memory.graphs
+    budget = usable - held
     blocks = max(0, budget) // bytes_per_block
     if blocks < 1:
         raise ValueError(
-            f"no device memory left for the KV cache: {utilization:g} of {gib(total)} is {gib(usable)}, the weights "
-            f"hold {gib(weights)} and a forward pass at the token budget peaks at {gib(peak)} more, "
+            f"no device memory left for the KV cache: {utilization:g} of {gib(memory.total)} "
+            f"({gib(memory.free_at_start)} free at start) allows {gib(usable)}; "
+            f"the weights hold {gib(memory.weights)}, "
+            f"a forward pass at the token budget peaks at {gib(memory.activation_peak)} more, "
+            f"{gib(memory.untracked)} is outside torch's allocator and the CUDA graphs need {gib(memory.graphs)}, "
             f"which leaves {gib(budget)} where one KV block needs {bytes_per_block} bytes: raise "
-            "--gpu-memory-utilization, lower --max-batch-tokens or --max-seqs, spread the model over more --tp ranks, "
-            "or use a smaller model or dtype"
+            "--gpu-memory-utilization, lower --max-batch-tokens or --max-seqs, free the device of other processes, "
+            "spread the model over more --tp ranks, use --enforce-eager, or use a smaller "
+            "model or dtype"
         )
     return blocks
 

@@ -83,31 +83,41 @@ class ModelRunner:
         return self.model.logits(hidden[step.sample_rows])
 
     def prepare(self, batch: Batch) -> StepInputs:
-        """The batch's tensors, every one a view of a single host-to-device copy."""
+        """The batch's tensors, every one a view of a single host-to-device copy: the attention kernels' per-step
+        table (the Triton tile map) too, which they would otherwise copy from pageable memory in the first layer."""
         lists = step_lists(batch, self.block_size)
         width, tables = padded_tables(batch)
+        max_query_len = max(len(s.token_ids) for s in batch.seqs)
+        attn = self.model.layers[0].self_attn
+        plan = self.kernels.attention_plan(
+            lists.query_start, max_query_len, attn.heads, attn.kv_heads, attn.head_dim, self.model.embed_tokens.dtype
+        )
+        extra = plan[1] if plan is not None else []
         flat = to_device(
             [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
-            + tables,
+            + tables
+            + extra,
             self.device,
         )
         parts = flat.split(
             [len(lists.tokens)] * 3
             + [len(lists.query_start), len(lists.seq_lens)]
-            + [len(lists.sample_rows), len(tables)]
+            + [len(lists.sample_rows), len(tables), len(extra)]
         )
-        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables = parts
+        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, extra = parts
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
             block_tables=tables.view(len(batch.seqs), width).to(torch.int32),
             slot_mapping=slots,
             num_decodes=batch.num_decodes,
-            max_query_len=max(len(s.token_ids) for s in batch.seqs),
+            max_query_len=max_query_len,
             max_seq_len=max(lists.seq_lens),
             query_start_host=lists.query_start,
             seq_lens_host=lists.seq_lens,
         )
+        if plan is not None:
+            meta.workspace[plan[0]] = extra.view(2, -1).to(torch.int32)
         return StepInputs(input_ids, positions, meta, sample_rows)
 
 

@@ -78,6 +78,7 @@ def pipeline(
     block_size: int = CacheConfig.block_size,
     num_blocks: int | None = None,
     kv_cache_memory: int = CacheConfig.memory_bytes,
+    gpu_memory_utilization: float | None = CacheConfig.gpu_memory_utilization,
     scheduler: str = SchedulerConfig.policy,
     max_model_len: int | None = None,
     device: str = EngineConfig.device,
@@ -93,8 +94,9 @@ def pipeline(
     """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
     device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
     "llama-3-8b", or any other) with random weights instead of reading them. slo: the service level the slo
-    scheduler plans every request for (SloConfig's defaults otherwise). speculative_config: vLLM's dict (or its JSON),
-    e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+    scheduler plans every request for (SloConfig's defaults otherwise). gpu_memory_utilization: on CUDA, the KV pool
+    sized from the device's memory instead of kv_cache_memory (vLLM's). speculative_config: vLLM's dict (or its
+    JSON), e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
     max_seqs = max_seqs or min(SchedulerConfig.max_seqs, max_batch_tokens)
     config = EngineConfig(
         model=model,
@@ -107,7 +109,11 @@ def pipeline(
             max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, policy=scheduler, slo=slo or SloConfig()
         ),
         cache=CacheConfig(
-            block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory, prefix_caching=prefix_caching
+            block_size=block_size,
+            num_blocks=num_blocks,
+            memory_bytes=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            prefix_caching=prefix_caching,
         ),
         max_model_len=max_model_len,
         progress=progress,

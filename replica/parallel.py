@@ -16,6 +16,10 @@ from torch import nn
 from ..kernels import TORCH_KERNELS, Kernels
 from ..kernels.quant import QuantizedTensor
 
+# The single-tensor all-gather: torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor, which the
+# older torch of a GPU machine may still be the only name for.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -30,19 +34,26 @@ class TPGroup:
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenates every rank's x along the last dimension."""
+        """Concatenates every rank's x (rows, cols) along the last dimension. One output tensor, not the list form:
+        inside a CUDA graph the list form's separate outputs and the copy into them are not what NCCL's graph
+        capture supports well, and one gather into one buffer is one collective either way."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        rows, cols = x.shape
+        out = x.new_empty(self.size * rows, cols)  # rank r's x in rows r * rows ...
+        _all_gather_single(out, x.contiguous())
+        return out.view(self.size, rows, cols).movedim(0, 1).reshape(rows, self.size * cols)
 
-    def agree_min(self, n: int, device: torch.device) -> int:
-        """The smallest n over all ranks: what every rank can hold (e.g. KV blocks, sized from each rank's memory)."""
+    def agree_min(self, n: int, group: dist.ProcessGroup | None = None) -> int:
+        """The smallest n over all ranks: what every rank can hold (e.g. KV blocks, sized from each rank's memory).
+        Over `group` on the CPU, a gloo group (the batch broadcast's) where the model's collectives run on NCCL: a
+        rank that failed to build ends its process, which a gloo peer sees at once as closed sockets, where NCCL's
+        all-reduce waits out its whole timeout (--tp-timeout). No shorter deadline: ranks finish loading their
+        shards minutes apart, and that is not a failure."""
         if self.size == 1:
             return n
-        t = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return int(t.item())
 
 

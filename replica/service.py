@@ -144,13 +144,20 @@ class EngineDown(Exception):
     supervisor restarts it; requests end UNAVAILABLE, which the balancer retries or migrates elsewhere."""
 
 
+# How a poisoned context shows itself in a message: torch's runtime and driver checks, and Triton's launcher (a launch
+# after an earlier kernel's illegal address fails there before torch sees anything).
+DEVICE_ERROR_MARKS = ("CUDA error", "CUDA driver error", "Triton Error [CUDA]")
+
+
 def is_device_error(exc: BaseException) -> bool:
     """A CUDA error (an illegal address, a device-side assert) poisons the context: every later step fails too, and
     only a new process recovers. An out-of-memory error does not ("CUDA out of memory")."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if "CUDA error" in str(exc) or type(exc).__name__ in ("CudaError", "AcceleratorError"):
+        if any(mark in str(exc) for mark in DEVICE_ERROR_MARKS):
+            return True
+        if type(exc).__name__ in ("CudaError", "AcceleratorError"):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -292,10 +299,13 @@ class EngineLoop:
     def _step_failed(self, exc: Exception) -> None:
         self._failed_steps += 1
         log.exception("engine step failed (%d in a row); failing the requests in flight", self._failed_steps)
-        self._fail_all(RuntimeError(f"engine step failed: {exc}"))
         if is_device_error(exc):
+            # Not the requests' fault: they end UNAVAILABLE (EngineDown), which the balancer retries or migrates to
+            # another replica, where INTERNAL would reach their clients as errors.
             self._die(exc)
-        elif self._failed_steps >= self.watchdog.max_failed_steps:
+            return
+        self._fail_all(RuntimeError(f"engine step failed: {exc}"))
+        if self._failed_steps >= self.watchdog.max_failed_steps:
             self._die(RuntimeError(f"{self._failed_steps} engine steps failed in a row, the last with: {exc}"))
 
     def _die(self, exc: BaseException) -> None:

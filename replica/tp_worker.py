@@ -140,7 +140,10 @@ def run_tensor_parallel(
             exit_now(code)
     else:
         code = follow(engine_config(args), tp, broadcast)
-    if code == 0:  # after a failure a peer may be gone, and tearing down could wait on it
+    # After a failure a peer may be gone, and tearing down could wait on it. On NCCL never: destroying a communicator
+    # whose collectives were captured in CUDA graphs can hang (the graphs still hold it), and exit_now below releases
+    # everything the group held anyway.
+    if code == 0 and dist.get_backend() != "nccl":
         dist.destroy_process_group()
     # Even an orderly end leaves without interpreter finalization: a gloo worker thread may still be releasing the
     # last collective (the stop message) when it begins, and dies of SIGABRT asking for the GIL (see exit_now).

@@ -16,7 +16,10 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert list(stages) == list(gpu_suite.STAGES) and report["failed"] == [] and report["dry_run"]
     assert all(s["status"] == "ok" or s["status"].startswith("skipped: ") for s in stages.values())
     assert stages["environment"]["results"]["copy_gbps"] > 0
-    assert stages["cuda_tests"]["results"]["counts"]["tests collected"] > 0
+    for name in ("engine_tests", "kernel_tests"):
+        assert stages[name]["results"]["counts"]["tests collected"] > 0
+    memory = stages["memory"]["results"]
+    assert memory["kv_blocks"] > 0 and memory["fullest_step_ms"] > 0 and memory["decode_step_ms"] > 0
     assert {r["block"] for r in stages["kernels"]["results"]["attention"]} == {16, 32}
     offline = stages["offline"]["results"]
     assert offline["fastgen_tokens_per_s"] > 0 and offline["transformers_tokens_per_s"] > 0
@@ -31,7 +34,7 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert len((tmp_path / model["trace"]).read_text().splitlines()) == model["steps"] + 1
     md = (tmp_path / "gpu_suite.md").read_text()
     assert all(f"## {name}: " in md for name in gpu_suite.STAGES)
-    assert (tmp_path / "cuda_tests.log").is_file()
+    assert (tmp_path / "engine_tests.log").is_file() and (tmp_path / "kernel_tests.log").is_file()
 
 
 def test_a_failing_stage_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch):
@@ -40,6 +43,7 @@ def test_a_failing_stage_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch
 
     monkeypatch.setitem(gpu_suite.STAGES, "boom", boom)
     monkeypatch.setitem(gpu_suite.STAGES, "after", lambda ctx: {"ran": True})
+    monkeypatch.setattr(gpu_suite, "ESTIMATE_S", {"boom": 1, "after": 1})
     monkeypatch.setattr(gpu_suite, "toy_model", lambda folder: folder)  # neither stage builds a model
     assert gpu_suite.main(["--out", str(tmp_path), "--dry-run", "--stages", "boom,after"]) == 1
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
@@ -84,3 +88,60 @@ def test_weights_read_counts_the_form_each_kernel_reads(tmp_path, family):
         active = hf.config.num_experts_per_tok / hf.config.num_experts
         expected -= round(sum(t.nbytes for t in experts) * (1 - active))
     assert gpu_suite.weights_read_bytes(pipe.engine.runner.model) == expected
+
+
+def test_budget_plans_the_stages_in_order_with_start_up_counted():
+    assert set(gpu_suite.ESTIMATE_S) == set(gpu_suite.STAGES)
+    planned, skipped = gpu_suite.plan_stages(list(gpu_suite.STAGES), 540)
+    assert planned == list(gpu_suite.STAGES)[: len(planned)] and planned[:4] == [
+        "environment",
+        "kernel_accuracy",
+        "engine_tests",
+        "memory",
+    ]
+    used = gpu_suite.STARTUP_S + sum(gpu_suite.ESTIMATE_S[s] for s in planned)
+    assert used <= 540 and set(skipped) == set(gpu_suite.STAGES) - set(planned)
+    assert all(r.startswith("over budget: estimated ") for r in skipped.values())
+    # A stage that does not fit does not stop a later, shorter one; no budget runs everything.
+    estimates = gpu_suite.ESTIMATE_S
+    budget = gpu_suite.STARTUP_S + estimates["environment"] + estimates["kernels"]
+    assert gpu_suite.plan_stages(["environment", "offline", "kernels"], budget) == (
+        ["environment", "kernels"],
+        {
+            "offline": f"over budget: estimated {estimates['offline']} s, {estimates['kernels']} s of --budget-s "
+            f"{budget} left"
+        },
+    )
+    assert gpu_suite.plan_stages(["sla"], None) == (["sla"], {})
+    lines = gpu_suite.plan_lines(list(gpu_suite.STAGES), 540)
+    assert (
+        lines[0]
+        == f"plan for --budget-s 540: {used} s estimated on one H200, start-up {gpu_suite.STARTUP_S} s included"
+    )
+    assert [line.split()[1] for line in lines[1:]] == planned + list(skipped)
+
+
+def test_a_stage_over_its_estimate_makes_the_next_skip_at_run_time(tmp_path, monkeypatch):
+    """The plan fits both stages; the first runs 1.5 s over its 1 s estimate's share, so the second no longer fits
+    and is reported skipped (the report written), not run into the device's time limit."""
+    import time
+
+    ran = []
+    monkeypatch.setitem(gpu_suite.STAGES, "slow", lambda ctx: time.sleep(1.5) or {"left": ctx.seconds_left()})
+    monkeypatch.setitem(gpu_suite.STAGES, "after", lambda ctx: ran.append(1) or {})
+    monkeypatch.setattr(gpu_suite, "ESTIMATE_S", {"slow": 1, "after": 1})
+    monkeypatch.setattr(gpu_suite, "STARTUP_S", 0)
+    monkeypatch.setattr(gpu_suite, "toy_model", lambda folder: folder)
+    args = ["--out", str(tmp_path), "--dry-run", "--stages", "slow,after", "--budget-s", "2.2"]
+    assert gpu_suite.main(args) == 0 and not ran
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    slow, after = report["stages"]
+    assert slow["status"] == "ok" and 0 < slow["results"]["left"] < 1 and slow["estimate_s"] == 1
+    assert after["status"].startswith("skipped: over budget at run time: estimated 1 s")
+    assert list(report["skipped"]) == ["after"] and [p["name"] for p in report["planned"]] == ["slow", "after"]
+
+
+def test_a_budget_under_start_up_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--out", str(tmp_path), "--dry-run", "--budget-s", "10"])
+    assert "leaves nothing after the" in capsys.readouterr().err

@@ -540,3 +540,19 @@ def test_cpu_argmax_matches_torch():
         logits[2, vocab // 2 :] = logits[2].max() + 1  # ties spanning vector lanes
         for threads in (1, THREADS):
             assert in_threads(threads, cpu.argmax_rows, logits) == logits.max(dim=-1).indices.tolist(), (vocab, threads)
+
+
+def test_the_torch_floor_has_what_the_attention_kernels_call():
+    """scaled_dot_product_attention's enable_gqa, which the torch attention kernels pass, is new in torch 2.5: the
+    floor pyproject.toml declares must not promise an older torch (it once said 2.4)."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    import fastgen
+    from fastgen.kernels import attention
+
+    assert "enable_gqa=True" in inspect.getsource(attention)
+    pyproject = (Path(fastgen.__file__).parents[1] / "pyproject.toml").read_text()
+    major, minor = re.search(r'^\s*"torch>=(\d+)\.(\d+)', pyproject, re.MULTILINE).groups()
+    assert (int(major), int(minor)) >= (2, 5), f"torch>={major}.{minor}"

@@ -198,7 +198,13 @@ def fail(exc):
 
 @pytest.mark.parametrize(
     "error, failures",
-    [(RuntimeError("a bug in one step"), 2), (RuntimeError("CUDA error: an illegal memory access was encountered"), 1)],
+    [
+        (RuntimeError("a bug in one step"), 2),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), 1),
+        # Triton's launcher, the first to see a context an earlier kernel poisoned; torch's driver-API check.
+        (RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"), 1),
+        (RuntimeError("CUDA driver error: device-side assert triggered"), 1),
+    ],
 )
 def test_steps_that_keep_failing_or_a_cuda_error_end_the_engine(error, failures):
     """After max_failed_steps failed steps in a row, or at once on a CUDA error (every later step would fail too),
@@ -227,6 +233,21 @@ def test_steps_that_keep_failing_or_a_cuda_error_end_the_engine(error, failures)
     assert steps == failures and len(fatal) == 1 and not healthy
     assert all(isinstance(a, Exception) for a in answers)
     assert isinstance(late, EngineDown)
+
+
+def test_device_errors_are_told_from_out_of_memory_through_their_causes():
+    import torch
+
+    from fastgen.replica.service import is_device_error
+
+    class AcceleratorError(RuntimeError):  # torch.AcceleratorError's name, on a torch that may not have it
+        pass
+
+    wrapped = RuntimeError("sampling failed")
+    wrapped.__cause__ = AcceleratorError("an illegal instruction was encountered")
+    assert is_device_error(wrapped)
+    assert not is_device_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_device_error(ValueError("prompt too long"))
 
 
 def test_an_exception_outside_a_step_ends_the_engine_and_fails_its_requests():
@@ -386,3 +407,52 @@ def test_a_hung_tensor_parallel_peer_fails_rank_0s_collective(tmp_path):
         for p in ranks:
             p.kill()
             p.wait()
+
+
+# The replica's own entry point with one fault injected: once serving, the engine's second step raises what Triton's
+# launcher raises after a kernel has poisoned the CUDA context.
+POISONED_REPLICA = """
+import sys
+from fastgen.replica import __main__ as replica
+from fastgen.replica.engine import Engine
+
+step, served = Engine.step, []
+
+def poisoned_step(self):
+    if "warm-up" not in self._requests:
+        served.append(1)
+    if len(served) >= 2:
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+    return step(self)
+
+Engine.step = poisoned_step
+sys.exit(replica.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # a replica process: loads the tiny model and serves (about 10 s)
+def test_a_replica_whose_device_fails_exits_non_zero(tiny_model_dir, tmp_path):
+    """The whole path on a real replica process: the request in flight fails UNAVAILABLE (which the balancer retries
+    or migrates), and the process exits with EXIT_ENGINE_FAILED for its supervisor or Kubernetes to restart it,
+    rather than staying SERVING and failing every later request fast."""
+    import grpc
+
+    from fastgen.replica.__main__ import EXIT_ENGINE_FAILED
+    from fastgen.server.client import Client, GenerationError
+    from fastgen.testing import free_port
+
+    from .helpers import REPLICA_DEFAULTS, spawn, wait_serving
+
+    port, metrics_port = free_port(), free_port()
+    args = ["-c", POISONED_REPLICA, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)]
+    args += ["--replica-id", "poisoned", "--model", str(tiny_model_dir), *REPLICA_DEFAULTS]
+    proc = spawn("poisoned", args, port, metrics_port, tmp_path)
+    try:
+        wait_serving(proc)
+        with pytest.raises(GenerationError) as info:
+            Client(proc.address, timeout=30).generate("hello there", max_new_tokens=8, min_new_tokens=8)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert proc.popen.wait(30) == EXIT_ENGINE_FAILED, proc.log_tail()
+    finally:
+        proc.kill()
+    assert "the engine is beyond repair" in proc.log_tail(20000)

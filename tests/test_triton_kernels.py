@@ -218,6 +218,44 @@ def test_attention_chunk_mid_block_over_several_blocks(seed, poisoned_empty):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_decode_splits_fill_the_device_only_where_the_grid_is_small():
+    assert tk.decode_splits(64, 8, 4096) == 1  # 512 programs already
+    assert tk.decode_splits(1, 8, 4096) == 16  # 8 programs on 132 SMs: 16 splits of 256 keys
+    assert tk.decode_splits(1, 8, 300) == 2  # no split shorter than MIN_KEYS_PER_SPLIT
+    assert tk.decode_splits(1, 8, 200) == 1
+    assert tk.decode_splits(4, 8, 100_000) == 4  # 32 programs x 4 reaches the target
+    assert tk.decode_splits(1, 1, 100_000) == tk.MAX_SPLITS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "kv_heads,heads,head_dim,block_size,softcap", [(2, 8, 128, 16, 0.0), (1, 3, 80, 32, 0.0), (4, 4, 64, 16, 30.0)]
+)
+def test_split_kv_decode_matches_the_reference(
+    kv_heads, heads, head_dim, block_size, softcap, dtype, seed, poisoned_empty
+):
+    """Flash-decoding (decode-only steps with few sequences x KV heads split their keys over programs, merged after):
+    against the torch reference, with a one-token context (every split but the first empty) and contexts that end
+    mid-block and mid-split."""
+    seq_lens = [1, block_size, random.randint(300, 700), random.randint(900, 1300)]
+    b = make_paged_batch(
+        [1] * 4,
+        seq_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        poison=True,
+    )
+    assert tk.decode_splits(4, kv_heads, b.meta.max_seq_len) > 1
+    scale = head_dim**-0.5
+    out = poisoned_empty(tk.paged_attention, b.q, b.k_cache, b.v_cache, b.meta, scale, 0, softcap)
+    ref = REF.paged_attention(b.q, b.k_cache.nan_to_num(0.0), b.v_cache.nan_to_num(0.0), b.meta, scale, 0, softcap)
+    assert not out.isnan().any(), f"seed={seed} seq_lens={seq_lens}"
+    assert rel_err(out, ref) < TOLERANCE[dtype], f"seed={seed} seq_lens={seq_lens}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("kv_heads,heads,head_dim,block_size", [(2, 4, 64, 16), (3, 9, 80, 32), (1, 8, 128, 16)])
 def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty):
@@ -328,9 +366,25 @@ def test_tile_map():
     assert tiles.tolist() == [[0, 1, 2, 2, 2, 3], [0, 0, 0, 4, 8, 0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 1, 10, 1], [37]])
+def test_attention_plan_is_the_map_paged_attention_reads(q_lens, dtype, seed):
+    """The tile map the model runner sends with the step's inputs (attention_plan) is found by paged_attention under
+    its key, so no layer builds and copies its own; and the output is the same as with the map it would build."""
+    b = make_paged_batch(q_lens, [n + 20 for n in q_lens], heads=6, kv_heads=2, head_dim=80, block_size=16, dtype=dtype)
+    key, ints = tk.attention_plan(b.meta.query_start_host, b.meta.max_query_len, 6, 2, 80, dtype)
+    assert ints == tk._tiles_host(b.meta.query_start_host, key[1])
+    own = tk.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.1)
+    assert list(b.meta.workspace) == [key]  # the key the kernel looks its map up by
+    built = b.meta.workspace.pop(key)
+    b.meta.workspace[key] = sent = torch.tensor(ints, device=b.q.device).view(2, -1).to(torch.int32)
+    torch.testing.assert_close(tk.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.1), own, rtol=0, atol=0)
+    assert b.meta.workspace[key] is sent and torch.equal(sent, built)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real compiler: the interpreter accepts code that would not compile, so lower every kernel to a cubin for
-# sm_90 (no GPU needed), with the argument types and specialisations a launch would give it.
+# sm_90 and sm_80 (no GPU needed), with the argument types and specialisations a launch would give it.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -344,8 +398,36 @@ class _Recorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
-def _compile_for_sm90(kernel, args, kwargs):
-    from triton._C.libtriton import native_specialize_impl
+_TRITON_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "u1",
+    torch.uint8: "u8",
+}
+
+
+def _specialize(value) -> tuple[str, bool]:
+    """(Triton type, divisible by 16) of one launch argument, as a launch specialises it: pointers by dtype, ints as
+    i32 unless they need 64 bits, an int of 1 folded to a constexpr, None a constexpr; 16-divisible ints and
+    16-aligned pointers marked. Written out here rather than taken from triton._C, whose name and signature change
+    between Triton releases (the GPU machine's may be older than ours)."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_TYPES[value.dtype], value.data_ptr() % 16 == 0
+    if value is None or (type(value) is int and value == 1):
+        return "constexpr", False
+    if isinstance(value, bool):
+        return "u1", False
+    if isinstance(value, int):
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
+    raise TypeError(f"no Triton type for a launch argument of type {type(value).__name__}")
+
+
+def _compile_for_gpu(kernel, args, kwargs, capability: int = 90):
     from triton.backends.compiler import BaseBackend, GPUTarget
 
     names = kernel.arg_names
@@ -355,35 +437,47 @@ def _compile_for_sm90(kernel, args, kwargs):
         if name in kwargs:
             signature[name], constexprs[(i,)] = "constexpr", value
             continue
-        # as a launch would: pointer/int types, ints of 1 folded, 16-divisible values and pointers marked
-        ty, key = native_specialize_impl(BaseBackend, value, False, True, True)
-        signature[name] = ty
-        if ty == "constexpr":
+        signature[name], divisible = _specialize(value)
+        if signature[name] == "constexpr":
             constexprs[(i,)] = value
-        elif isinstance(key, str):
-            attrs[(i,)] = BaseBackend.parse_attr(key)
+        elif divisible:
+            attrs[(i,)] = BaseBackend.parse_attr("D")
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
     src = triton.compiler.ASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
-def test_kernels_compile_for_sm90(monkeypatch):
+def test_launch_specialisation_agrees_with_triton_where_it_can_tell():
+    """_specialize against Triton's own (private) rule, where this Triton has it under the name it had in 3.4-3.9."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        pytest.skip("this Triton has no native_specialize_impl to compare with")
+    for value in [torch.zeros(4, dtype=d) for d in _TRITON_TYPES] + [1, 0, 16, 17, -3, 2**31, 2**40, 0.5, True, None]:
+        ty, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        assert _specialize(value) == (ty, key == "D"), value
+
+
+def test_kernels_compile_for_gpu(monkeypatch):
     if not isinstance(triton.language.standard.sum, triton.runtime.JITFunction):
         pytest.skip("triton was first imported with TRITON_INTERPRET=1 in this session, so it cannot compile")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = importlib.import_module(MODULE)
     recorders = {}
-    for name in ("_paged_attention_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel"):
+    kernels = ("_paged_attention_kernel", "_decode_split_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel")
+    for name in kernels:
         recorders[name] = _Recorder(getattr(compiled, name))
         monkeypatch.setattr(compiled, name, recorders[name])
 
-    for dtype, q_lens, (kv_heads, heads, head_dim) in [
-        (torch.float16, [1, 1], (8, 32, 128)),  # decode-only tile
-        (torch.bfloat16, [1, 40], (3, 9, 80)),  # prefill tile
-        (torch.float32, [1, 40], (2, 16, 96)),  # float32 tile
+    for dtype, q_lens, seq_lens, (kv_heads, heads, head_dim) in [
+        (torch.float16, [1, 1], [50, 60], (8, 32, 128)),  # decode-only tile
+        (torch.bfloat16, [1, 1], [50, 3000], (8, 32, 128)),  # split-KV decode
+        (torch.bfloat16, [1, 40], [50, 60], (3, 9, 80)),  # prefill tile
+        (torch.float32, [1, 40], [50, 60], (2, 16, 96)),  # float32 tile
     ]:
         b = make_paged_batch(
-            q_lens, [50, 60], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, poison=True
+            q_lens, seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, poison=True
         )
         q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
         compiled.paged_attention(q, k_cache, v_cache, meta, 0.1)
@@ -405,4 +499,25 @@ def test_kernels_compile_for_sm90(monkeypatch):
     for name, recorder in recorders.items():
         assert recorder.launches, name
         for args, kwargs in recorder.launches:
-            assert _compile_for_sm90(recorder.kernel, args, kwargs).asm["cubin"], name
+            for capability in (90, 80):  # H100/H200, A100
+                assert _compile_for_gpu(recorder.kernel, args, kwargs, capability).asm["cubin"], (name, capability)
+
+
+def test_the_model_runner_sends_the_tile_map_with_the_step(tiny_model_dir):
+    """ModelRunner.prepare puts the Triton kernels' tile map in the step's metadata, a view of the step's one copy,
+    under the key paged_attention reads: a mixed step's first layer no longer builds it and copies it from pageable
+    memory (a blocking copy on CUDA)."""
+    from fastgen.replica import pipeline
+    from fastgen.replica.batch import Batch, ScheduledSeq
+
+    runner = pipeline(str(tiny_model_dir), dtype="float16", kernels="torch", device="cpu", progress=False).engine.runner
+    runner.model.kernels = tk.TRITON_KERNELS  # prepare asks the model's table; the layers keep theirs (unused here)
+    batch = Batch([ScheduledSeq(0, [5], 9, [0], True), ScheduledSeq(1, list(range(3, 40)), 0, [1, 2, 3], True)], 1, [])
+    meta = runner.prepare(batch).meta
+    attn = runner.model.layers[0].self_attn
+    key = tk.attention_plan(
+        meta.query_start_host, meta.max_query_len, attn.heads, attn.kv_heads, attn.head_dim, torch.float16
+    )[0]
+    tiles = meta.workspace[key]
+    expected = tk._tile_map(tuple(meta.query_start_host), key[1], "cpu")
+    assert tiles.dtype == torch.int32 and torch.equal(tiles.cpu(), expected)

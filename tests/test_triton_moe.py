@@ -274,10 +274,10 @@ def test_config_depends_on_batch_size_only():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_kernels_compile_for_sm90(monkeypatch):
+def test_kernels_compile_for_gpu(monkeypatch):
     if not isinstance(triton.language.standard.sum, triton.runtime.JITFunction):
         pytest.skip("triton was first imported with TRITON_INTERPRET=1 in this session, so it cannot compile")
-    from fastgen.tests.test_triton_kernels import _compile_for_sm90
+    from fastgen.tests.test_triton_kernels import _compile_for_gpu
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = _import_fresh(MODULE, interpret=False)
@@ -290,4 +290,4 @@ def test_kernels_compile_for_sm90(monkeypatch):
     for name, (_grid, args, kwargs) in launches:
         # meta tensors carry no address: stand-ins on the CPU of the same dtypes specialise the same way
         args = [torch.empty(1, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
-        assert _compile_for_sm90(getattr(compiled, name), args, kwargs).asm["cubin"], name
+        assert _compile_for_gpu(getattr(compiled, name), args, kwargs).asm["cubin"], name

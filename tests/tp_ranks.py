@@ -58,7 +58,8 @@ def layers_rank(rank: int, world: int, port: int) -> None:
     check_row(tp, single)
     check_embedding_and_head(tp, single, vocab=11)  # not divisible by the ranks: the last shard is padded
     check_embedding_and_head(tp, single, vocab=12)
-    assert tp.agree_min(100 + rank, torch.device("cpu")) == 100
+    assert tp.agree_min(100 + rank) == 100
+    assert tp.agree_min(7 - rank, dist.new_group(backend="gloo")) == 6  # a group of its own, as the broadcast's
     dist.destroy_process_group()
 
 
