@@ -15,6 +15,7 @@ class ScheduledSeq:
     block_table: list[int]  # cache blocks holding positions 0 .. start + len(token_ids) - 1
     sample: bool  # the chunk ends the known tokens: sample the next one from its last logits
     all_logits: bool = False  # the logits of every position are returned, not only the last (prompt logprobs)
+    lora_slot: int = -1  # the weight slot of the LoRA adapter it runs under; -1: the base model
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Batch:
     # prompt. All copies read the cache as the previous step left it.
     copies: list[tuple[int, int]] = field(default_factory=list)
     plan: StepPlan | None = None  # set by the slo scheduler; rank 0 only (not broadcast)
+    # (slot, adapter folder): LoRA adapters to read into their weight slots before the forward pass (lora_pool)
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

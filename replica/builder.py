@@ -19,6 +19,8 @@ from .cuda_graphs import DecodeGraphs
 from .engine import Engine
 from .host_memory import keep_freed_memory
 from .kv_cache import allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
+from .lora import LoraWeights
+from .lora_pool import LoraPool
 from .model_runner import ModelRunner
 from .models import DecoderModel, ModelConfig
 from .parallel import TPGroup
@@ -48,9 +50,13 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
 
     runner, num_blocks = build_runner(config, tp, broadcast)
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
-    scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator)
+    loras = LoraPool(config.lora.max_loras) if config.lora.enable_lora else None
+    scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator, loras=loras)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
-    return Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
+    engine = Engine(runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens)
+    for name, path in config.lora.lora_modules:
+        engine.add_lora(name, path)
+    return engine
 
 
 def quantized_source(config: EngineConfig, device: torch.device):
@@ -98,6 +104,9 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
         model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
     model.eval()
+    lora = None
+    if config.lora.enable_lora:  # before packing: an adapted gate/up layer keeps the activation apart
+        lora = LoraWeights(model, config.lora.max_loras, config.lora.max_lora_rank)
     model.pack_weights()
 
     attn = model.layers[0].self_attn
@@ -113,7 +122,8 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             num_blocks * block_size,
             gib(num_blocks * per_block),
         )
-    graphed = kernels.graph_safe and not config.enforce_eager
+    # LoRA steps read their segments from the host: they run eagerly.
+    graphed = kernels.graph_safe and not config.enforce_eager and lora is None
     # Graphed decode steps pad their batch with rows that write to one extra block, which the allocator never sees.
     kv = allocate_kv_cache(
         model_config.num_layers, num_blocks + graphed, block_size, attn.kv_heads, attn.head_dim, dtype, device
@@ -130,7 +140,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             device=device,
             capture=device.type == "cuda",
         )
-    return ModelRunner(model, kv, block_size, device, broadcast, graphs), num_blocks
+    return ModelRunner(model, kv, block_size, device, broadcast, graphs, lora), num_blocks
 
 
 def _kv_blocks(

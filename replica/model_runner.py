@@ -1,16 +1,20 @@
 """Scheduled batch -> flat tensors -> one forward pass -> logits of the rows to sample.
 
 With tensor parallelism, rank 0's runner sends every batch to the other ranks before running it (`run`), and their
-runners run each batch they receive (`follow`): every rank then takes part in the same collectives."""
+runners run each batch they receive (`follow`): every rank then takes part in the same collectives.
+
+With LoRA adapters, each rank reads the adapters the batch loads into their slots, and hands the adapted layers the
+step's rows grouped by adapter slot (replica/lora.py) before the forward pass."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels import AttentionMetadata, Kernels
+from ..kernels.lora import LoraSegments
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .kv_cache import copy_blocks
@@ -18,6 +22,7 @@ from .models import DecoderModel
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
+    from .lora import LoraWeights
 
 
 @dataclass
@@ -28,6 +33,7 @@ class StepInputs:
     positions: torch.Tensor  # (tokens,) int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # (sampled,) int64: the rows of the hidden states whose logits are sampled
+    lora: LoraSegments | None = None  # the rows that run under LoRA adapters, by slot; None: none does
 
 
 class ModelRunner:
@@ -39,6 +45,7 @@ class ModelRunner:
         device: torch.device,
         broadcast: BatchBroadcast | None = None,
         graphs: DecodeGraphs | None = None,
+        lora: LoraWeights | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -46,6 +53,7 @@ class ModelRunner:
         self.device = device
         self.broadcast = broadcast  # set on every rank of a tensor-parallel group
         self.graphs = graphs  # decode-only steps replay from these when set (CUDA)
+        self.lora = lora  # the model's LoRA slots, with --enable-lora
 
     @property
     def kernels(self) -> Kernels:
@@ -76,9 +84,13 @@ class ModelRunner:
         """This rank's forward pass over the batch; every rank gets the gathered logits. Forked sequences' KV block
         copies come first."""
         copy_blocks(self.kv_caches, batch.copies, self.device)
+        for slot, path in batch.lora_loads:
+            self.lora.load(slot, path)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         step = self.prepare(batch)
+        if self.lora is not None:
+            self.lora.step.segments = step.lora
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)  # (tokens, hidden)
         return self.model.logits(hidden[step.sample_rows])
 
@@ -88,15 +100,16 @@ class ModelRunner:
         width, tables = padded_tables(batch)
         flat = to_device(
             [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
-            + tables,
+            + tables
+            + lists.lora_rows,
             self.device,
         )
         parts = flat.split(
             [len(lists.tokens)] * 3
             + [len(lists.query_start), len(lists.seq_lens)]
-            + [len(lists.sample_rows), len(tables)]
+            + [len(lists.sample_rows), len(tables), len(lists.lora_rows)]
         )
-        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables = parts
+        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, lora_rows = parts
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
@@ -108,7 +121,8 @@ class ModelRunner:
             query_start_host=lists.query_start,
             seq_lens_host=lists.seq_lens,
         )
-        return StepInputs(input_ids, positions, meta, sample_rows)
+        lora = LoraSegments(lora_rows, lists.lora_segments) if lists.lora_segments else None
+        return StepInputs(input_ids, positions, meta, sample_rows, lora)
 
 
 @dataclass
@@ -121,10 +135,13 @@ class StepLists:
     query_start: list[int]  # (seqs + 1): offsets of each sequence's tokens
     seq_lens: list[int]  # cached tokens per sequence once this step has written its own
     sample_rows: list[int]  # the token rows whose logits are sampled
+    lora_rows: list[int] = field(default_factory=list)  # the token rows of LoRA sequences, grouped by slot
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) of lora_rows
 
 
 def step_lists(batch: Batch, block_size: int) -> StepLists:
     out = StepLists([], [], [], [0], [], [])
+    by_slot: dict[int, list[int]] = {}
     for s in batch.seqs:
         n = len(s.token_ids)
         out.tokens += s.token_ids
@@ -137,6 +154,12 @@ def step_lists(batch: Batch, block_size: int) -> StepLists:
             out.sample_rows += range(out.query_start[-2], out.query_start[-1])
         elif s.sample:
             out.sample_rows.append(out.query_start[-1] - 1)
+        if s.lora_slot >= 0:
+            by_slot.setdefault(s.lora_slot, []).extend(range(out.query_start[-2], out.query_start[-1]))
+    for slot in sorted(by_slot):  # one segment per adapter: its rows from every sequence of the step
+        start = len(out.lora_rows)
+        out.lora_rows += by_slot[slot]
+        out.lora_segments.append((slot, start, len(out.lora_rows)))
     return out
 
 

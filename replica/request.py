@@ -213,6 +213,8 @@ class Sequence:
     # preemption finding its own blocks again does not count.
     num_cached_prompt_tokens: int = 0
     resumed: bool = False  # continues a request another replica started and failed in (stream migration)
+    lora: str = ""  # the LoRA adapter it runs under ("": the base model)
+    lora_slot: int = -1  # the adapter's weight slot while it runs (lora_pool); -1: none held
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,210 @@
+"""Multi-LoRA serving: adapters made here with peft on the tiny random Llama, served together in one batch, each
+adapter's greedy tokens equal to transformers running the model with that adapter merged (peft's merge_and_unload);
+the slot pool's LRU eviction, the prefix cache kept apart per adapter, and adapters refused with what to change."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastgen.prefix_hash import adapter_salt, prefix_hashes
+from fastgen.replica import pipeline
+from fastgen.replica.config import LoraConfig, parse_lora_module
+from fastgen.replica.lora_pool import LoraPool, UnknownAdapter
+
+from .helpers import assert_matches, hf_greedy
+from .tp_ranks import engine_rank, run_ranks
+
+peft = pytest.importorskip("peft")
+
+# name -> (rank, alpha, target modules, rsLoRA): different ranks and targets, the packed layers' parts apart
+ADAPTERS = {
+    "qv": (4, 8, ["q_proj", "v_proj", "down_proj"], False),
+    "all": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+    "mlp": (2, 4, ["up_proj", "o_proj"], False),
+}
+NEW = 8
+
+
+def make_adapter(base: Path, out: Path, name: str, seed: int) -> Path:
+    """Saves a random LoRA adapter (B non-zero and large enough to change the greedy tokens) to out/name, and the
+    model with it merged to out/name-merged; returns the adapter's folder."""
+    from transformers import AutoModelForCausalLM
+
+    rank, alpha, targets, rslora = ADAPTERS[name]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    lora_model = peft.get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param_name, p in lora_model.named_parameters():
+            if "lora_" in param_name:
+                p.normal_(0, 0.3)
+    lora_model.save_pretrained(out / name)
+    lora_model.merge_and_unload().save_pretrained(out / f"{name}-merged", safe_serialization=True)
+    return out / name
+
+
+def prompts_for(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randint(9, 30))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_model_dir, tmp_path_factory):
+    """(base folder, adapter folders, prompts, transformers' tokens per adapter name ("" the base)), built once."""
+    root = tmp_path_factory.mktemp("lora")
+    folders = {name: make_adapter(tiny_model_dir, root, name, i) for i, name in enumerate(ADAPTERS)}
+    prompts = prompts_for(0, 3)
+    refs = {"": hf_greedy(tiny_model_dir, prompts, NEW)}
+    for name in ADAPTERS:
+        refs[name] = hf_greedy(root / f"{name}-merged", prompts, NEW)
+    for name in ADAPTERS:  # the adapters change the tokens: else the comparison could not fail
+        assert refs[name] != refs[""]
+    return tiny_model_dir, folders, prompts, refs
+
+
+def lora_pipe(base, folders, names=None, max_loras=4, **options):
+    modules = tuple((n, str(folders[n])) for n in (names or folders))
+    config = LoraConfig(enable_lora=True, lora_modules=modules, max_loras=max_loras, max_lora_rank=8)
+    return pipeline(str(base), dtype="float32", progress=False, lora=config, **options)
+
+
+def mixed(prompts, refs, names):
+    """Every prompt under every name: (prompts, adapter per prompt, expected tokens)."""
+    ps, ls, rs = [], [], []
+    for name in names:
+        for p, r in zip(prompts, refs[name]):
+            ps.append(p)
+            ls.append(name)
+            rs.append(r)
+    return ps, ls, rs
+
+
+def test_adapters_and_the_base_match_transformers_in_one_batch(lora_setup):
+    base, folders, prompts, refs = lora_setup
+    ps, ls, rs = mixed(prompts, refs, ["", *ADAPTERS])
+    pipe = lora_pipe(base, folders, max_batch_tokens=16, block_size=4)  # prompts split across passes
+    assert_matches(pipe(ps, lora=ls, max_new_tokens=NEW, min_new_tokens=NEW), rs)
+    assert pipe.engine.loras.num_loads == len(ADAPTERS)
+
+
+def test_adapters_match_with_preemption_and_eviction(lora_setup):
+    base, folders, prompts, refs = lora_setup
+    ps, ls, rs = mixed(prompts, refs, ["all", "", "qv", "mlp", "all"])
+    # Two slots for three adapters: sequences wait for a slot and evict the least recently used idle adapter; 20
+    # blocks of 4 tokens hold few sequences, so some are preempted and recomputed.
+    pipe = lora_pipe(base, folders, max_loras=2, max_batch_tokens=16, block_size=4, num_blocks=20)
+    assert_matches(pipe(ps, lora=ls, max_new_tokens=NEW, min_new_tokens=NEW), rs)
+    assert pipe.engine.scheduler.num_preemptions > 0
+    assert pipe.engine.loras.num_loads > len(ADAPTERS)  # an evicted adapter came back
+
+
+def test_prefix_cache_is_not_shared_across_adapters(lora_setup):
+    base, folders, prompts, refs = lora_setup
+    pipe = lora_pipe(base, folders, block_size=4)
+    prompt = prompts[0]
+    first = pipe([prompt], lora="qv", max_new_tokens=NEW, min_new_tokens=NEW)
+    again = pipe.engine
+    assert_matches(first, [refs["qv"][0]])
+    for name in ("", "all", "qv"):  # the same prompt after "qv" ran it: only "qv" itself finds it cached
+        rid = f"r-{name}"
+        again.add_request(rid, prompt, pipe_params(), lora=name)
+        outs = run_to_end(again)
+        cached = outs[rid].cached_prompt_tokens
+        assert (cached > 0) == (name == "qv"), (name, cached)
+        assert_matches([outs[rid]], [refs[name][0]])
+    assert adapter_salt("s", "") == "s" and prefix_hashes(prompt, 4, adapter_salt("", "a")) != prefix_hashes(prompt, 4)
+
+
+def pipe_params():
+    from fastgen.replica.request import SamplingParams
+
+    return SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+
+
+def run_to_end(engine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_unknown_and_bad_adapters_are_refused(lora_setup, tmp_path):
+    base, folders, prompts, refs = lora_setup
+    pipe = lora_pipe(base, folders, names=["qv"])
+    engine = pipe.engine
+    with pytest.raises(UnknownAdapter, match="unknown LoRA adapter 'nope': this replica serves qv"):
+        engine.add_request("x", prompts[0], pipe_params(), lora="nope")
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="rank 8 but --max-lora-rank is 4: raise --max-lora-rank"):
+        config = LoraConfig(enable_lora=True, lora_modules=(("all", str(folders["all"])),), max_lora_rank=4)
+        pipeline(str(base), dtype="float32", progress=False, lora=config)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(ValueError, match="needs adapter_config.json and adapter_model.safetensors"):
+        engine.add_lora("bad", str(bad))
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
+    (bad / "adapter_model.safetensors").write_bytes((folders["qv"] / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="DoRA"):
+        engine.add_lora("bad", str(bad))
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    with pytest.raises(ValueError, match="PREFIX_TUNING adapter: FastGen serves LoRA"):
+        engine.add_lora("bad", str(bad))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_lora("qv", str(folders["mlp"]))
+    no_lora = pipeline(str(base), dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="LoRA is off: start with --enable-lora"):
+        no_lora.engine.add_request("x", prompts[0], pipe_params(), lora="qv")
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_module("qv")
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        LoraConfig(lora_modules=(("a", "/x"),))
+
+
+def test_load_and_unload_at_run_time(lora_setup):
+    base, folders, prompts, refs = lora_setup
+    pipe = lora_pipe(base, folders, names=["qv"])
+    engine = pipe.engine
+    engine.add_lora("mlp", str(folders["mlp"]))
+    engine.add_request("r", prompts[1], pipe_params(), lora="mlp")
+    with pytest.raises(ValueError, match="unfinished requests: retry later"):
+        engine.remove_lora("mlp")
+    assert_matches([run_to_end(engine)["r"]], [refs["mlp"][1]])
+    engine.remove_lora("mlp")
+    assert engine.loras.names() == ["qv"]
+    with pytest.raises(UnknownAdapter):
+        engine.add_request("r2", prompts[1], pipe_params(), lora="mlp")
+
+
+def test_the_pool_evicts_the_least_recently_used_idle_adapter():
+    pool = LoraPool(2)
+    for name in "abc":
+        pool.add(name, f"/{name}")
+    assert pool.acquire("a") == 0 and pool.acquire("b") == 1
+    assert not pool.can_acquire("c")  # both slots held
+    pool.release("a")
+    pool.release("b")
+    assert pool.acquire("b") == 1  # resident: no load
+    pool.release("b")
+    assert pool.acquire("c") == 0  # a is the least recently used idle adapter
+    assert pool.drain_loads() == [(0, "/a"), (1, "/b"), (0, "/c")] and pool.drain_loads() == []
+    assert sorted(pool.resident()) == ["b", "c"]
+
+
+@pytest.mark.slow  # two spawned ranks building the engine: ~10 s
+def test_adapters_match_under_tensor_parallelism(lora_setup, tmp_path):
+    base, folders, prompts, refs = lora_setup
+    ps, ls, rs = mixed(prompts, refs, ["", "qv", "all"])
+    run = dict(model=str(base), prompts=ps, new=NEW, budget=16, block_size=4, num_blocks=40)
+    run["lora"] = dict(modules=[[n, str(f)] for n, f in folders.items()], max_loras=2, max_rank=8, names=ls)
+    run_ranks(engine_rank, [run], str(tmp_path / "out"), timeout=300)
+    result = json.loads((tmp_path / "out.0").read_text())[0]
+    assert_matches([SimpleNamespace(token_ids=t) for t in result["tokens"]], rs)
