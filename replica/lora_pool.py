@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ..server.errors import NotFoundError
 
-class UnknownAdapter(ValueError):
+
+class UnknownAdapter(NotFoundError):
     """A request names an adapter the replica does not know (the service answers NOT_FOUND)."""
 
 

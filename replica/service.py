@@ -109,6 +109,7 @@ class _Add:
     resume: tuple[Resume, ...] | None = None  # per completion, output a replica that failed delivered
     slo: Slo | None = None  # the request's own service level
     label: str = ""  # the client's request_id, for logs
+    lora: str = ""  # the LoRA adapter it runs under ("": the base model)
 
 
 @dataclass
@@ -232,12 +233,13 @@ class EngineLoop:
         resume: tuple[Resume, ...] | None = None,
         slo: Slo | None = None,
         label: str = "",
+        lora: str = "",
     ) -> Outputs:
         """Queues a request keyed `request_id` (unique: the caller makes it); its outputs come on what it returns."""
         limit = self.limits.max_unsent_outputs * completions_to_send(params, resume)
         outputs = Outputs(request_id, limit, lambda: self.abort(request_id))
         self._in_flight += 1
-        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo, label))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo, label, lora))
         if self.fatal is not None or not self._thread.is_alive():  # nothing would ever answer it
             outputs.put_nowait(EngineDown(f"the replica's engine failed ({self.fatal}): retry on another replica"))
         return outputs
@@ -349,6 +351,7 @@ class EngineLoop:
                 )
             extra = {} if command.resume is None else {"resume": command.resume}
             extra |= {} if command.slo is None else {"slo": command.slo}
+            extra |= {"lora": command.lora} if command.lora else {}
             self.engine.add_request(command.request_id, command.prompt, command.params, **extra)
         except (ValueError, QueueFullError) as exc:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
@@ -501,6 +504,18 @@ def resume_from_proto(request: pb.GenerateRequest, max_tokens: int) -> tuple[Res
 def completions_to_send(params: SamplingParams, resume: tuple[Resume, ...] | None) -> int:
     """How many completions a request sends output for: all n, or those of a resumed request not finished yet."""
     return params.n if resume is None else sum(not r.finished for r in resume)
+
+
+def check_lora(engine, name: str) -> None:
+    """Refuses, before the request is queued, an adapter the replica does not serve: NOT_FOUND (UnknownAdapter) for
+    an unknown name, INVALID_ARGUMENT where LoRA is off. The engine checks again when it admits the request (an
+    adapter may be unloaded in between)."""
+    if name and engine.loras is None:
+        raise ValueError(
+            f"request asks for LoRA adapter {name!r} but this replica serves none: start it with --enable-lora"
+        )
+    if name:
+        engine.loras.path(name)
 
 
 def slo_from_proto(request: pb.GenerateRequest) -> Slo | None:
@@ -664,16 +679,19 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 # Its finished completions' output is the client's alone: an answer here would leave them out.
                 raise ValueError("a resumed request for n > 1 completions is streamed only: use GenerateStream")
             slo = slo_from_proto(request)
+            check_lora(engine, request.lora_name)
             if params.constraint is not None:  # the request waits for its grammar, compiled off the engine thread
                 await asyncio.wrap_future(engine.constraints.compile(params.constraint))
         except ValueError as exc:
-            await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._fail(context, method, status_for(exc), str(exc))
         # The engine keys requests by an id of the server's own: clients choose theirs freely, so two may pick the
         # same, and neither may reach the other's request (cancel it, or learn that it runs). The client's id is only
         # echoed back. Cancelling is the call's own: its context ending closes this generator.
         key = uuid.uuid4().hex
         request_id = request.request_id or key
-        outputs = self.engine_loop.submit(key, prompt, params, resume, slo, label=request.request_id)
+        outputs = self.engine_loop.submit(
+            key, prompt, params, resume, slo, label=request.request_id, lora=request.lora_name
+        )
         unfinished = completions_to_send(params, resume)
         try:
             while unfinished:

@@ -17,7 +17,7 @@ from fastgen.replica import pipeline
 from fastgen.replica.config import LoraConfig, parse_lora_module
 from fastgen.replica.lora_pool import LoraPool, UnknownAdapter
 
-from .helpers import assert_matches, hf_greedy
+from .helpers import assert_matches, hf_greedy, in_process_replica
 from .tp_ranks import engine_rank, run_ranks
 
 peft = pytest.importorskip("peft")
@@ -208,3 +208,40 @@ def test_adapters_match_under_tensor_parallelism(lora_setup, tmp_path):
     run_ranks(engine_rank, [run], str(tmp_path / "out"), timeout=300)
     result = json.loads((tmp_path / "out.0").read_text())[0]
     assert_matches([SimpleNamespace(token_ids=t) for t in result["tokens"]], rs)
+
+
+def test_adapters_by_name_through_the_replica_service(lora_setup):
+    """A real gRPC server: lora_name picks the adapter (its tokens are transformers + peft's), an unknown name is
+    NOT_FOUND before any work."""
+    import asyncio
+
+    import grpc
+
+    from fastgen.replica.builder import build_engine
+    from fastgen.replica.config import CacheConfig, EngineConfig
+    from fastgen.server import AsyncClient, GenerationError
+
+    base, folders, prompts, refs = lora_setup
+    modules = tuple((n, str(f)) for n, f in folders.items())
+
+    def build():
+        lora = LoraConfig(enable_lora=True, lora_modules=modules, max_loras=2, max_lora_rank=8)
+        config = EngineConfig(model=str(base), dtype="float32", cache=CacheConfig(num_blocks=64), lora=lora)
+        return build_engine(config)
+
+    async def main():
+        async with in_process_replica(build) as (port, _):
+            async with AsyncClient(f"127.0.0.1:{port}", timeout=60) as client:
+                calls = [
+                    client.generate(prompts[0], lora_name=name, max_new_tokens=NEW, min_new_tokens=NEW)
+                    for name in ("all", "", "qv")
+                ]
+                results = await asyncio.gather(*calls)
+                assert_matches(results, [refs["all"][0], refs[""][0], refs["qv"][0]])
+                with pytest.raises(GenerationError) as err:
+                    await client.generate(prompts[0], lora_name="nope", max_new_tokens=2)
+                assert (
+                    err.value.code == grpc.StatusCode.NOT_FOUND and "unknown LoRA adapter 'nope'" in err.value.details
+                )
+
+    asyncio.run(main())
