@@ -25,7 +25,7 @@ from ..prefix_hash import adapter_salt
 from .batch import Batch
 from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
-from .lora_pool import LoraPool
+from .lora_pool import AdapterInUse, LoraPool
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
 from .outputs import EngineLoad, RequestOutput, RequestTimings, StepResult, StepStats, TokenLogprob, TopLogprob
@@ -217,7 +217,9 @@ class Engine:
             raise ValueError("LoRA is off: start with --enable-lora")
         self.loras.path(name)
         if self._lora_requests.get(name):
-            raise ValueError(f"LoRA adapter {name!r} has {self._lora_requests[name]} unfinished requests: retry later")
+            raise AdapterInUse(
+                f"LoRA adapter {name!r} has {self._lora_requests[name]} unfinished requests: retry later"
+            )
         self.loras.remove(name)
 
     def _check_resume(self, resume: tuple[Resume, ...], params: SamplingParams, max_new: int) -> None:
@@ -293,6 +295,8 @@ class Engine:
             queued_prompt_tokens=sum(q.num_uncomputed for q in s.waiting),
             pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
             refuse_for_s=s.refuse_for(),
+            loras=tuple(self.loras.names()) if self.loras is not None else (),
+            resident_loras=tuple(self.loras.resident()) if self.loras is not None else (),
         )
 
     # ---- the step ---------------------------------------------------------------------------------------

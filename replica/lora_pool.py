@@ -18,6 +18,10 @@ class UnknownAdapter(NotFoundError):
     """A request names an adapter the replica does not know (the service answers NOT_FOUND)."""
 
 
+class AdapterInUse(ValueError):
+    """An adapter cannot be unloaded while requests use it (the service answers FAILED_PRECONDITION)."""
+
+
 class LoraPool:
     def __init__(self, max_loras: int) -> None:
         if max_loras < 1:
@@ -57,7 +61,9 @@ class LoraPool:
         """Forgets an adapter; refused while running sequences hold it. Its slot becomes free."""
         self.path(name)
         if self._holders.get(name):
-            raise ValueError(f"LoRA adapter {name!r} is in use by {self._holders[name]} running sequences: retry later")
+            raise AdapterInUse(
+                f"LoRA adapter {name!r} is in use by {self._holders[name]} running sequences: retry later"
+            )
         del self._paths[name]
         if name in self._slot:
             self._free.append(self._slot.pop(name))

@@ -27,6 +27,7 @@ from ..server.grpc_server import set_serving
 from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S
 from .engine import Engine
+from .lora_pool import AdapterInUse
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import ChatPrompt, Prompt
 from .request import (
@@ -115,6 +116,16 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _LoraChange:
+    """Serve adapter `name` from folder `path` from now on, or stop serving it (path None); the engine thread sets
+    the result (the adapters served after it) or the exception."""
+
+    name: str
+    path: str | None
+    result: asyncio.Future
 
 
 @dataclass
@@ -251,6 +262,13 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def change_lora(self, name: str, path: str | None) -> list[str]:
+        """Loads (path set) or unloads adapter `name` on the engine thread, between steps; returns the adapters served
+        after it. Raises what the engine raised (ValueError and its kinds: what to change)."""
+        result = self.loop.create_future()
+        self._inbox.put(_LoraChange(name, path, result))
+        return await result
+
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -314,6 +332,8 @@ class EngineLoop:
                 break
             if isinstance(command, _Add):
                 self.loop.call_soon_threadsafe(command.outputs.put_nowait, down)
+            elif isinstance(command, _LoraChange):
+                self.loop.call_soon_threadsafe(command.result.set_exception, down)
         self.loop.call_soon_threadsafe(self._on_fatal, exc)
 
     def _apply(self, block: bool) -> None:
@@ -324,6 +344,8 @@ class EngineLoop:
         while command is not None:
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _LoraChange):
+                self._change_lora(command)
             elif command.request_id in self._streams:
                 for out in self.engine.abort(command.request_id):
                     self._deliver(out)
@@ -332,6 +354,18 @@ class EngineLoop:
             except queue.Empty:
                 command = None
         self._publish_load()
+
+    def _change_lora(self, command: _LoraChange) -> None:
+        try:
+            if command.path is None:
+                self.engine.remove_lora(command.name)
+            else:
+                self.engine.add_lora(command.name, command.path)
+        except Exception as exc:  # noqa: BLE001 - the caller answers it; the engine is unchanged
+            self.loop.call_soon_threadsafe(command.result.set_exception, exc)
+            return
+        self._publish_load()  # GetStatus lists the adapters at once
+        self.loop.call_soon_threadsafe(command.result.set_result, self.engine.loras.names())
 
     def _add(self, command: _Add) -> None:
         try:
@@ -742,6 +776,8 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             tokens_generated=0 if loading else self.engine_loop.tokens_generated,
             pending_prompt_tokens=load.pending_prompt_tokens,
             in_flight=0 if loading else self.engine_loop.in_flight,
+            lora_adapters=load.loras,
+            resident_lora_adapters=load.resident_loras,
         )
         if not loading:
             allocator = self.engine_loop.engine.scheduler.allocator
@@ -752,6 +788,25 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 self._tokenizer_path = tokenizer_path(self.engine_loop.engine.tokenizer)
             status.tokenizer_path = self._tokenizer_path
         return pb.StatusResponse(model=self.model_name, role="replica", replicas=[status])
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._change_lora("LoadLoraAdapter", request.lora_name, request.lora_path, context)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._change_lora("UnloadLoraAdapter", request.lora_name, None, context)
+
+    async def _change_lora(self, method: str, name: str, path: str | None, context) -> pb.LoraAdaptersResponse:
+        if self.engine_loop is None:
+            await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica is still loading: retry shortly")
+        if path == "":
+            await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, "lora_path is empty: give the folder")
+        try:
+            names = await self.engine_loop.change_lora(name, path)
+        except ValueError as exc:
+            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(exc, AdapterInUse) else status_for(exc)
+            await self._fail(context, method, code, str(exc))
+        self.metrics.on_rpc(method, grpc.StatusCode.OK)
+        return pb.LoraAdaptersResponse(lora_adapters=names)
 
     async def WatchCache(self, request, context):
         if self.engine_loop is None:

@@ -4,6 +4,7 @@ the slot pool's LRU eviction, the prefix cache kept apart per adapter, and adapt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -245,3 +246,104 @@ def test_adapters_by_name_through_the_replica_service(lora_setup):
                 )
 
     asyncio.run(main())
+
+
+@pytest.mark.slow  # a deployment of two replicas and a balancer: ~20 s
+def test_adapters_through_a_deployment_and_the_openai_sdk(lora_setup, tmp_path):
+    """fastgen-deploy with --enable-lora: `model` names the adapter (tokens equal transformers + peft's on both
+    replicas), /v1/models lists the adapters, /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run
+    time behind the API key while requests are in flight, and the balancer refuses an adapter no replica serves."""
+    import os
+    import signal
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    from fastgen.launch.config import API_KEY_ENV
+
+    from .helpers import Deploy, alive, free_port_range, tiny_start
+
+    base, folders, prompts, refs = lora_setup
+    key, name = "sk-lora", "lora"
+    deploy = Deploy(tmp_path / "home")
+    deploy.env[API_KEY_ENV] = key
+    port = free_port_range(3)
+    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
+    http = free_port_range(1, avoid=set(range(port, port + 3)) | set(range(metrics, metrics + 3)))
+    lora = ["--enable-lora", "--lora-modules", f"qv={folders['qv']}", "--max-loras", "2", "--max-lora-rank", "8"]
+    done = deploy(*tiny_start(name, base, 2, port, metrics, "--dtype", "float32", *lora, http_port=http), timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    url = f"http://127.0.0.1:{http}/v1"
+
+    def post(path: str, body: dict, api_key: str = key) -> tuple[int, str]:
+        request = urllib.request.Request(
+            url + path, json.dumps(body).encode(), {"Authorization": f"Bearer {api_key}"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def complete(model: str, i: int) -> str:
+        extra = {"min_tokens": NEW}
+        out = client.completions.create(model=model, prompt=prompts[i], max_tokens=NEW, temperature=0, extra_body=extra)
+        return out.choices[0].text
+
+    def matches(got: str, ref: list[int]) -> bool:
+        """The HTTP API answers text: the reference's text (a prefix where transformers' tokens stop at a near-tie)."""
+        want = tokenizer.decode(ref, skip_special_tokens=True)
+        return got == want if len(ref) == NEW else got.startswith(want)
+
+    try:
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        ids = [m.id for m in client.models.list().data]
+        assert ids[1:] == ["qv"]
+        for i in range(2):  # both replicas serve it (round robin or least loaded: two calls may land on each)
+            assert matches(complete("qv", i), refs["qv"][i]) and matches(complete(ids[0], i), refs[""][i])
+        assert post("/load_lora_adapter", {"lora_name": "mlp", "lora_path": str(folders["mlp"])}, "wrong")[0] == 401
+        busy = threading.Thread(target=lambda: [complete("qv", 2) for _ in range(3)])
+        busy.start()  # requests in flight while adapters come and go
+        status, body = post("/load_lora_adapter", {"lora_name": "mlp", "lora_path": str(folders["mlp"])})
+        assert status == 200 and "added successfully" in body
+        assert matches(complete("mlp", 1), refs["mlp"][1])
+        assert [m.id for m in client.models.list().data][1:] == ["mlp", "qv"]
+        status, body = post("/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)})
+        assert status == 400 and "adapter_config.json" in body
+        assert post("/unload_lora_adapter", {"lora_name": "mlp"})[0] == 200
+        busy.join()
+        with pytest.raises(openai.NotFoundError):
+            complete("mlp", 0)
+    finally:
+        deploy("stop", "--name", name, "--timeout", "10")
+        for pid in deploy.seen_pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_balancer_routes_by_adapter():
+    """Replicas that do not serve a request's adapter are no candidates; among equal loads one holding the adapter in
+    a slot wins; the prefix key of an adapter's prompt is the replica's (its own salt)."""
+    from fastgen.balancer.policy import ReplicaLoad, least_loaded, prefix_aware
+    from fastgen.balancer.pool import Replica
+    from fastgen.balancer.prefix_index import PromptHasher
+    from fastgen.proto import fastgen_pb2 as pb
+
+    idle, resident = ReplicaLoad(), ReplicaLoad(lora_resident=True)
+    for pick in (least_loaded, prefix_aware):
+        assert pick({0: idle, 1: resident}, 0, 2) == 1
+    assert least_loaded({0: idle, 1: dataclasses.replace(resident, in_flight=1)}, 0, 2) == 0  # load comes first
+    replica = Replica.__new__(Replica)
+    replica.reports, replica.status = 0, pb.ReplicaStatus()
+    assert replica.serves("qv")  # not reported yet: the replica answers for itself
+    replica.reports, replica.status = 1, pb.ReplicaStatus(lora_adapters=["qv"], resident_lora_adapters=["qv"])
+    assert replica.serves("qv") and replica.serves("") and not replica.serves("mlp")
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 20))), lora_name="qv")
+    key = PromptHasher().key(request, 4)
+    assert key.hashes == tuple(prefix_hashes(list(range(3, 20)), 4, adapter_salt("", "qv")))
+    assert PromptHasher().key(pb.GenerateRequest(token_ids=request.token_ids), 4).hashes != key.hashes
