@@ -77,13 +77,13 @@ def lora_pipe(base, folders, names=None, max_loras=4, **options):
 
 
 def mixed(prompts, refs, names):
-    """Every prompt under every name: (prompts, adapter per prompt, expected tokens)."""
+    """Every prompt under every name, the names interleaved: (prompts, adapter per prompt, expected tokens)."""
     ps, ls, rs = [], [], []
-    for name in names:
-        for p, r in zip(prompts, refs[name]):
+    for i, p in enumerate(prompts):
+        for name in names:
             ps.append(p)
             ls.append(name)
-            rs.append(r)
+            rs.append(refs[name][i])
     return ps, ls, rs
 
 
@@ -91,8 +91,17 @@ def test_adapters_and_the_base_match_transformers_in_one_batch(lora_setup):
     base, folders, prompts, refs = lora_setup
     ps, ls, rs = mixed(prompts, refs, ["", *ADAPTERS])
     pipe = lora_pipe(base, folders, max_batch_tokens=16, block_size=4)  # prompts split across passes
+    runner, mixes = pipe.engine.runner, []
+    run = runner.run
+
+    def recording(batch):  # how many adapters (and the base: -1) each pass carried
+        mixes.append(len({s.lora_slot for s in batch.seqs}))
+        return run(batch)
+
+    runner.run = recording
     assert_matches(pipe(ps, lora=ls, max_new_tokens=NEW, min_new_tokens=NEW), rs)
     assert pipe.engine.loras.num_loads == len(ADAPTERS)
+    assert max(mixes) == len(ADAPTERS) + 1  # some pass carried every adapter and the base together
 
 
 def test_adapters_match_with_preemption_and_eviction(lora_setup):
@@ -347,3 +356,48 @@ def test_the_balancer_routes_by_adapter():
     key = PromptHasher().key(request, 4)
     assert key.hashes == tuple(prefix_hashes(list(range(3, 20)), 4, adapter_salt("", "qv")))
     assert PromptHasher().key(pb.GenerateRequest(token_ids=request.token_ids), 4).hashes != key.hashes
+
+
+@pytest.mark.slow  # SmolLM2-135M in float32 under transformers (base and each adapter) and FastGen: ~15 s
+def test_adapters_on_the_embedded_smollm2_match_transformers(tmp_path):
+    """Real weights: two peft adapters of different ranks and targets on SmolLM2-135M, mixed with the base in one
+    batch split across passes, each adapter's greedy tokens equal to transformers with the adapter merged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastgen.replica.weights import resolve_model
+
+    folder = resolve_model("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = ["The capital of France is", "def fibonacci(n):\n", "List three colors: red,"]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    specs = {"attn": (4, ["q_proj", "v_proj", "o_proj"], 0.05), "mlp": (8, ["gate_proj", "down_proj"], 0.05)}
+    refs = {"": []}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    refs[""] = [generate(model, p) for p in prompts]
+    for seed, (name, (rank, targets, std)) in enumerate(specs.items()):
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        lora_model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param_name, p in lora_model.named_parameters():
+                if "lora_" in param_name:
+                    p.normal_(0, std)
+        lora_model.save_pretrained(tmp_path / name)
+        refs[name] = [generate(lora_model.merge_and_unload().eval(), p) for p in prompts]
+        assert refs[name] != refs[""]
+    modules = tuple((n, str(tmp_path / n)) for n in specs)
+    config = LoraConfig(enable_lora=True, lora_modules=modules, max_loras=2, max_lora_rank=8)
+    pipe = pipeline("smollm2-135m", dtype="float32", max_batch_tokens=8, progress=False, lora=config)
+    ps, ls, rs = mixed(prompts, refs, ["", *specs])
+    for out, ref in zip(pipe(ps, lora=ls, max_new_tokens=SMOL_NEW, min_new_tokens=SMOL_NEW), rs, strict=True):
+        assert out.token_ids == ref
+
+
+SMOL_NEW = 12
+
+
+def generate(model, ids: list[int]) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=SMOL_NEW, min_new_tokens=SMOL_NEW, do_sample=False, pad_token_id=2
+    )
+    return out[0, len(ids) :].tolist()
