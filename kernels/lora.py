@@ -20,21 +20,22 @@ class LoraSegments:
     rows: torch.Tensor  # (adapted tokens,) int64: the rows of the step's tokens that run under an adapter, by slot
     # (slot, start, end): rows[start:end] run under the adapter in slot `slot`; slots ascending, each at most once
     segments: list[tuple[int, int, int]]
+    table: torch.Tensor  # (3, segments) int64 on the device: `segments` as slots, starts, ends (a kernel's grid)
+    max_rows: int  # rows of the longest segment
 
 
 def lora_sgmv(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    rows: torch.Tensor,
-    segments: list[tuple[int, int, int, int]],
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg: LoraSegments, ranks: list[int]
 ) -> None:
-    """y[rows of each segment] += (x[rows] a[slot, :rank]^T) b[slot, :, :rank]^T, in place.
+    """y[rows of each segment] += (x[rows] a[slot]^T) b[slot]^T, in place.
 
     y (tokens, out) may be a column slice of a larger output; x (tokens, in); a (slots, max_rank, in); b (slots, out,
-    max_rank); segments (slot, start, end, rank) of `rows`, rank > 0."""
-    for slot, start, end, rank in segments:
-        picked = rows[start:end]
+    max_rank), zero beyond each slot's rank; ranks: each slot's rank (0: this layer's part is not adapted there, its
+    rows get no delta)."""
+    for slot, start, end in seg.segments:
+        rank = ranks[slot]
+        if not rank:
+            continue
+        picked = seg.rows[start:end]
         shrunk = x.index_select(0, picked) @ a[slot, :rank].T  # (segment rows, rank)
         y.index_add_(0, picked, shrunk @ b[slot, :, :rank].T)  # (segment rows, out)

@@ -67,8 +67,8 @@ class Kernels:
     fused_moe: Callable[..., torch.Tensor]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]
-    # (y, x, a, b, rows, segments) -> None: adds each segment's LoRA delta to its rows of y in place (kernels/lora.py
-    # holds the contract); the torch version serves every backend until one has its own
+    # (y, x, a, b, LoraSegments, ranks) -> None: adds each segment's LoRA delta to its rows of y in place
+    # (kernels/lora.py holds the contract)
     lora_sgmv: Callable[..., None] = lora_sgmv
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
     # size), so a CUDA graph captured once replays it correctly for any batch of that size.

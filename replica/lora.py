@@ -175,10 +175,9 @@ class LoraLayer:
         if seg is None:
             return y
         for s in self.slices:
-            groups = [(slot, start, end, s.ranks[slot]) for slot, start, end in seg.segments if s.ranks[slot]]
-            if groups:
+            if any(s.ranks[slot] for slot, _, _ in seg.segments):
                 out = y.narrow(1, s.offset, s.b.shape[1])
-                self.layer.kernels.lora_sgmv(out, x, s.a, s.b, seg.rows, groups)
+                self.layer.kernels.lora_sgmv(out, x, s.a, s.b, seg, s.ranks)
         return y
 
 

@@ -101,15 +101,16 @@ class ModelRunner:
         flat = to_device(
             [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
             + tables
-            + lists.lora_rows,
+            + lists.lora_rows
+            + [v for column in zip(*lists.lora_segments) for v in column],  # slots, then starts, then ends
             self.device,
         )
         parts = flat.split(
             [len(lists.tokens)] * 3
             + [len(lists.query_start), len(lists.seq_lens)]
-            + [len(lists.sample_rows), len(tables), len(lists.lora_rows)]
+            + [len(lists.sample_rows), len(tables), len(lists.lora_rows), 3 * len(lists.lora_segments)]
         )
-        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, lora_rows = parts
+        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, lora_rows, lora_table = parts
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
@@ -121,7 +122,10 @@ class ModelRunner:
             query_start_host=lists.query_start,
             seq_lens_host=lists.seq_lens,
         )
-        lora = LoraSegments(lora_rows, lists.lora_segments) if lists.lora_segments else None
+        lora = None
+        if lists.lora_segments:
+            longest = max(end - start for _, start, end in lists.lora_segments)
+            lora = LoraSegments(lora_rows, lists.lora_segments, lora_table.view(3, -1), longest)
         return StepInputs(input_ids, positions, meta, sample_rows, lora)
 
 

@@ -401,3 +401,37 @@ def generate(model, ids: list[int]) -> list[int]:
         torch.tensor([ids]), max_new_tokens=SMOL_NEW, min_new_tokens=SMOL_NEW, do_sample=False, pad_token_id=2
     )
     return out[0, len(ids) :].tolist()
+
+
+TRITON_SCRIPT = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from fastgen.replica import pipeline
+from fastgen.replica.config import LoraConfig
+base, modules, prompts, names, new = json.loads(sys.argv[1])
+config = LoraConfig(enable_lora=True, lora_modules=tuple(map(tuple, modules)), max_loras=2, max_lora_rank=8)
+options = dict(dtype="float32", kernels="triton", device="auto", max_batch_tokens=16, block_size=8, progress=False)
+pipe = pipeline(base, lora=config, **options)
+assert pipe.engine.runner.graphs is None  # LoRA steps run eagerly
+print(json.dumps([o.token_ids for o in pipe(prompts, lora=names, max_new_tokens=new, min_new_tokens=new)]))
+"""
+
+
+@pytest.mark.slow  # the Triton interpreter on CPU, in a subprocess (TRITON_INTERPRET before triton's import)
+@pytest.mark.cuda(interpreted=True)
+def test_adapters_match_on_the_triton_kernels(lora_setup):
+    import os
+    import subprocess
+    import sys
+
+    base, folders, prompts, refs = lora_setup
+    ps, ls, rs = mixed(prompts[:2], refs, ["", "qv", "all"])
+    modules = [[n, str(folders[n])] for n in ("qv", "all")]
+    env = dict(os.environ) if torch.cuda.is_available() else dict(os.environ, TRITON_INTERPRET="1")
+    arg = json.dumps([str(base), modules, ps, ls, NEW])
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, arg], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_matches([SimpleNamespace(token_ids=t) for t in json.loads(out.stdout.strip().splitlines()[-1])], rs)
