@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..server.errors import NotFoundError
 
-
-class UnknownAdapter(NotFoundError):
+class UnknownAdapter(ValueError):
     """A request names an adapter the replica does not know (the service answers NOT_FOUND)."""
 
 

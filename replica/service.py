@@ -27,7 +27,7 @@ from ..server.grpc_server import set_serving
 from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S
 from .engine import Engine
-from .lora_pool import AdapterInUse
+from .lora_pool import AdapterInUse, UnknownAdapter
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import ChatPrompt, Prompt
 from .request import (
@@ -540,6 +540,16 @@ def completions_to_send(params: SamplingParams, resume: tuple[Resume, ...] | Non
     return params.n if resume is None else sum(not r.finished for r in resume)
 
 
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """server.errors.status_for, with the replica's own kinds of ValueError: an adapter it does not serve is
+    NOT_FOUND, one that requests still use FAILED_PRECONDITION."""
+    if isinstance(exc, UnknownAdapter):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, AdapterInUse):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return status_for(exc)
+
+
 def check_lora(engine, name: str) -> None:
     """Refuses, before the request is queued, an adapter the replica does not serve: NOT_FOUND (UnknownAdapter) for
     an unknown name, INVALID_ARGUMENT where LoRA is off. The engine checks again when it admits the request (an
@@ -717,7 +727,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             if params.constraint is not None:  # the request waits for its grammar, compiled off the engine thread
                 await asyncio.wrap_future(engine.constraints.compile(params.constraint))
         except ValueError as exc:
-            await self._fail(context, method, status_for(exc), str(exc))
+            await self._fail(context, method, status_of(exc), str(exc))
         # The engine keys requests by an id of the server's own: clients choose theirs freely, so two may pick the
         # same, and neither may reach the other's request (cancel it, or learn that it runs). The client's id is only
         # echoed back. Cancelling is the call's own: its context ending closes this generator.
@@ -732,7 +742,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 out = await outputs.get()
                 if isinstance(out, Exception):
                     unfinished = 0
-                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out, EngineDown) else status_for(out)
+                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out, EngineDown) else status_of(out)
                     await self._fail(context, method, code, str(out), retry_hint_ms(out))
                 unfinished -= out.finished
                 yield request_id, out, unfinished == 0
@@ -803,7 +813,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         try:
             names = await self.engine_loop.change_lora(name, path)
         except ValueError as exc:
-            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(exc, AdapterInUse) else status_for(exc)
+            code = status_of(exc)
             await self._fail(context, method, code, str(exc))
         self.metrics.on_rpc(method, grpc.StatusCode.OK)
         return pb.LoraAdaptersResponse(lora_adapters=names)

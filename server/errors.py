@@ -23,10 +23,6 @@ RETRY_AFTER_KEY = "retry-after-ms"
 RETRY_AFTER_MS = 1000
 
 
-class NotFoundError(ValueError):
-    """A request names something the server does not have (e.g. a LoRA adapter): NOT_FOUND, with what it has."""
-
-
 class QueueFullError(Exception):
     """The server's bounded queue is full, or it sheds load: the client should back off and retry after
     `retry_after_ms`."""
@@ -38,8 +34,6 @@ class QueueFullError(Exception):
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a server answers for an exception raised while admitting or running a request."""
-    if isinstance(exc, NotFoundError):
-        return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, QueueFullError):

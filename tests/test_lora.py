@@ -180,6 +180,8 @@ def test_unknown_and_bad_adapters_are_refused(lora_setup, tmp_path):
 
 
 def test_load_and_unload_at_run_time(lora_setup):
+    from fastgen.replica.request import SamplingParams
+
     base, folders, prompts, refs = lora_setup
     pipe = lora_pipe(base, folders, names=["qv"])
     engine = pipe.engine
@@ -190,6 +192,13 @@ def test_load_and_unload_at_run_time(lora_setup):
     assert_matches([run_to_end(engine)["r"]], [refs["mlp"][1]])
     engine.remove_lora("mlp")
     assert engine.loras.names() == ["qv"]
+    # n = 2 under an adapter: the forked completion runs under it too (greedy: both the adapter's tokens)
+    engine.add_request("n2", prompts[2], SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, n=2), lora="qv")
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step().outputs if o.finished]
+    assert sorted(o.index for o in outs) == [0, 1]
+    assert_matches(outs, [refs["qv"][2]] * 2)
     with pytest.raises(UnknownAdapter):
         engine.add_request("r2", prompts[1], pipe_params(), lora="mlp")
 
