@@ -48,6 +48,7 @@ from .openai_protocol import (
     completion_response,
     dumps,
     error_from_failure,
+    lora_fields,
     model_list,
     parse_chat,
     parse_completion,
@@ -101,6 +102,8 @@ class OpenAIApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         return app
@@ -117,7 +120,25 @@ class OpenAIApi:
         return await self._generate(request, CHAT)
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(model_list(self.served_models(), self._created))
+        return json_response(model_list(self.served_models(), self._created, self._balancer.lora_adapters()))
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's: {"lora_name", "lora_path"}; every replica serves the adapter (a folder on its host) from now on."""
+        name, path = lora_fields(await read_json(request), need_path=True)
+        await self._change_lora(name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's: {"lora_name"}; 409 while requests use it."""
+        name, _ = lora_fields(await read_json(request), need_path=False)
+        await self._change_lora(name, None)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _change_lora(self, name: str, path: str | None) -> None:
+        try:
+            await self._balancer.change_lora(name, path)
+        except RequestFailed as f:
+            raise error_from_failure(f.code, f.details, f.retry_after_ms) from None
 
     async def health(self, request: web.Request) -> web.Response:
         serving = self._balancer.pool.any_healthy()
@@ -134,6 +155,9 @@ class OpenAIApi:
         extra = {"tool_call_parser": self._tool_call_parser(), "reasoning_parser": settings.reasoning_parser}
         extra = extra if kind == CHAT else {}
         api = PARSERS[kind](body, meta.id, self._settings.limits, **extra)
+        if meta.model in self._balancer.lora_adapters():  # `model` names a LoRA adapter: its requests run under it
+            for prompt in api.prompts:
+                prompt.lora_name = meta.model
         caller = bearer_token(request.headers.get("Authorization"))
         if api.stream:
             return await self._stream(request, api, meta, caller)
@@ -154,8 +178,8 @@ class OpenAIApi:
         served = self.served_models()
         if requested is None:
             return served[0] if served else ""
-        if served and requested not in served:
-            raise unknown_model(requested, served)
+        if served and requested not in served and requested not in self._balancer.lora_adapters():
+            raise unknown_model(requested, served + self._balancer.lora_adapters())
         return requested
 
     async def _generate_all(self, prompts: Sequence[fastgen_pb2.GenerateRequest], caller: str | None) -> list:

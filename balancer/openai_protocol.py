@@ -54,6 +54,8 @@ FINISH_REASONS = {
 }
 HTTP_STATUS_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -684,8 +686,25 @@ def _reply(meta: Meta, kind: str, choices: list[dict], used: dict | None) -> dic
     }
 
 
-def model_list(names: Sequence[str], created: int) -> dict:
+def lora_fields(body: object, need_path: bool) -> tuple[str, str]:
+    """(lora_name, lora_path) of a /v1/load_lora_adapter or /v1/unload_lora_adapter body."""
+    f = Fields(_object(body))
+    name, path = f.text("lora_name") or "", f.text("lora_path") or ""
+    if not name:
+        raise bad_request("lora_name is required: the name requests give as their model", "lora_name")
+    if need_path and not path:
+        raise bad_request("lora_path is required: the adapter's folder on the replicas' host", "lora_path")
+    return name, path
+
+
+def model_list(names: Sequence[str], created: int, adapters: Sequence[str] = ()) -> dict:
+    """The models served, then the LoRA adapters, each with the base model as its parent (vLLM's cards)."""
     cards = [{"id": n, "object": "model", "created": created, "owned_by": "fastgen", "root": n} for n in names]
+    parent = names[0] if names else None
+    cards += [
+        {"id": a, "object": "model", "created": created, "owned_by": "fastgen", "root": a, "parent": parent}
+        for a in adapters
+    ]
     return {"object": "list", "data": cards}
 
 

@@ -36,6 +36,7 @@ class ReplicaLoad:
     # The request being routed, as this replica would see it (prefix_aware only; 0 when unknown).
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of those, how many the replica is believed to hold in its prefix cache
+    lora_resident: bool = False  # the request's LoRA adapter is in one of the replica's weight slots already
 
 
 def outstanding_work(load: ReplicaLoad) -> int:
@@ -61,8 +62,16 @@ def round_robin(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: int
 
 
 def least_loaded(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: int) -> int:
-    """The candidate with the least outstanding work; ties go round robin so idle replicas share evenly."""
-    return min(loads, key=lambda p: (outstanding_work(loads[p]), _rotation_distance(p, cursor, num_replicas)))
+    """The candidate with the least outstanding work; among equals one holding the request's LoRA adapter, then
+    round robin so idle replicas share evenly."""
+    return min(
+        loads,
+        key=lambda p: (
+            outstanding_work(loads[p]),
+            not loads[p].lora_resident,
+            _rotation_distance(p, cursor, num_replicas),
+        ),
+    )
 
 
 def predicted_ttft(load: ReplicaLoad, tokens_per_second: float) -> float:
@@ -74,14 +83,16 @@ def predicted_ttft(load: ReplicaLoad, tokens_per_second: float) -> float:
 
 def prefix_aware(loads: Mapping[int, ReplicaLoad], cursor: int, num_replicas: int) -> int:
     """The candidate with the smallest predicted time to first token; among equals, the one holding more of the
-    prompt, then round robin. A replica that has not measured its speed is assumed as fast as the others' mean."""
+    prompt, then one holding the request's LoRA adapter, then round robin. A replica that has not measured its speed
+    is assumed as fast as the others' mean. (An adapter's prefixes are cached under a salt of its own, so the prompt
+    a replica holds counts only what it computed under that adapter.)"""
     measured = [load.prefill_tokens_per_second for load in loads.values() if load.prefill_tokens_per_second > 0]
     assumed = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_SECOND
 
     def rank(p: int):
         load = loads[p]
         ttft = predicted_ttft(load, load.prefill_tokens_per_second or assumed)
-        return ttft, -load.cached_tokens, _rotation_distance(p, cursor, num_replicas)
+        return ttft, -load.cached_tokens, not load.lora_resident, _rotation_distance(p, cursor, num_replicas)
 
     return min(loads, key=rank)
 

@@ -92,8 +92,14 @@ class Replica:
     def address(self) -> str:
         return self.spec.address
 
-    def load(self, key: PromptKey | None = None) -> ReplicaLoad:
-        """Its load; with a prompt's key, also how much of that prompt it is believed to hold."""
+    def serves(self, lora: str) -> bool:
+        """Whether it may serve LoRA adapter `lora` ("": the base model, which every replica serves): it said so, or
+        it has not reported yet (the replica itself answers NOT_FOUND for a name it does not know)."""
+        return not lora or self.reports == 0 or lora in self.status.lora_adapters
+
+    def load(self, key: PromptKey | None = None, lora: str = "") -> ReplicaLoad:
+        """Its load; with a prompt's key, also how much of that prompt it is believed to hold; with a LoRA adapter,
+        whether that adapter sits in one of its weight slots."""
         # A replica that said it does not cache holds nothing, whatever was routed to it.
         caching_off = self.status.kv_block_size > 0 and not self.status.prefix_caching
         cached = self.cache.cached_tokens(key) if key is not None and not caching_off else 0
@@ -107,6 +113,7 @@ class Replica:
             prefill_tokens_per_second=self.status.prefill_tokens_per_second,
             prompt_tokens=key.tokens if key is not None else 0,
             cached_tokens=cached,
+            lora_resident=bool(lora) and lora in self.status.resident_lora_adapters,
         )
 
     def health_enum(self) -> int:
@@ -215,10 +222,14 @@ class ReplicaPool:
         log.info("replica %s at %s closed", replica.id, replica.address)
 
     # ---- routing support ----
-    def candidates(self, exclude: set[int], key: PromptKey | None = None) -> dict[int, ReplicaLoad]:
-        """Loads of the healthy replicas not in `exclude`, keyed by position; with a prompt's key, each also says
-        how much of the prompt that replica holds."""
-        return {r.position: r.load(key) for r in self.replicas if r.healthy and r.position not in exclude}
+    def candidates(self, exclude: set[int], key: PromptKey | None = None, lora: str = "") -> dict[int, ReplicaLoad]:
+        """Loads of the healthy replicas not in `exclude` that serve LoRA adapter `lora` ("": any), keyed by
+        position; with a prompt's key, each also says how much of the prompt that replica holds."""
+        return {
+            r.position: r.load(key, lora)
+            for r in self.replicas
+            if r.healthy and r.position not in exclude and r.serves(lora)
+        }
 
     def prefix_key(self, request) -> PromptKey | None:
         """The request's prompt hashed in the replicas' blocks (before any replica reported its block size, or with

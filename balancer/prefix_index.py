@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..prefix_hash import prefix_hashes, root_hash
+from ..prefix_hash import adapter_salt, prefix_hashes, root_hash
 from .policy import CHARS_PER_TOKEN, estimate_prompt_tokens
 from .tokenizer import PromptTokenizer
 
@@ -57,7 +57,7 @@ class PromptHasher:
     def key(self, request, block_size: int) -> PromptKey | None:
         """None for a request without a prompt; a failing tokenizer or template gives the inexact key (the replica
         will answer the request's error itself)."""
-        salt = request.params.cache_salt
+        salt = adapter_salt(request.params.cache_salt, request.lora_name)  # as the replica keys its blocks
         kind = request.WhichOneof("prompt")
         if kind is None or block_size <= 0:
             return None

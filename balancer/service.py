@@ -50,6 +50,8 @@ from .tenants import salted_for
 
 log = logging.getLogger("fastgen.balancer")
 
+# A replica reads and checks an adapter between two engine steps: seconds for large ones on a slow disk.
+LORA_CHANGE_TIMEOUT_S = 60.0
 RETRY_ON_OTHER_REPLICA = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRY_ONCE_ON_OTHER_REPLICA = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 RETRY_CODES = tuple(sorted(RETRY_ON_OTHER_REPLICA | RETRY_ONCE_ON_OTHER_REPLICA, key=lambda c: c.name))
@@ -220,6 +222,35 @@ class Balancer:
         """The model the replicas report serving ("" until one has answered GetStatus)."""
         return next((r.model for r in self.pool.replicas if r.model), "")
 
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters some healthy replica reports serving, sorted."""
+        return sorted({a for r in self.pool.replicas if r.healthy for a in r.status.lora_adapters})
+
+    async def change_lora(self, name: str, path: str | None) -> None:
+        """Loads (path set) or unloads LoRA adapter `name` on every healthy replica (each reads the folder on its own
+        host). RequestFailed with every failing replica's answer; the replicas that succeeded keep the change."""
+        replicas = [r for r in self.pool.replicas if r.healthy]
+        if not replicas:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self.pool.unavailable_message())
+        results = await asyncio.gather(*(self._change_lora_on(r, name, path) for r in replicas), return_exceptions=True)
+        failed = [(r, e) for r, e in zip(replicas, results, strict=True) if isinstance(e, BaseException)]
+        for _, e in failed:
+            if not isinstance(e, grpc.aio.AioRpcError):
+                raise e
+        if failed:
+            details = "; ".join(f"{r.id}: {e.details()}" for r, e in failed)
+            raise RequestFailed(failed[0][1].code(), details)
+
+    async def _change_lora_on(self, replica: Replica, name: str, path: str | None) -> None:
+        if path is None:
+            request = fastgen_pb2.UnloadLoraAdapterRequest(lora_name=name)
+            response = await replica.stub.UnloadLoraAdapter(request, timeout=LORA_CHANGE_TIMEOUT_S)
+        else:
+            request = fastgen_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+            response = await replica.stub.LoadLoraAdapter(request, timeout=LORA_CHANGE_TIMEOUT_S)
+        del replica.status.lora_adapters[:]  # routing and /v1/models see the change before the next status poll
+        replica.status.lora_adapters.extend(response.lora_adapters)
+
     # ---- one upstream call ----
     async def _generate_on(
         self, replica: Replica, request, deadline: float | None, may_move: Callable[[], bool]
@@ -319,8 +350,13 @@ class Balancer:
 
     def _pick(self, attempts: Attempts) -> Replica:
         key = self._prefix_key(attempts)
-        loads = self.pool.candidates(exclude=attempts.tried, key=key)
+        lora = attempts.request.lora_name
+        loads = self.pool.candidates(exclude=attempts.tried, key=key, lora=lora)
         position = self._router.pick(loads)
+        if position is None and lora and self.pool.candidates(exclude=attempts.tried):
+            raise RequestFailed(
+                grpc.StatusCode.NOT_FOUND, f"no replica serves LoRA adapter {lora!r}: load it first (or check the name)"
+            )
         if position is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self._no_replica_message(attempts))
         attempts.tried.add(position)

@@ -17,6 +17,13 @@ HASH_BYTES = 16
 _VERSION = b"fastgen-prefix-v1"  # changing the encoding must change every hash
 
 
+def adapter_salt(salt: str, adapter: str) -> str:
+    """The salt of a request that runs under LoRA adapter `adapter` ("": the base model, whose salt is unchanged):
+    KV computed under one adapter differs from the base model's and every other adapter's, so their blocks never
+    meet. NUL cannot occur in an adapter's name, so no salt of one adapter equals another's."""
+    return f"{salt}\0lora\0{adapter}" if adapter else salt
+
+
 def root_hash(salt: str = "") -> bytes:
     """The parent hash of a sequence's first block."""
     data = salt.encode("utf-8")

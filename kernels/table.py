@@ -13,6 +13,7 @@ import torch
 
 from .attention import paged_attention
 from .dense import argmax, linear, no_packing
+from .lora import lora_sgmv
 from .moe import fused_moe, pack_experts
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .rotary import rotary_write_kv
@@ -66,6 +67,9 @@ class Kernels:
     fused_moe: Callable[..., torch.Tensor]
     # logits (rows, vocab) -> the index of each row's maximum, the first of equal maxima (greedy sampling)
     argmax: Callable[[torch.Tensor], list[int]]
+    # (y, x, a, b, LoraSegments, ranks) -> None: adds each segment's LoRA delta to its rows of y in place
+    # (kernels/lora.py holds the contract)
+    lora_sgmv: Callable[..., None] = lora_sgmv
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
     # size), so a CUDA graph captured once replays it correctly for any batch of that size.
     graph_safe: bool = False

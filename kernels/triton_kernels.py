@@ -7,6 +7,7 @@ Same call signatures and results as the torch references in this package:
 - `rotary_write_kv`: rotates q and k and scatters rotated k and plain v into their cache slots, one pass.
 - `rms_norm` / `add_rms_norm`: one program per row, float32 statistics.
 - `fused_moe`: grouped GEMMs over the tokens sorted by expert, in kernels/triton_moe.py.
+- `lora_sgmv`: the LoRA delta of every adapter in the step in two launches, in kernels/triton_lora.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 from .attention import AttentionMetadata
 from .norm import silu_mul
 from .table import TORCH_KERNELS, Kernels
+from .triton_lora import lora_sgmv
 from .triton_moe import fused_moe, pack_experts
 
 LOG2_E = 1.4426950408889634
@@ -664,6 +666,7 @@ TRITON_KERNELS = Kernels(
     pack_experts=pack_experts,
     fused_moe=fused_moe,
     argmax=TORCH_KERNELS.argmax,
+    lora_sgmv=lora_sgmv,
     graph_safe=True,
     attention_plan=attention_plan,
 )

@@ -179,6 +179,20 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         help="with --tp: each rank holds whole experts of a mixture-of-experts model, not a slice of each "
         "(vLLM's flag)",
     )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters chosen per request by name")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=list(d.lora_modules),
+        metavar="NAME=PATH",
+        help="adapters every replica serves: a name and a PEFT adapter folder each (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=d.max_loras, help="adapters resident per replica (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank (default: %(default)s)"
+    )
     p.add_argument(
         "--speculative-config",
         default=d.speculative_config,

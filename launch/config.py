@@ -31,8 +31,10 @@ from ..replica.config import (
     SCHEDULERS,
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     SchedulerConfig,
     default_max_batch_tokens,
+    parse_lora_module,
     parse_speculative_config,
     preset_path,
 )
@@ -74,6 +76,11 @@ class DeployConfig:
     enforce_eager: bool = EngineConfig.enforce_eager
     enable_expert_parallel: bool = EngineConfig.enable_expert_parallel
     speculative_config: str | None = None  # vLLM's JSON, passed to every replica as given; None: off
+    # Multi-LoRA serving (vLLM's flags, docs/lora.md): adapters as "name=path", each replica serves them all
+    enable_lora: bool = LoraConfig.enable_lora
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = LoraConfig.max_loras
+    max_lora_rank: int = LoraConfig.max_lora_rank
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
     max_batch_tokens: int | None = None  # None: the scheduler's default (default_max_batch_tokens)
     max_seqs: int = SchedulerConfig.max_seqs
@@ -103,6 +110,7 @@ class DeployConfig:
         # config.json stores it as a JSON list
         object.__setattr__(self, "sla_token_rates", tuple(self.sla_token_rates))
         object.__setattr__(self, "gpus", tuple(self.gpus))
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
     @property
     def batch_tokens(self) -> int:
@@ -158,7 +166,7 @@ def looks_like_path(model: str) -> bool:
 def validate(config: DeployConfig) -> list[str]:
     """Every problem with the settings, each saying what to change; empty when they are fine."""
     problems = _name_problems(config.name) + _count_problems(config) + _choice_problems(config)
-    problems += _engine_problems(config) + _port_problems(config) + _sla_problems(config)
+    problems += _engine_problems(config) + _port_problems(config) + _sla_problems(config) + _lora_problems(config)
     problems += TlsFiles(config.tls_cert, config.tls_key, config.tls_ca).problems("server")
     if preset_path(config.model) is not None and config.load_format != "dummy":
         problems.append(
@@ -171,6 +179,14 @@ def validate(config: DeployConfig) -> list[str]:
             "(config.json + *.safetensors) or a .gguf file"
         )
     return problems
+
+
+def _lora_problems(c: DeployConfig) -> list[str]:
+    try:
+        LoraConfig(c.enable_lora, tuple(map(parse_lora_module, c.lora_modules)), c.max_loras, c.max_lora_rank)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def _name_problems(name: str) -> list[str]:
@@ -402,6 +418,10 @@ def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
         argv += ["--enable-expert-parallel"]
     if c.speculative_config:
         argv += ["--speculative-config", c.speculative_config]
+    if c.enable_lora:
+        argv += ["--enable-lora", "--max-loras", str(c.max_loras), "--max-lora-rank", str(c.max_lora_rank)]
+    if c.lora_modules:
+        argv += ["--lora-modules", *c.lora_modules]
     argv += ["--threads", str(c.threads)]
     argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
     if c.tp > 1:

@@ -29,6 +29,26 @@ HEALTH_UNKNOWN: Health
 HEALTH_SERVING: Health
 HEALTH_NOT_SERVING: Health
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdaptersResponse(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +153,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "params", "resume", "slo")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "params", "resume", "slo", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +161,7 @@ class GenerateRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -148,7 +169,8 @@ class GenerateRequest(_message.Message):
     params: SamplingParams
     resume: Resume
     slo: Slo
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Slo(_message.Message):
     __slots__ = ("prompt_rate", "ttft_ms", "token_rate")
@@ -279,7 +301,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica", "address", "health", "queued_requests", "running_requests", "kv_blocks_used", "kv_blocks_total", "tokens_generated", "in_flight", "pending_prompt_tokens", "kv_block_size", "prefix_caching", "prefill_tokens_per_second", "tokenizer_path")
+    __slots__ = ("replica", "address", "health", "queued_requests", "running_requests", "kv_blocks_used", "kv_blocks_total", "tokens_generated", "in_flight", "pending_prompt_tokens", "kv_block_size", "prefix_caching", "prefill_tokens_per_second", "tokenizer_path", "lora_adapters", "resident_lora_adapters")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +316,8 @@ class ReplicaStatus(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     address: str
     health: Health
@@ -308,7 +332,9 @@ class ReplicaStatus(_message.Message):
     prefix_caching: bool
     prefill_tokens_per_second: float
     tokenizer_path: str
-    def __init__(self, replica: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[_Union[Health, str]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., in_flight: _Optional[int] = ..., pending_prompt_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefill_tokens_per_second: _Optional[float] = ..., tokenizer_path: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    resident_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica: _Optional[str] = ..., address: _Optional[str] = ..., health: _Optional[_Union[Health, str]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., in_flight: _Optional[int] = ..., pending_prompt_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefill_tokens_per_second: _Optional[float] = ..., tokenizer_path: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., resident_lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("model", "role", "replicas")

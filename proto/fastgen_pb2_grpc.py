@@ -55,6 +55,16 @@ class GenerationStub:
                 request_serializer=fastgen_dot_proto_dot_fastgen__pb2.CacheWatchRequest.SerializeToString,
                 response_deserializer=fastgen_dot_proto_dot_fastgen__pb2.CacheEvents.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/fastgen.v1.Generation/LoadLoraAdapter',
+                request_serializer=fastgen_dot_proto_dot_fastgen__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=fastgen_dot_proto_dot_fastgen__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/fastgen.v1.Generation/UnloadLoraAdapter',
+                request_serializer=fastgen_dot_proto_dot_fastgen__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=fastgen_dot_proto_dot_fastgen__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -91,6 +101,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves a LoRA adapter (a PEFT folder on the replica's host) under a name from now on; INVALID_ARGUMENT saying
+        what is wrong with the folder, or that the name is taken. Replicas only (the balancer's HTTP API calls it on
+        every replica: /v1/load_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving a LoRA adapter; NOT_FOUND for a name it does not serve, FAILED_PRECONDITION while requests use it.
+        Replicas only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +140,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.WatchCache,
                     request_deserializer=fastgen_dot_proto_dot_fastgen__pb2.CacheWatchRequest.FromString,
                     response_serializer=fastgen_dot_proto_dot_fastgen__pb2.CacheEvents.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=fastgen_dot_proto_dot_fastgen__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=fastgen_dot_proto_dot_fastgen__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=fastgen_dot_proto_dot_fastgen__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=fastgen_dot_proto_dot_fastgen__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +261,60 @@ class Generation:
             '/fastgen.v1.Generation/WatchCache',
             fastgen_dot_proto_dot_fastgen__pb2.CacheWatchRequest.SerializeToString,
             fastgen_dot_proto_dot_fastgen__pb2.CacheEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastgen.v1.Generation/LoadLoraAdapter',
+            fastgen_dot_proto_dot_fastgen__pb2.LoadLoraAdapterRequest.SerializeToString,
+            fastgen_dot_proto_dot_fastgen__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fastgen.v1.Generation/UnloadLoraAdapter',
+            fastgen_dot_proto_dot_fastgen__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            fastgen_dot_proto_dot_fastgen__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

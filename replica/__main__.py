@@ -29,10 +29,12 @@ from .config import (
     TP_TIMEOUT_S,
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     SchedulerConfig,
     SloConfig,
     SpeculativeConfig,
     default_max_batch_tokens,
+    parse_lora_module,
     parse_size,
     parse_speculative_config,
 )
@@ -116,6 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --tp: each rank holds whole experts of a mixture-of-experts model instead of a slice of every "
         "expert (vLLM's flag)",
     )
+    add_lora_args(p)
     p.add_argument(
         "--speculative-config",
         type=speculative,
@@ -240,6 +243,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """Multi-LoRA serving, vLLM's flags (docs/lora.md)."""
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters chosen per request by name")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to serve from the start: a name and a PEFT adapter folder each (needs --enable-lora)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=positive,
+        default=LoraConfig.max_loras,
+        help="adapters resident at once; beyond it the least recently used idle one is evicted (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=positive,
+        default=LoraConfig.max_lora_rank,
+        help="the largest adapter rank served; an adapter of higher rank is refused (default: %(default)s)",
+    )
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig:
+    modules = tuple(parse_lora_module(m) for m in args.lora_modules)
+    return LoraConfig(args.enable_lora, modules, args.max_loras, args.max_lora_rank)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -251,6 +283,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=args.speculative_config,
+        lora=lora_config(args),
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(args.scheduler),
             max_seqs=args.max_seqs,

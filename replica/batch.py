@@ -18,6 +18,7 @@ class ScheduledSeq:
     # Speculative decoding: token_ids is a decode's token and then this many proposed tokens, verified in this pass;
     # the logits of its last 1 + num_draft positions are returned (replica/speculative.py).
     num_draft: int = 0
+    lora_slot: int = -1  # the weight slot of the LoRA adapter it runs under; -1: the base model
 
     @property
     def num_logits(self) -> int:
@@ -47,6 +48,8 @@ class Batch:
     # prompt. All copies read the cache as the previous step left it.
     copies: list[tuple[int, int]] = field(default_factory=list)
     plan: StepPlan | None = None  # set by the slo scheduler; rank 0 only (not broadcast)
+    # (slot, adapter folder): LoRA adapters to read into their weight slots before the forward pass (lora_pool)
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

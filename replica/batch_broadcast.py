@@ -31,7 +31,7 @@ INLINE = 1024  # int64 numbers in the first broadcast of a message: its length, 
 IDLE_TIMEOUT = timedelta(days=365)
 # Exit status of a rank whose group broke (a peer died, or this rank failed between two collectives).
 EXIT_GROUP_BROKEN = 3
-_SEQ_HEADER = 5  # seq_id, start, flags (sample, all_logits, num_draft << 2), number of tokens, number of blocks
+_SEQ_HEADER = 6  # seq_id, start, flags (sample, all_logits, num_draft << 2), LoRA slot, tokens, blocks
 
 
 def exit_now(code: int) -> NoReturn:
@@ -47,33 +47,42 @@ def exit_now(code: int) -> NoReturn:
 
 
 def encode_batch(batch: Batch) -> list[int]:
-    """[seqs, decodes, preempted, copies, *preempted ids, *copies as src, dst pairs, then per sequence: seq_id,
-    start, flags, tokens, blocks, *token_ids, *block_table]."""
-    flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), len(batch.copies), *batch.preempted]
+    """[seqs, decodes, preempted, copies, LoRA loads, *preempted ids, *copies as src, dst pairs, *loads as slot,
+    length, *path's code points, then per sequence: seq_id, start, flags, LoRA slot, tokens, blocks, *token_ids,
+    *block_table]."""
+    flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), len(batch.copies), len(batch.lora_loads)]
+    flat += batch.preempted
     for src, dst in batch.copies:
         flat += (src, dst)
+    for slot, path in batch.lora_loads:
+        flat += (slot, len(path), *map(ord, path))
     for s in batch.seqs:
         flags = int(s.sample) | int(s.all_logits) << 1 | s.num_draft << 2
-        flat += (s.seq_id, s.start, flags, len(s.token_ids), len(s.block_table))
+        flat += (s.seq_id, s.start, flags, s.lora_slot, len(s.token_ids), len(s.block_table))
         flat += s.token_ids
         flat += s.block_table
     return flat
 
 
 def decode_batch(flat: list[int]) -> Batch:
-    num_seqs, num_decodes, num_preempted, num_copies = flat[:4]
-    i = 4 + num_preempted
-    preempted = flat[4:i]
+    num_seqs, num_decodes, num_preempted, num_copies, num_loads = flat[:5]
+    i = 5 + num_preempted
+    preempted = flat[5:i]
     copies = list(zip(flat[i : i + 2 * num_copies : 2], flat[i + 1 : i + 2 * num_copies : 2]))
     i += 2 * num_copies
+    loads = []
+    for _ in range(num_loads):
+        slot, length = flat[i : i + 2]
+        loads.append((slot, "".join(map(chr, flat[i + 2 : i + 2 + length]))))
+        i += 2 + length
     seqs = []
     for _ in range(num_seqs):
-        seq_id, start, sample, num_tokens, num_blocks = flat[i : i + _SEQ_HEADER]
+        seq_id, start, sample, slot, num_tokens, num_blocks = flat[i : i + _SEQ_HEADER]
         i += _SEQ_HEADER
         tokens, blocks = flat[i : i + num_tokens], flat[i + num_tokens : i + num_tokens + num_blocks]
         i += num_tokens + num_blocks
-        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample & 1), bool(sample & 2), sample >> 2))
-    return Batch(seqs, num_decodes, preempted, copies)
+        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample & 1), bool(sample & 2), sample >> 2, slot))
+    return Batch(seqs, num_decodes, preempted, copies, lora_loads=loads)
 
 
 class BatchBroadcast:

@@ -14,11 +14,13 @@ from . import weights
 from .batch import Batch, ScheduledSeq
 from .batch_broadcast import BatchBroadcast
 from .block_allocator import BlockAllocator
-from .config import QUANTIZATIONS, EngineConfig
+from .config import QUANTIZATIONS, EngineConfig, LoraConfig
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine
 from .host_memory import keep_freed_memory
 from .kv_cache import DeviceMemory, allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
+from .lora import LoraWeights
+from .lora_pool import LoraPool
 from .model_runner import ModelRunner
 from .models import DecoderModel, ModelConfig
 from .parallel import TPGroup
@@ -48,23 +50,33 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
 
     runner, num_blocks = build_runner(config, tp, broadcast)
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
-    scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator)
+    loras = LoraPool(config.lora.max_loras) if config.lora.enable_lora else None
+    scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator, loras=loras)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
     spec = config.speculative_config
     draft = build_draft_runner(config, model_config, num_blocks) if spec and spec.method == "draft_model" else None
-    return Engine(
+    engine = Engine(
         runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens, config.speculative_config, draft
     )
+    for name, path in config.lora.lora_modules:
+        engine.add_lora(name, path)
+    return engine
 
 
 def build_draft_runner(config: EngineConfig, target: ModelConfig, num_blocks: int) -> ModelRunner:
     """The draft model of speculative_config method draft_model, on rank 0 alone, with a KV cache of num_blocks
-    blocks (the target's block ids index both caches), run op by op. Refuses a draft whose vocabulary or context
-    differs from what the target needs."""
+    blocks (the target's block ids index both caches), run op by op, without adapters. Refuses a draft whose
+    vocabulary or context differs from what the target needs."""
     spec = config.speculative_config
     cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
     draft_config = dataclasses.replace(
-        config, model=spec.model, cache=cache, enforce_eager=True, enable_expert_parallel=False, progress=False
+        config,
+        model=spec.model,
+        cache=cache,
+        enforce_eager=True,
+        enable_expert_parallel=False,
+        progress=False,
+        lora=LoraConfig(),
     )
     runner, _ = build_runner(draft_config)
     draft = runner.model.config
@@ -129,6 +141,9 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
         model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
     model.eval()
+    lora = None
+    if config.lora.enable_lora:  # before packing: an adapted gate/up layer keeps the activation apart
+        lora = LoraWeights(model, config.lora.max_loras, config.lora.max_lora_rank)
     model.pack_weights()
 
     attn = model.layers[0].self_attn
@@ -137,7 +152,8 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     per_block = bytes_per_block(model_config.num_layers, block_size, attn.kv_heads, attn.head_dim, dtype)
     # The agreement runs on the CPU over the broadcast's gloo group, never over NCCL (see agree_min).
     group = broadcast.group if broadcast is not None else None
-    graphed = kernels.graph_safe and not config.enforce_eager
+    # LoRA steps read their segments from the host: they run eagerly.
+    graphed = kernels.graph_safe and not config.enforce_eager and lora is None
     num_blocks = tp.agree_min(_kv_blocks(config, model, per_block, dtype, device, at_start, graphed), group)
     if tp.rank == 0:
         log.info(
@@ -163,7 +179,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             device=device,
             capture=device.type == "cuda",
         )
-    return ModelRunner(model, kv, block_size, device, broadcast, graphs), num_blocks
+    return ModelRunner(model, kv, block_size, device, broadcast, graphs, lora), num_blocks
 
 
 def _memory_at_start(device: torch.device) -> tuple[int, int]:

@@ -225,6 +225,36 @@ def parse_speculative_config(value: str | Mapping | None) -> SpeculativeConfig |
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (vLLM's flags): adapters in PEFT's format, chosen per request by name (docs/lora.md)."""
+
+    enable_lora: bool = False
+    # (name, folder) of the adapters known at start (--lora-modules name=path); more may be loaded at run time
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1  # adapters resident at once (weight slots); beyond it the least recently used is evicted
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds; an adapter of higher rank is refused
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must be unique, got {', '.join(names)}")
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """'name=path' (--lora-modules) -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes name=path, got {text!r}")
+    return name, path
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"  # alias, Hugging Face folder or .gguf file
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 where the hardware has it
@@ -245,6 +275,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # vLLM's name: speculative decoding (replica/speculative.py); None: off.
     speculative_config: SpeculativeConfig | None = None
+    lora: LoraConfig = LoraConfig()  # multi-LoRA serving; off by default
 
 
 def preset_path(model: str) -> Path | None:

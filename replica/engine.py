@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..prefix_hash import adapter_salt
 from .batch import Batch
 from .config import SpeculativeConfig
 from .constraints import Constraints, Matcher
 from .detokenizer import IncrementalDetokenizer
 from .draft_model import DraftProposer
+from .lora_pool import AdapterInUse, LoraPool
 from .model_runner import ModelRunner
 from .models.llama import ModelConfig
 from .ngram import NgramProposer
@@ -65,6 +67,7 @@ class _Request:
     banned: list[int]  # tokens that may not end the request before min_new_tokens
     unfinished: int  # completions not finished, those not forked yet included
     forked: bool  # the n - 1 other completions exist (always, for n = 1)
+    lora: str = ""  # the LoRA adapter it runs under ("": the base model)
     grammar: object = None  # the compiled constraint (xgrammar's CompiledGrammar); None: unconstrained
     prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs: one per prompt token from the second
     completions: list[_Completion] = field(default_factory=list)  # index order
@@ -112,6 +115,7 @@ class Engine:
         self._token_texts: dict[int, str] = {}  # token id -> the token decoded alone (for logprobs)
         self.constraints = Constraints(tokenizer, model_config.vocab_size, eos_token_ids)
         self._scoring = 0  # unfinished requests that ask for prompt logprobs: 0 skips looking for them in a step
+        self._lora_requests: dict[str, int] = {}  # unfinished requests per LoRA adapter (the base's under "")
         if speculative_config is not None:
             config = speculative_config
             ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -130,13 +134,17 @@ class Engine:
         params: SamplingParams = SamplingParams(),
         resume: tuple[Resume, ...] | None = None,
         slo: Slo | None = None,
+        lora: str = "",
     ) -> int:
         """Queues a request; returns its prompt length. Raises ValueError (what to change) for bad input. With
         `resume` (one per completion, in index order), the request continues output another replica delivered
-        (stream migration); `slo` is its own service level (the slo scheduler plans for it; the others ignore it)."""
+        (stream migration); `slo` is its own service level (the slo scheduler plans for it; the others ignore it);
+        `lora` names the LoRA adapter it runs under ("": the base model; an unknown name raises UnknownAdapter)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use: choose a unique id")
         params.validate(self.model_config.vocab_size)
+        if lora:
+            self._check_lora(lora)
         if slo is not None:
             slo.validate()
         prompt_ids, prompt_text = self.prompts.encode_with_text(prompt, want_text=params.echo)
@@ -167,6 +175,8 @@ class Engine:
         for delivered in resumes if grammar is not None and resume is not None else ():
             self.constraints.matcher(grammar, delivered.token_ids)
         req = _Request(request_id, params, seed, text, banned, unfinished, forked=resume is not None or params.n == 1)
+        req.lora = lora
+        self._lora_requests[lora] = self._lora_requests.get(lora, 0) + 1
         req.grammar = grammar
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = []
@@ -184,15 +194,50 @@ class Engine:
                 len(prompt_ids),
                 max_new,
                 # Prompt logprobs need every prompt position computed: a salt of its own keeps cached blocks away.
-                cache_salt=params.cache_salt if req.prompt_logprobs is None else f"{params.cache_salt}\0{request_id}",
+                cache_salt=adapter_salt(
+                    params.cache_salt if req.prompt_logprobs is None else f"{params.cache_salt}\0{request_id}", lora
+                ),
                 slo=slo,
                 resumed=resume is not None,
+                lora=lora,
             )
             self._next_seq_id += 1
             self.scheduler.add(seq)
             c = self._start(req, seq, RequestTimings(arrival=arrival), index)
             self._replay(c, delivered)
         return len(prompt_ids)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------------------
+    @property
+    def loras(self) -> LoraPool | None:
+        """The adapters this engine serves (None: started without --enable-lora)."""
+        return self.scheduler.loras
+
+    def _check_lora(self, name: str) -> None:
+        if self.loras is None:
+            raise ValueError(f"request asks for LoRA adapter {name!r} but LoRA is off: start with --enable-lora")
+        self.loras.path(name)  # UnknownAdapter for a name it does not know
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Registers the PEFT adapter in folder `path` under `name`, read and checked against the model and
+        --max-lora-rank now (ValueError says what is wrong); it is loaded into a slot when a request first needs it."""
+        if self.loras is None:
+            raise ValueError(f"cannot load LoRA adapter {name!r}: LoRA is off, start with --enable-lora")
+        if name in self.loras.names():
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded: unload it first or pick another name")
+        self.runner.lora.read(path)
+        self.loras.add(name, str(path))
+
+    def remove_lora(self, name: str) -> None:
+        """Forgets adapter `name`; refused (ValueError) while running sequences use it."""
+        if self.loras is None:
+            raise ValueError("LoRA is off: start with --enable-lora")
+        self.loras.path(name)
+        if self._lora_requests.get(name):
+            raise AdapterInUse(
+                f"LoRA adapter {name!r} has {self._lora_requests[name]} unfinished requests: retry later"
+            )
+        self.loras.remove(name)
 
     def _check_resume(self, resume: tuple[Resume, ...], params: SamplingParams, max_new: int) -> None:
         if len(resume) != params.n:
@@ -267,6 +312,8 @@ class Engine:
             queued_prompt_tokens=sum(q.num_uncomputed for q in s.waiting),
             pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
             refuse_for_s=s.refuse_for(),
+            loras=tuple(self.loras.names()) if self.loras is not None else (),
+            resident_loras=tuple(self.loras.resident()) if self.loras is not None else (),
         )
 
     # ---- the step ---------------------------------------------------------------------------------------
@@ -379,6 +426,7 @@ class Engine:
                 seq.max_new_tokens,
                 cache_salt=seq.cache_salt,
                 slo=seq.slo,
+                lora=seq.lora,
             )
             self._next_seq_id += 1
             children.append(self._start(req, child, dataclasses.replace(parent.timings), len(req.completions)))
@@ -492,6 +540,7 @@ class Engine:
         req.unfinished -= 1
         if req.unfinished == 0:
             del self._requests[req.request_id]
+            self._lora_requests[req.lora] -= 1
             self._scoring -= req.prompt_logprobs is not None
 
     def _output(self, c: _Completion, new_tokens, visible: int, reason, now) -> RequestOutput:

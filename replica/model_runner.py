@@ -1,16 +1,20 @@
 """Scheduled batch -> flat tensors -> one forward pass -> logits of the rows to sample.
 
 With tensor parallelism, rank 0's runner sends every batch to the other ranks before running it (`run`), and their
-runners run each batch they receive (`follow`): every rank then takes part in the same collectives."""
+runners run each batch they receive (`follow`): every rank then takes part in the same collectives.
+
+With LoRA adapters, each rank reads the adapters the batch loads into their slots, and hands the adapted layers the
+step's rows grouped by adapter slot (replica/lora.py) before the forward pass."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels import AttentionMetadata, Kernels
+from ..kernels.lora import LoraSegments
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .kv_cache import copy_blocks
@@ -18,6 +22,7 @@ from .models import DecoderModel
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
+    from .lora import LoraWeights
 
 
 @dataclass
@@ -28,6 +33,7 @@ class StepInputs:
     positions: torch.Tensor  # (tokens,) int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # (sampled,) int64: the rows of the hidden states whose logits are sampled
+    lora: LoraSegments | None = None  # the rows that run under LoRA adapters, by slot; None: none does
 
 
 class ModelRunner:
@@ -39,6 +45,7 @@ class ModelRunner:
         device: torch.device,
         broadcast: BatchBroadcast | None = None,
         graphs: DecodeGraphs | None = None,
+        lora: LoraWeights | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -46,6 +53,7 @@ class ModelRunner:
         self.device = device
         self.broadcast = broadcast  # set on every rank of a tensor-parallel group
         self.graphs = graphs  # decode-only steps replay from these when set (CUDA)
+        self.lora = lora  # the model's LoRA slots, with --enable-lora
 
     @property
     def kernels(self) -> Kernels:
@@ -76,9 +84,13 @@ class ModelRunner:
         """This rank's forward pass over the batch; every rank gets the gathered logits. Forked sequences' KV block
         copies come first."""
         copy_blocks(self.kv_caches, batch.copies, self.device)
+        for slot, path in batch.lora_loads:
+            self.lora.load(slot, path)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         step = self.prepare(batch)
+        if self.lora is not None:
+            self.lora.step.segments = step.lora
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)  # (tokens, hidden)
         return self.model.logits(hidden[step.sample_rows])
 
@@ -96,15 +108,17 @@ class ModelRunner:
         flat = to_device(
             [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
             + tables
-            + extra,
+            + extra
+            + lists.lora_rows
+            + [v for column in zip(*lists.lora_segments) for v in column],  # slots, then starts, then ends
             self.device,
         )
         parts = flat.split(
             [len(lists.tokens)] * 3
             + [len(lists.query_start), len(lists.seq_lens)]
-            + [len(lists.sample_rows), len(tables), len(extra)]
+            + [len(lists.sample_rows), len(tables), len(extra), len(lists.lora_rows), 3 * len(lists.lora_segments)]
         )
-        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, extra = parts
+        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, extra, lora_rows, lora_table = parts
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
@@ -118,7 +132,11 @@ class ModelRunner:
         )
         if plan is not None:
             meta.workspace[plan[0]] = extra.view(2, -1).to(torch.int32)
-        return StepInputs(input_ids, positions, meta, sample_rows)
+        lora = None
+        if lists.lora_segments:
+            longest = max(end - start for _, start, end in lists.lora_segments)
+            lora = LoraSegments(lora_rows, lists.lora_segments, lora_table.view(3, -1), longest)
+        return StepInputs(input_ids, positions, meta, sample_rows, lora)
 
 
 @dataclass
@@ -131,10 +149,13 @@ class StepLists:
     query_start: list[int]  # (seqs + 1): offsets of each sequence's tokens
     seq_lens: list[int]  # cached tokens per sequence once this step has written its own
     sample_rows: list[int]  # the token rows whose logits are sampled
+    lora_rows: list[int] = field(default_factory=list)  # the token rows of LoRA sequences, grouped by slot
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) of lora_rows
 
 
 def step_lists(batch: Batch, block_size: int) -> StepLists:
     out = StepLists([], [], [], [0], [], [])
+    by_slot: dict[int, list[int]] = {}
     for s in batch.seqs:
         n = len(s.token_ids)
         out.tokens += s.token_ids
@@ -145,6 +166,12 @@ def step_lists(batch: Batch, block_size: int) -> StepLists:
         out.seq_lens.append(s.start + n)
         # Every position's for prompt logprobs, the last 1 + num_draft for a verify, the last for a sampled chunk.
         out.sample_rows += range(out.query_start[-1] - s.num_logits, out.query_start[-1])
+        if s.lora_slot >= 0:
+            by_slot.setdefault(s.lora_slot, []).extend(range(out.query_start[-2], out.query_start[-1]))
+    for slot in sorted(by_slot):  # one segment per adapter: its rows from every sequence of the step
+        start = len(out.lora_rows)
+        out.lora_rows += by_slot[slot]
+        out.lora_segments.append((slot, start, len(out.lora_rows)))
     return out
 
 

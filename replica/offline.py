@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from .builder import build_engine
-from .config import CacheConfig, EngineConfig, SchedulerConfig, SloConfig, parse_speculative_config
+from .config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SloConfig, parse_speculative_config
 from .engine import Engine
 from .prompts import Prompt
 from .request import FinishReason, SamplingParams
@@ -34,11 +34,15 @@ class Pipeline:
         self.tokenizer = engine.tokenizer
         self._next_id = 0
 
-    def __call__(self, prompts: Seq[Prompt] | str, **sampling) -> list[Output]:
+    def __call__(self, prompts: Seq[Prompt] | str, lora: str | Seq[str] = "", **sampling) -> list[Output]:
         """Generates for every prompt (strings, token-id lists or chat-message lists) with the same sampling
-        settings (SamplingParams fields); outputs come back in prompt order."""
+        settings (SamplingParams fields); outputs come back in prompt order. `lora` names the LoRA adapter of every
+        prompt, or of each (a list as long as the prompts; "": the base model)."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        loras = [lora] * len(prompts) if isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora names {len(loras)} adapters for {len(prompts)} prompts: give one per prompt")
         if "stop" in sampling and isinstance(sampling["stop"], str):
             sampling["stop"] = (sampling["stop"],)
         elif "stop" in sampling:
@@ -50,10 +54,10 @@ class Pipeline:
             )
         ids = []
         try:
-            for prompt in prompts:
+            for prompt, adapter in zip(prompts, loras):
                 ids.append(f"pipeline-{self._next_id}")
                 self._next_id += 1
-                self.engine.add_request(ids[-1], prompt, params)
+                self.engine.add_request(ids[-1], prompt, params, lora=adapter)
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)
@@ -90,13 +94,15 @@ def pipeline(
     enforce_eager: bool = EngineConfig.enforce_eager,
     slo: SloConfig | None = None,
     speculative_config: dict | str | None = None,
+    lora: LoraConfig | None = None,
 ) -> Pipeline:
     """Loads the model and builds an engine; max_seqs defaults to the scheduler's, capped by the token budget.
     device "auto" is cuda where there is a GPU; load_format "dummy" builds the model (a preset such as
     "llama-3-8b", or any other) with random weights instead of reading them. slo: the service level the slo
     scheduler plans every request for (SloConfig's defaults otherwise). gpu_memory_utilization: on CUDA, the KV pool
     sized from the device's memory instead of kv_cache_memory (vLLM's). speculative_config: vLLM's dict (or its
-    JSON), e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+    JSON), e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+    lora: multi-LoRA serving (adapters named in lora.lora_modules, chosen per prompt by the call's `lora`)."""
     max_seqs = max_seqs or min(SchedulerConfig.max_seqs, max_batch_tokens)
     config = EngineConfig(
         model=model,
@@ -119,5 +125,6 @@ def pipeline(
         progress=progress,
         enforce_eager=enforce_eager,
         speculative_config=parse_speculative_config(speculative_config),
+        lora=lora or LoraConfig(),
     )
     return Pipeline(build_engine(config))

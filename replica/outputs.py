@@ -107,3 +107,5 @@ class EngineLoad:
     queued_prompt_tokens: int = 0  # tokens the queued requests still have to prefill
     pending_prompt_tokens: int = 0  # prompt tokens not yet prefilled, queued and running
     refuse_for_s: float | None = None  # the scheduler sheds load: refuse new requests, retry after this many seconds
+    loras: tuple[str, ...] = ()  # the LoRA adapters the engine serves
+    resident_loras: tuple[str, ...] = ()  # of those, the ones in a weight slot now (no load before they run)

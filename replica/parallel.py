@@ -74,7 +74,10 @@ class ParallelLinear(nn.Module):
 
     A checkpoint's weight may come quantized (a GGUF block type, kernels/quant.py's QuantizedTensor): its rows are
     kept as they are (`quantized`: first output row -> rows) and packed for the kernels' quantized linear, or, where
-    the kernels have none for it, dequantized into the plain weight at pack time."""
+    the kernels have none for it, dequantized into the plain weight at pack time.
+
+    With --enable-lora the projections adapters may adapt hold their LoRA slots (`lora`, replica/lora.py), which add
+    each adapted row's delta to the output."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, kernels: Kernels) -> None:
         super().__init__()
@@ -84,6 +87,7 @@ class ParallelLinear(nn.Module):
         self.kernels = kernels
         self.packed = None
         self.quantized: list[tuple[int, QuantizedTensor]] = []
+        self.lora = None  # a LoraLayer where LoRA adapters may adapt this layer
 
     def put(self, name: str, start: int, rows: torch.Tensor | QuantizedTensor) -> None:
         """Rows [start, start + len) of parameter `name` from a checkpoint's (already sharded) tensor."""
@@ -110,8 +114,9 @@ class ParallelLinear(nn.Module):
         return self.kernels.pack_linear(weight)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) on this rank's shard."""
-        return self.kernels.linear(x, self.weight, bias, self.packed)
+        """x W^T (+ bias) on this rank's shard, plus the LoRA delta of the rows that run under an adapter."""
+        y = self.kernels.linear(x, self.weight, bias, self.packed)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -129,10 +134,13 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__(_frozen(out, in_features), _frozen(out) if bias else None, kernels)
         self.tp = tp
 
-    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+    def shard_rows(self, tensor: torch.Tensor, part: int) -> torch.Tensor:
+        """This rank's rows of a whole part (a weight, a bias, a LoRA B)."""
         size = self.local_parts[part]
-        start = sum(self.local_parts[:part])
-        self.put(name, start, tensor.narrow(0, self.tp.rank * size, size))  # this rank's rows of the part
+        return tensor.narrow(0, self.tp.rank * size, size)
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        self.put(name, sum(self.local_parts[:part]), self.shard_rows(tensor, part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -153,11 +161,14 @@ class GateUpParallelLinear(ColumnParallelLinear):
         self.activation = activation
 
     def packed_form(self, weight: torch.Tensor):
-        if self.activation == "silu":
+        if self.activation == "silu" and self.lora is None:  # LoRA's delta goes in before the activation
             return self.kernels.pack_gate_up(weight)
         return self.kernels.pack_linear(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:  # gate and up with their deltas, then the activation
+            mul = self.kernels.silu_mul if self.activation == "silu" else self.kernels.gelu_tanh_mul
+            return mul(self.project(x, None))
         if self.activation == "silu":
             return self.kernels.linear_silu_mul(x, self.weight, self.packed)  # (tokens, intermediate / tp)
         return self.kernels.gelu_tanh_mul(self.project(x, None))
@@ -191,11 +202,13 @@ class QKVParallelLinear(ParallelLinear):
         super().__init__(_frozen(out, hidden), _frozen(out) if bias else None, kernels)
         self.tp = tp
 
-    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+    def shard_rows(self, tensor: torch.Tensor, part: int) -> torch.Tensor:
         size = self.local_parts[part]
         first = self.tp.rank * size if part == 0 else self.kv_head_start * self.head_dim
-        start = sum(self.local_parts[:part])
-        self.put(name, start, tensor.narrow(0, first, size))
+        return tensor.narrow(0, first, size)
+
+    def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        self.put(name, sum(self.local_parts[:part]), self.shard_rows(tensor, part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)

@@ -216,6 +216,8 @@ class Sequence:
     # Speculative decoding with a draft model: the draft's KV holds token_ids[:num_draft_computed] (and the tokens it
     # proposed past them, counted here until verification settles how many were accepted).
     num_draft_computed: int = 0
+    lora: str = ""  # the LoRA adapter it runs under ("": the base model)
+    lora_slot: int = -1  # the adapter's weight slot while it runs (lora_pool); -1: none held
 
     @property
     def num_tokens(self) -> int:

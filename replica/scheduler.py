@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from .batch import Batch, ScheduledSeq
 from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
+from .lora_pool import LoraPool
 from .prefix_cache import extend_hashes
 from .request import SeqStatus, Sequence
 from .speculative import AcceptanceRate, Speculation
@@ -45,9 +46,10 @@ class PrefixStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, loras: LoraPool | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.loras = loras  # the LoRA adapter slots, with --enable-lora
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences go back to the front
         self.running: list[Sequence] = []  # admission order, oldest first
         self.num_preemptions = 0
@@ -121,6 +123,7 @@ class Scheduler:
             room = len(partial) + watermark <= self.allocator.num_free and len(self.running) < self.config.max_seqs
             if not room:
                 break
+            self._hold_adapter(child)  # the parent's, resident while the parent runs
             self.allocator.share(child.block_table, shared_blocks)
             self._copies += zip(partial, self.allocator.allocate(child.block_table, num_tokens))
             child.num_computed = num_tokens
@@ -147,6 +150,8 @@ class Scheduler:
         batch = self._schedule()
         if self._copies and batch:
             batch, self._copies = dataclasses.replace(batch, copies=self._copies), []
+        if self.loras is not None and batch:
+            batch = dataclasses.replace(batch, lora_loads=self.loras.drain_loads())
         return batch
 
     def observe(self, batch: Batch) -> None:
@@ -277,7 +282,7 @@ class Scheduler:
             if whole_prompts and n > budget and admitted:
                 break  # whole prompts only; the first one may exceed the budget so it can run at all
             need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else cached + n) - len(hits)
-            if self._room_for(claimed + need, hits):
+            if self._room_for(claimed + need, hits) and self._adapter_ready(seq):
                 admitted.append(self._start(i, hits, n, scheduled))
                 budget -= n
                 claimed += need - (len(seq.block_table) - len(hits))
@@ -302,8 +307,18 @@ class Scheduler:
         del self.waiting[i]
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self._hold_adapter(seq)
         self._reuse(seq, hits)
         return self._take(seq, n, scheduled)
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Whether seq's LoRA adapter has (or can take) a slot now; the base model always has."""
+        return not seq.lora or self.loras.can_acquire(seq.lora)
+
+    def _hold_adapter(self, seq: Sequence) -> None:
+        """Gives a sequence that starts running its adapter's slot (loaded before the next pass where it is new)."""
+        if seq.lora:
+            seq.lora_slot = self.loras.acquire(seq.lora)
 
     def _continue_prompt(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[int]) -> ScheduledSeq | None:
         """Schedules up to n more prompt tokens of running seq, preempting newer sequences for their blocks; None
@@ -362,6 +377,9 @@ class Scheduler:
             mine = set(seq.block_table)
             self._copies = [c for c in self._copies if c[1] not in mine]
         self.allocator.free(seq.block_table)
+        if seq.lora_slot >= 0:  # its adapter's slot may now be evicted
+            self.loras.release(seq.lora)
+            seq.lora_slot = -1
 
     def _take(self, seq: Sequence, n: int, scheduled: set[int]) -> ScheduledSeq:
         start = seq.num_computed
@@ -371,7 +389,12 @@ class Scheduler:
         scheduled.add(seq.seq_id)
         self._publish(seq, start)
         return ScheduledSeq(
-            seq.seq_id, seq.token_ids[start : start + n], start, list(seq.block_table), start + n == seq.num_tokens
+            seq.seq_id,
+            seq.token_ids[start : start + n],
+            start,
+            list(seq.block_table),
+            start + n == seq.num_tokens,
+            lora_slot=seq.lora_slot,
         )
 
     def _publish(self, seq: Sequence, start: int) -> None:

@@ -27,6 +27,7 @@ from ..server.grpc_server import set_serving
 from .cache_feed import CacheFeed, FellBehind, PrefillRate
 from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S
 from .engine import Engine
+from .lora_pool import AdapterInUse, UnknownAdapter
 from .outputs import EngineLoad, RequestOutput, TokenLogprob
 from .prompts import ChatPrompt, Prompt
 from .request import (
@@ -109,11 +110,22 @@ class _Add:
     resume: tuple[Resume, ...] | None = None  # per completion, output a replica that failed delivered
     slo: Slo | None = None  # the request's own service level
     label: str = ""  # the client's request_id, for logs
+    lora: str = ""  # the LoRA adapter it runs under ("": the base model)
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _LoraChange:
+    """Serve adapter `name` from folder `path` from now on, or stop serving it (path None); the engine thread sets
+    the result (the adapters served after it) or the exception."""
+
+    name: str
+    path: str | None
+    result: asyncio.Future
 
 
 @dataclass
@@ -239,12 +251,13 @@ class EngineLoop:
         resume: tuple[Resume, ...] | None = None,
         slo: Slo | None = None,
         label: str = "",
+        lora: str = "",
     ) -> Outputs:
         """Queues a request keyed `request_id` (unique: the caller makes it); its outputs come on what it returns."""
         limit = self.limits.max_unsent_outputs * completions_to_send(params, resume)
         outputs = Outputs(request_id, limit, lambda: self.abort(request_id))
         self._in_flight += 1
-        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo, label))
+        self._inbox.put(_Add(request_id, prompt, params, outputs, resume, slo, label, lora))
         if self.fatal is not None or not self._thread.is_alive():  # nothing would ever answer it
             outputs.put_nowait(EngineDown(f"the replica's engine failed ({self.fatal}): retry on another replica"))
         return outputs
@@ -255,6 +268,13 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    async def change_lora(self, name: str, path: str | None) -> list[str]:
+        """Loads (path set) or unloads adapter `name` on the engine thread, between steps; returns the adapters served
+        after it. Raises what the engine raised (ValueError and its kinds: what to change)."""
+        result = self.loop.create_future()
+        self._inbox.put(_LoraChange(name, path, result))
+        return await result
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -322,6 +342,8 @@ class EngineLoop:
                 break
             if isinstance(command, _Add):
                 self.loop.call_soon_threadsafe(command.outputs.put_nowait, down)
+            elif isinstance(command, _LoraChange):
+                self.loop.call_soon_threadsafe(command.result.set_exception, down)
         self.loop.call_soon_threadsafe(self._on_fatal, exc)
 
     def _apply(self, block: bool) -> None:
@@ -332,6 +354,8 @@ class EngineLoop:
         while command is not None:
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _LoraChange):
+                self._change_lora(command)
             elif command.request_id in self._streams:
                 for out in self.engine.abort(command.request_id):
                     self._deliver(out)
@@ -340,6 +364,18 @@ class EngineLoop:
             except queue.Empty:
                 command = None
         self._publish_load()
+
+    def _change_lora(self, command: _LoraChange) -> None:
+        try:
+            if command.path is None:
+                self.engine.remove_lora(command.name)
+            else:
+                self.engine.add_lora(command.name, command.path)
+        except Exception as exc:  # noqa: BLE001 - the caller answers it; the engine is unchanged
+            self.loop.call_soon_threadsafe(command.result.set_exception, exc)
+            return
+        self._publish_load()  # GetStatus lists the adapters at once
+        self.loop.call_soon_threadsafe(command.result.set_result, self.engine.loras.names())
 
     def _add(self, command: _Add) -> None:
         try:
@@ -359,6 +395,7 @@ class EngineLoop:
                 )
             extra = {} if command.resume is None else {"resume": command.resume}
             extra |= {} if command.slo is None else {"slo": command.slo}
+            extra |= {"lora": command.lora} if command.lora else {}
             self.engine.add_request(command.request_id, command.prompt, command.params, **extra)
         except (ValueError, QueueFullError) as exc:
             self.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
@@ -511,6 +548,28 @@ def resume_from_proto(request: pb.GenerateRequest, max_tokens: int) -> tuple[Res
 def completions_to_send(params: SamplingParams, resume: tuple[Resume, ...] | None) -> int:
     """How many completions a request sends output for: all n, or those of a resumed request not finished yet."""
     return params.n if resume is None else sum(not r.finished for r in resume)
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """server.errors.status_for, with the replica's own kinds of ValueError: an adapter it does not serve is
+    NOT_FOUND, one that requests still use FAILED_PRECONDITION."""
+    if isinstance(exc, UnknownAdapter):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, AdapterInUse):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return status_for(exc)
+
+
+def check_lora(engine, name: str) -> None:
+    """Refuses, before the request is queued, an adapter the replica does not serve: NOT_FOUND (UnknownAdapter) for
+    an unknown name, INVALID_ARGUMENT where LoRA is off. The engine checks again when it admits the request (an
+    adapter may be unloaded in between)."""
+    if name and engine.loras is None:
+        raise ValueError(
+            f"request asks for LoRA adapter {name!r} but this replica serves none: start it with --enable-lora"
+        )
+    if name:
+        engine.loras.path(name)
 
 
 def slo_from_proto(request: pb.GenerateRequest) -> Slo | None:
@@ -674,23 +733,26 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 # Its finished completions' output is the client's alone: an answer here would leave them out.
                 raise ValueError("a resumed request for n > 1 completions is streamed only: use GenerateStream")
             slo = slo_from_proto(request)
+            check_lora(engine, request.lora_name)
             if params.constraint is not None:  # the request waits for its grammar, compiled off the engine thread
                 await asyncio.wrap_future(engine.constraints.compile(params.constraint))
         except ValueError as exc:
-            await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._fail(context, method, status_of(exc), str(exc))
         # The engine keys requests by an id of the server's own: clients choose theirs freely, so two may pick the
         # same, and neither may reach the other's request (cancel it, or learn that it runs). The client's id is only
         # echoed back. Cancelling is the call's own: its context ending closes this generator.
         key = uuid.uuid4().hex
         request_id = request.request_id or key
-        outputs = self.engine_loop.submit(key, prompt, params, resume, slo, label=request.request_id)
+        outputs = self.engine_loop.submit(
+            key, prompt, params, resume, slo, label=request.request_id, lora=request.lora_name
+        )
         unfinished = completions_to_send(params, resume)
         try:
             while unfinished:
                 out = await outputs.get()
                 if isinstance(out, Exception):
                     unfinished = 0
-                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out, EngineDown) else status_for(out)
+                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out, EngineDown) else status_of(out)
                     await self._fail(context, method, code, str(out), retry_hint_ms(out))
                 unfinished -= out.finished
                 yield request_id, out, unfinished == 0
@@ -734,6 +796,8 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             tokens_generated=0 if loading else self.engine_loop.tokens_generated,
             pending_prompt_tokens=load.pending_prompt_tokens,
             in_flight=0 if loading else self.engine_loop.in_flight,
+            lora_adapters=load.loras,
+            resident_lora_adapters=load.resident_loras,
         )
         if not loading:
             allocator = self.engine_loop.engine.scheduler.allocator
@@ -744,6 +808,25 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 self._tokenizer_path = tokenizer_path(self.engine_loop.engine.tokenizer)
             status.tokenizer_path = self._tokenizer_path
         return pb.StatusResponse(model=self.model_name, role="replica", replicas=[status])
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._change_lora("LoadLoraAdapter", request.lora_name, request.lora_path, context)
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._change_lora("UnloadLoraAdapter", request.lora_name, None, context)
+
+    async def _change_lora(self, method: str, name: str, path: str | None, context) -> pb.LoraAdaptersResponse:
+        if self.engine_loop is None:
+            await self._fail(context, method, grpc.StatusCode.UNAVAILABLE, "replica is still loading: retry shortly")
+        if path == "":
+            await self._fail(context, method, grpc.StatusCode.INVALID_ARGUMENT, "lora_path is empty: give the folder")
+        try:
+            names = await self.engine_loop.change_lora(name, path)
+        except ValueError as exc:
+            code = status_of(exc)
+            await self._fail(context, method, code, str(exc))
+        self.metrics.on_rpc(method, grpc.StatusCode.OK)
+        return pb.LoraAdaptersResponse(lora_adapters=names)
 
     async def WatchCache(self, request, context):
         if self.engine_loop is None:

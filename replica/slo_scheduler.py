@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from .batch import Batch, ScheduledSeq, StepPlan
 from .block_allocator import BlockAllocator
 from .config import SchedulerConfig
+from .lora_pool import LoraPool
 from .request import SamplingParams, SeqStatus, Sequence, Slo
 from .scheduler import Scheduler
 from .step_model import StepModel, StepShape
@@ -114,8 +115,9 @@ class SloScheduler(Scheduler):
         allocator: BlockAllocator,
         model: StepModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        loras: LoraPool | None = None,
     ) -> None:
-        super().__init__(config, allocator)
+        super().__init__(config, allocator, loras)
         self.model = model or StepModel(experts=config.moe_routing)
         self.clock = clock
         self.overloaded = False
@@ -335,7 +337,8 @@ class SloScheduler(Scheduler):
         hits = self._cached_prefix(seq)
         cached = len(hits) * self.allocator.block_size
         n = self._fit(seq, cached, time_left, tokens_left)
-        if n <= 0 or not self._room_for(self.allocator.blocks_for(cached + n) - len(hits), hits):
+        room = self._room_for(self.allocator.blocks_for(cached + n) - len(hits), hits)
+        if n <= 0 or not room or not self._adapter_ready(seq):
             return None
         return self._start(self.waiting.index(seq), hits, n, scheduled)
 

@@ -56,8 +56,8 @@ SAMPLING_FIELDS = (
     "constraint",  # structured output: a fastgen.v1.Constraint, or a dict of its fields ({"json_schema": "..."})
 )
 # slo: the request's own service level for the slo scheduler, a dict of fastgen.v1.Slo's fields (ttft_ms,
-# token_rate, prompt_rate).
-CALL_FIELDS = ("request_id", "timeout", "slo")
+# token_rate, prompt_rate). lora_name: the LoRA adapter the request runs under (a replica's --lora-modules name).
+CALL_FIELDS = ("request_id", "timeout", "slo", "lora_name")
 # Requests of one batch in flight at once: enough to fill a deployment, few enough not to overflow its queues.
 DEFAULT_MAX_IN_FLIGHT = 128
 API_KEY_ENV = "FASTGEN_API_KEY"  # the balancer's key, also what a client sends by default
@@ -215,6 +215,7 @@ def build_request(prompt: object, request_id: str | None, kwargs: Mapping[str, o
     req = fastgen_pb2.GenerateRequest(request_id=request_id or "", params=sampling_params(kwargs))
     if kwargs.get("slo") is not None:
         req.slo.CopyFrom(fastgen_pb2.Slo(**kwargs["slo"]))
+    req.lora_name = str(kwargs.get("lora_name") or "")
     if isinstance(prompt, str):
         req.text = prompt
     elif len(prompt) > 0 and all(isinstance(m, Mapping) for m in prompt):

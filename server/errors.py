@@ -103,6 +103,11 @@ def _server_stream(behaviour):
     return handler
 
 
+def _overrides(servicer, method: str) -> bool:
+    """Whether the servicer implements `method` itself (not the generated base's UNIMPLEMENTED one)."""
+    return getattr(type(servicer), method, None) not in (None, getattr(fastgen_pb2_grpc.GenerationServicer, method))
+
+
 def add_generation_servicer(servicer, server: grpc.aio.Server) -> None:
     """fastgen_pb2_grpc.add_GenerationServicer_to_server, with requests that do not parse answered
     INVALID_ARGUMENT."""
@@ -123,13 +128,23 @@ def add_generation_servicer(servicer, server: grpc.aio.Server) -> None:
             response_serializer=pb.StatusResponse.SerializeToString,
         ),
     }
-    # Replicas only: a servicer without its own WatchCache (the balancer's) leaves it UNIMPLEMENTED.
-    if getattr(type(servicer), "WatchCache", None) not in (None, fastgen_pb2_grpc.GenerationServicer.WatchCache):
+    # Replicas only: a servicer without its own WatchCache or LoRA calls (the balancer's) leaves them UNIMPLEMENTED.
+    if _overrides(servicer, "WatchCache"):
         handlers["WatchCache"] = grpc.unary_stream_rpc_method_handler(
             _server_stream(servicer.WatchCache),
             request_deserializer=lenient(pb.CacheWatchRequest),
             response_serializer=pb.CacheEvents.SerializeToString,
         )
+    if _overrides(servicer, "LoadLoraAdapter"):
+        for method, request in (
+            ("LoadLoraAdapter", pb.LoadLoraAdapterRequest),
+            ("UnloadLoraAdapter", pb.UnloadLoraAdapterRequest),
+        ):
+            handlers[method] = grpc.unary_unary_rpc_method_handler(
+                _unary(getattr(servicer, method)),
+                request_deserializer=lenient(request),
+                response_serializer=pb.LoraAdaptersResponse.SerializeToString,
+            )
     name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)

@@ -75,7 +75,15 @@ EXPECTED_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
 REPLICA_METHODS = ("Generate", "GenerateStream")
 BALANCER_METHODS = ("Generate", "GenerateStream", "GetStatus")
 # The OpenAI-compatible HTTP API's routes and the statuses it answers them with (499: the client left first).
-HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version")
+HTTP_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/health",
+    "/version",
+)
 HTTP_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HTTP_EXPECTED_STATUSES = ("200", "400", "401", "404", "429", "499", "500", "503", "504")
 

@@ -14,6 +14,7 @@ tail. Every process runs with one torch/BLAS thread: test machines have two core
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -317,3 +318,30 @@ def require_tool(present: object, what: str) -> None:
     if os.environ.get(REQUIRE_TOOLS):
         pytest.fail(f"{what} ({REQUIRE_TOOLS} is set: CI runs every test that can run on a CPU)")
     pytest.skip(what)
+
+
+@contextlib.asynccontextmanager
+async def in_process_replica(build):
+    """A ReplicaService on a real gRPC server in this process, its engine made by `build` on an EngineLoop: yields
+    (port, the loop); both stop on exit."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from fastgen.replica.service import EngineLoop, QueueLimits, ReplicaService
+    from fastgen.server.grpc_server import create_server
+    from fastgen.server.metrics import ReplicaMetrics
+
+    metrics = ReplicaMetrics(CollectorRegistry(), "r0", "tiny")
+    service = ReplicaService("r0", "tiny", metrics)
+    port = free_port()
+    server, _ = create_server(service, "127.0.0.1", port)
+    await server.start()
+    loop = EngineLoop(build, metrics, QueueLimits(), asyncio.get_running_loop())
+    await loop.start()
+    service.engine_loop = loop
+    try:
+        yield port, loop
+    finally:
+        await server.stop(None)
+        loop.stop()

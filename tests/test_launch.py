@@ -526,3 +526,29 @@ def test_terminate_kills_what_ignores_sigterm(tmp_path):
         time.sleep(0.05)
     supervisor.terminate([child], timeout=1.0)
     assert child.proc.returncode == -signal.SIGKILL  # it ignored SIGTERM: killed at the timeout, and reaped
+
+
+def test_lora_flags_reach_the_replica_engine_config():
+    from fastgen.replica.__main__ import engine_config, parse_args
+    from fastgen.replica.config import LoraConfig
+
+    flags = [
+        "start",
+        "--enable-lora",
+        "--lora-modules",
+        "a=/ad/a",
+        "b=/ad/b",
+        "--max-loras",
+        "3",
+        "--max-lora-rank",
+        "32",
+    ]
+    c = cli.config_from(cli.build_parser().parse_args(flags))
+    assert cfg.validate(c) == []
+    argv = cfg.plan(c, "PY")[1].argv
+    lora = engine_config(parse_args(argv[3:])).lora
+    assert lora == LoraConfig(True, (("a", "/ad/a"), ("b", "/ad/b")), 3, 32)
+    assert "--enable-lora" not in cfg.plan(DeployConfig(replicas=1), "PY")[1].argv
+    bad = cfg.validate(replace(c, enable_lora=False))
+    assert bad == ["--lora-modules needs --enable-lora"]
+    assert cfg.validate(replace(c, lora_modules=("nopath",))) == ["--lora-modules takes name=path, got 'nopath'"]

@@ -9,7 +9,7 @@ import pytest
 from fastgen.server import Client, GenerationError
 from fastgen.testing import wait_until
 
-from .helpers import start_replica, wait_serving
+from .helpers import in_process_replica, start_replica, wait_serving
 
 LONG = dict(max_new_tokens=600, ignore_eos=True)
 
@@ -209,16 +209,10 @@ def test_n_completions_logprobs_and_echo_through_the_service(tiny_model_dir):
     stream frees every block."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry
-
     from fastgen.replica.builder import build_engine
     from fastgen.replica.config import CacheConfig, EngineConfig
     from fastgen.replica.engine import completion_seed
-    from fastgen.replica.service import EngineLoop, QueueLimits, ReplicaService
     from fastgen.server import AsyncClient
-    from fastgen.server.grpc_server import create_server
-    from fastgen.server.metrics import ReplicaMetrics
-    from fastgen.testing import free_port
 
     prompt = "Once upon a time"
     params = dict(max_new_tokens=6, temperature=1.0, seed=17, n=3, logprobs=True, top_logprobs=2, echo=True)
@@ -325,23 +319,12 @@ def test_n_completions_logprobs_and_echo_through_the_service(tiny_model_dir):
         raise AssertionError("not reached in 10 s")
 
     async def main():
-        metrics = ReplicaMetrics(CollectorRegistry(), "r0", "tiny")
-        service = ReplicaService("r0", "tiny", metrics)
-        port = free_port()
-        server, _ = create_server(service, "127.0.0.1", port)
-        await server.start()
-        loop = EngineLoop(build, metrics, QueueLimits(), asyncio.get_running_loop())
-        await loop.start()
-        service.engine_loop = loop
-        try:
+        async with in_process_replica(build) as (port, loop):
             async with AsyncClient(f"127.0.0.1:{port}", timeout=60) as client:
                 result = await check_generate(client)
                 await check_stream(client, result)
                 await check_resume(port, result)
                 await check_refusals(client)
                 await check_cancel(client, loop)
-        finally:
-            await server.stop(None)
-            loop.stop()
 
     asyncio.run(main())

@@ -34,13 +34,20 @@ BATCHES = [
     Batch([ScheduledSeq(3, list(range(100)), 16, [2, 6, 5, 8, 9, 11, 12, 13], True)], 0, [7, 2]),
     Batch([], 0, [1]),
     Batch([ScheduledSeq(4, list(range(2000)), 0, list(range(125)), True)], 0, []),  # beyond the first broadcast
-    Batch([ScheduledSeq(5, list(range(1013)), 0, [9], False)], 0, []),  # exactly fills the first broadcast
+    Batch([ScheduledSeq(5, list(range(1011)), 0, [9], False)], 0, []),  # exactly fills the first broadcast
 ]
+# LoRA slots per sequence and the adapters to load (folders as text, any characters)
+LORA_BATCH = Batch(
+    [ScheduledSeq(1, [5], 3, [0], True, lora_slot=2), ScheduledSeq(2, [6], 3, [1], True)],
+    2,
+    [],
+    lora_loads=[(2, "/tmp/adapters/é x"), (0, "")],
+)
 
 
 # ---- pure parts -----------------------------------------------------------------------------------------------
 def test_batch_encoding_round_trips():
-    for batch in BATCHES:
+    for batch in [*BATCHES, LORA_BATCH]:
         assert decode_batch(encode_batch(batch)) == batch
     assert 1 + len(encode_batch(BATCHES[-1])) == INLINE  # the length, then the batch: the edge case stays one
 

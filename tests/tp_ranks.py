@@ -163,7 +163,7 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
     tokens (and preemptions), every rank what it holds, to out (JSON)."""
     from fastgen.replica.batch_broadcast import BatchBroadcast
     from fastgen.replica.builder import build_engine, build_runner
-    from fastgen.replica.config import CacheConfig, EngineConfig, SchedulerConfig
+    from fastgen.replica.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
     from fastgen.replica.offline import Pipeline
     from fastgen.replica.parallel import TPGroup
 
@@ -171,6 +171,11 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
     tp, channel = TPGroup(rank, world), BatchBroadcast(rank)
     results = []
     for run in runs:
+        lora = run.get("lora")  # LoRA adapters: modules [[name, folder]], max_loras, max_rank, names (one per prompt)
+        lora_config = LoraConfig()
+        if lora is not None:
+            modules = tuple(map(tuple, lora["modules"]))
+            lora_config = LoraConfig(True, modules, lora["max_loras"], lora["max_rank"])
         config = EngineConfig(
             model=run["model"],
             dtype="float32",
@@ -178,10 +183,12 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
             scheduler=SchedulerConfig(max_batch_tokens=run["budget"], max_seqs=min(64, run["budget"])),
             cache=CacheConfig(block_size=run.get("block_size", 16), num_blocks=run.get("num_blocks", 256)),
             enable_expert_parallel=run.get("expert_parallel", False),
+            lora=lora_config,
         )
         if rank == 0:
             engine = build_engine(config, tp, channel)
-            outs = Pipeline(engine)(run["prompts"], max_new_tokens=run["new"], min_new_tokens=run["new"])
+            names = lora["names"] if lora is not None else ""
+            outs = Pipeline(engine)(run["prompts"], lora=names, max_new_tokens=run["new"], min_new_tokens=run["new"])
             channel.stop()
             runner = engine.runner
             results.append({"tokens": [o.token_ids for o in outs], "preemptions": engine.scheduler.num_preemptions})

@@ -27,6 +27,14 @@ from ..parallel import (
 )
 from .moe import EXPERT_TENSOR, FusedExperts, MoEConfig, SparseMoeBlock
 
+# A checkpoint's separate projection -> (our fused layer, its part).
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 # Random weights of load_format "dummy": Llama's initializer_range, so activations stay in range through the layers.
 DUMMY_STD = 0.02
 DUMMY_SEED = 0
@@ -444,13 +452,7 @@ class DecoderModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
+        fused = FUSED
         modules = dict(self.named_modules())
         seen = set()
         for name, tensor in weights:
