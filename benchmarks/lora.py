@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = args.requests * args.gen
     medians = {name: tokens / statistics.median(s) for name, s in seconds.items()}
     summary = {
-        "info": run_info("fastgen.benchmarks.lora", argv),
+        "info": run_info("lora", argv),
         "settings": vars(args) | {"json": str(args.json) if args.json else None},
         "seconds": seconds,
         "tokens_per_s_median": medians,
