@@ -515,6 +515,78 @@ def moe() -> str:
     return rows(head + ["FastGen offline", "FastGen ÷ transformers per repeat; median", "FastGen ÷ vLLM"], body)
 
 
+# ---- 12. quantized weights against llama.cpp ----
+LLAMA_CPP = ["llama_cpp/smollm2_q4_1_spr.json"]
+LLAMA_CPP_MEASURES = {
+    "decode": "one stream, decode",
+    "concurrent": "8 concurrent streams",
+    "prefill": "430-token prefill",
+}
+
+
+def llama_cpp() -> str:
+    body = []
+    for rel in LLAMA_CPP:
+        d = load(rel)
+        for key, label in LLAMA_CPP_MEASURES.items():
+            m = d[key]
+            ratio, floor = m["median_ratio"], d["floors"][key]
+            body.append(
+                [
+                    label,
+                    f"{num(median(m['fastgen_tokens_per_s']), 1)} tok/s",
+                    f"{num(median(m['llama_cpp_tokens_per_s']), 1)} tok/s",
+                    f"{per_repeat(m['fastgen_over_llama_cpp'])}; **{num(ratio)}×**",
+                    f"≥ {num(floor, 1)}×: {'met' if ratio >= floor else '**unmet**'}",
+                ]
+            )
+    head = ["", "FastGen (median)", "llama.cpp (median)", "FastGen ÷ llama.cpp per repeat; median", "floor"]
+    return rows(head, body)
+
+
+# ---- 14. speculative decoding ----
+SPECULATIVE = ["speculative/smollm2_ngram_spr.json", "speculative/smollm2_ngram_f32_spr.json"]
+
+
+def speculative() -> str:
+    body = []
+    for rel in SPECULATIVE:
+        d = load(rel)
+        for level, r in d["levels"].items():
+            plain, spec = r["plain"], r["speculative"]
+            per = [div(a, b) for a, b in zip(spec["tokens_per_s"], plain["tokens_per_s"])]
+            body.append(
+                [
+                    d["dtype"],
+                    level,
+                    f"{num(plain['median_tokens_per_s'], 1)} / {num(spec['median_tokens_per_s'], 1)}",
+                    f"{per_repeat(per)}; **{num(median(per))}×**",
+                    f"{num(spec['acceptance_rate'])}, {num(spec['accepted_per_verify'])}",
+                    "yes" if r["same_tokens"] else "no",
+                ]
+            )
+    head = ["dtype", "streams", "tok/s plain / n-gram", "n-gram ÷ plain per repeat; median"]
+    return rows(head + ["acceptance, accepted per verify", "same greedy tokens"], body)
+
+
+# ---- 15. multi-LoRA ----
+LORA = ["lora/smollm2_spr.json"]
+
+
+def lora() -> str:
+    body = []
+    for rel in LORA:
+        d = load(rel)
+        seconds, tokens = d["seconds"], d["tokens_per_s_median"]
+        for name in seconds:
+            per = [div(b, a) for a, b in zip(seconds[name], seconds["base"])]  # throughput against the base's
+            loss = "" if name == "base" else f"{per_repeat(per)}; **{num(100 * (1 - median(per)), 0)}%**"
+            k = name.removeprefix("lora-")
+            mix = name if name == "base" else f"{k} adapter{'' if k == '1' else 's'}"
+            body.append([mix, str(len(seconds[name])), f"{num(tokens[name], 1)} tok/s", loss])
+    return rows(["mix", "repeats", "generated tok/s (median)", "÷ base per repeat; throughput lost"], body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "offline-transformers": offline_transformers,
     "offline-vllm": offline_vllm,
@@ -531,7 +603,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "slo-floors": slo_floors,
     "slo-provenance": slo_provenance,
     "tensor-parallel": tensor_parallel,
+    "llama-cpp": llama_cpp,
     "moe": moe,
+    "speculative": speculative,
+    "lora": lora,
 }
 
 

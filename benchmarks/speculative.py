@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name].append(run_level(systems[name], prompts, streams, args.max_new_tokens))
         levels[streams] = summarize(runs)
     report = dict(
-        **run_info("fastgen.benchmarks.speculative", argv),
+        **run_info("speculative", argv),
         model=args.model,
         dtype=str(next(systems["plain"].engine.runner.model.parameters()).dtype).removeprefix("torch."),
         speculative_config=json.loads(args.speculative_config),
