@@ -241,8 +241,13 @@ def _prefill_attention_avx512(q, k_cache, v_cache, meta: AttentionMetadata, scal
 
 
 def _amx_prefill_applies(q, k_cache, v_cache, out) -> bool:
+    """Whether the AMX kernel takes the step's prompt chunks; the AVX-512 one serves the rest (head sizes that are not
+    a multiple of 64, as the AMX kernel's tiles need: Phi-2's 80, tiny test models' 32)."""
+    head_dim = q.shape[2]
     return (
         _amx() is not None
+        and head_dim % 64 == 0
+        and head_dim <= 256
         and q.dtype == torch.bfloat16
         and k_cache.dtype == torch.bfloat16
         and q.is_contiguous()

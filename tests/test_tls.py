@@ -141,7 +141,9 @@ def test_mutual_tls_refuses_clients_without_a_certificate_of_the_deployments_ca(
 
 # ---- the HTTP API in-process ----
 def test_https_api_refuses_plaintext_and_serves_tls_with_the_key(pki):
-    balancer = types.SimpleNamespace(pool=types.SimpleNamespace(any_healthy=lambda: True), model=lambda: "m")
+    balancer = types.SimpleNamespace(
+        pool=types.SimpleNamespace(any_healthy=lambda: True), model=lambda: "m", lora_adapters=lambda: []
+    )
 
     async def main():
         api = OpenAIApi(balancer, ApiSettings(api_key=KEY))
