@@ -50,6 +50,7 @@ SOURCES = [
         "elementwise_f32.c",
         "linear_quant.c",
         "moe.c",
+        "lora.c",
     )
 ]
 HEADERS = [CSRC / name for name in ("vector_math.h", "paged_cache.h", "amx.h", "parallel.h", "linear_f32.h")]
@@ -276,6 +277,25 @@ class CLibrary:
         experts=INT,
         hidden=INT,
         inter=INT,
+        threads=INT,
+    )
+    lora_sgmv: Callable[..., int] = entry(
+        y=POINTER,
+        y_stride=INT64,
+        x=POINTER,
+        x_stride=INT64,
+        a=POINTER,
+        b=POINTER,
+        rows=POINTER,
+        table=POINTER,
+        ranks=POINTER,
+        total=INT,
+        segments=INT,
+        slots=INT,
+        fan_in=INT,
+        fan_out=INT,
+        max_rank=INT,
+        dtype=INT,
         threads=INT,
     )
 

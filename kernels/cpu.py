@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import clib, cpu_moe
+from . import clib, cpu_lora, cpu_moe
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .dense import argmax
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
@@ -720,4 +720,5 @@ CPU_KERNELS = Kernels(
     pack_experts=cpu_moe.pack_experts,
     fused_moe=cpu_moe.fused_moe,
     argmax=argmax_rows,
+    lora_sgmv=cpu_lora.lora_sgmv,
 )
