@@ -57,6 +57,9 @@ RETRY_ONCE_ON_OTHER_REPLICA = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 RETRY_CODES = tuple(sorted(RETRY_ON_OTHER_REPLICA | RETRY_ONCE_ON_OTHER_REPLICA, key=lambda c: c.name))
 # Failures after output that move a stream: the replica broke (or, resuming, the next one was full).
 MIGRATE_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# What gRPC's own transport says when it cancels a call its server's event loop fell too far behind to accept: the
+# code's name and no message (our services always say why). The replica never saw the call: it is overloaded.
+TRANSPORT_CANCELLED_DETAILS = "CANCELLED"
 # Prompts (in estimated tokens) up to which prefix-aware routing tokenizes and hashes on the event loop: about a
 # millisecond of work. Longer ones go to a worker thread so that other calls keep flowing meanwhile.
 INLINE_KEY_TOKENS = 2048
@@ -386,6 +389,8 @@ class Balancer:
         RequestFailed when the failure is the client's answer."""
         code = e.code()
         self._metrics.on_replica_call(replica.id, code)
+        if code == grpc.StatusCode.CANCELLED and e.details() == TRANSPORT_CANCELLED_DETAILS:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED  # back off or go elsewhere, as from a full queue
         if code == grpc.StatusCode.UNAVAILABLE:
             await self.pool.mark_failed(replica, f"{code.name}: {e.details()}")
         # A full queue with no other replica to try is the client's answer (back off), not "unavailable".
@@ -393,7 +398,7 @@ class Balancer:
         if nowhere_else or not attempts.may_retry(code):
             # The replica knows when it expects room (the slo scheduler's refusals name it): pass its hint on.
             hint = retry_after_ms(e.trailing_metadata()) or RETRY_AFTER_MS
-            raise RequestFailed(code, self._pass_through_message(replica, e, attempts), hint)
+            raise RequestFailed(code, self._pass_through_message(replica, e, attempts, code), hint)
         attempts.note_retry(code)
         self._metrics.on_retry(replica.id, code)
         log.info("replica %s failed a request (%s: %s); retrying elsewhere", replica.id, code.name, e.details())
@@ -421,7 +426,11 @@ class Balancer:
             f"{why}: send the request again",
         )
 
-    def _pass_through_message(self, replica: Replica, e: grpc.aio.AioRpcError, attempts: Attempts) -> str:
+    def _pass_through_message(
+        self, replica: Replica, e: grpc.aio.AioRpcError, attempts: Attempts, code: grpc.StatusCode
+    ) -> str:
+        if code != e.code():  # a call the replica's transport cancelled (TRANSPORT_CANCELLED_DETAILS)
+            return f"replica {replica.id} is overloaded: its gRPC transport refused the call; retry later"
         details = without_addresses(e.details() or "")
         if e.code() in RETRY_ON_OTHER_REPLICA and attempts.retries:
             return f"replica {replica.id} failed: {details} (after {attempts.retries} retries on other replicas)"

@@ -25,6 +25,9 @@ from fastgen.server.metrics import BalancerMetrics
 from fastgen.testing import free_port
 
 OK, SLOW = "ok", "slow"
+# What a client sees when gRPC's transport cancels a call its server's busy event loop did not accept in time: the
+# code's name and no message (benchmarks/overload.py reproduces it on a real deployment).
+TRANSPORT_CANCEL = "transport_cancel"
 
 
 @dataclass
@@ -63,6 +66,8 @@ class FakeReplica(fastgen_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         action = self._next(context)
+        if action == TRANSPORT_CANCEL:
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
         if isinstance(action, grpc.StatusCode):
             await context.abort(action, f"{self.id} answers {action.name}", trailing_metadata(action, HINT_MS))
         if action == SLOW:
@@ -209,6 +214,22 @@ def test_a_full_queue_with_no_other_replica_reaches_the_client_as_is():
 
     run(main())
     assert a.calls == 2
+
+
+def test_a_call_the_replica_transport_cancelled_is_an_overload_not_a_cancel():
+    a, b = FakeReplica("a", [TRANSPORT_CANCEL, TRANSPORT_CANCEL]), FakeReplica("b", [OK, TRANSPORT_CANCEL])
+
+    async def main():
+        async with balancer_over([a, b]) as h:
+            assert (await h.client.generate("moves to b")).replica == "b"
+            assert h.retries("a", "RESOURCE_EXHAUSTED") == 1
+            with pytest.raises(GenerationError) as err:
+                await h.client.generate("both shed it")  # the client backs off, with a hint, as from a full queue
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "overloaded" in err.value.details
+
+    run(main())
+    assert (a.calls, b.calls) == (2, 2)
 
 
 def test_the_core_answers_without_a_grpc_context():
