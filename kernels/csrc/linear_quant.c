@@ -230,6 +230,17 @@ static inline float reduce16(v16 v) {
 static inline __attribute__((always_inline)) v16 dequant16(int type, const uint8_t *b, int g) {
     float d, m;
     group_affine(type, b, g, &d, &m);
+#if defined(__AVX512F__)
+    if (type == Q4_0 || type == Q4_1) {
+        /* A 4-bit block's 16 possible values q d + m (the same fused multiply-add, so the same bits), looked up by
+         * each quant: one permute instead of widening to float and a multiply-add, and the block's two groups share
+         * the table and the widened bytes (the low 4 bits of each 32-bit lane index the table). */
+        const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_ps(d), _mm512_set1_ps(m));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : 4))));
+        return _mm512_permutexvar_ps(g ? _mm512_srli_epi32(q, 4) : q, table);
+    }
+#endif
     const __m128i q = group_quants(type, b, g);
     return v16_fmadd(SIGNED_QUANTS(type) ? v16_from_s8(q) : v16_from_u8(q), v16_set1(d), v16_set1(m));
 }
