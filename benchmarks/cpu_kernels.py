@@ -20,9 +20,11 @@
 6. Quantized linear layers (--quant-only): every linear layer of SmolLM2-135M in each GGUF block type the quantized
    kernels read (kernels/csrc/linear_quant.c; the embedded file's own Q4_1 layers with its Q8_0 LM head, and the
    same shapes in every other type, random blocks), at 1 to 430 rows: ms per pass over all layers, weight GB/s
-   against the host's read bandwidth (a float32 sum over 1 GiB), beside today's bfloat16 (oneDNN) pass.
+   against the host's read bandwidth (a float32 sum over 1 GiB); decode rows also in bfloat16, which take the
+   int8-activation kernel (kernels/csrc/linear_q8.c) where the CPU has AVX-512 VNNI.
 7. One stream's decode through the whole engine (--quant-only): tokens/s of the embedded model served quantized
-   (quantization auto) against dequantized to bfloat16 (none), the same prompt, greedy, EOS ignored.
+   (quantization auto, bfloat16 and float32) against dequantized to bfloat16 (none), the same prompt, greedy, EOS
+   ignored.
 The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
@@ -253,8 +255,8 @@ def quant_table(repeats: int) -> list[str]:
     rows = [
         f"Host read bandwidth (float32 sum over 1 GiB): {bandwidth:.1f} GB/s; quantized kernels' path: {isa}",
         "",
-        "| weights | rows | MiB | ms per pass | weight GB/s | share of read bandwidth | GFLOP/s |",
-        "|---|---|---|---|---|---|---|",
+        "| weights | rows | activations | MiB | ms per pass | weight GB/s | share of read bandwidth | GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def in_type(name: str, packed: quant.QuantLinear) -> quant.QuantLinear:
@@ -277,8 +279,14 @@ def quant_table(repeats: int) -> list[str]:
         sets[name] = [in_type(name, p) for p in layers]
     for label, chosen in sets.items():
         nbytes = sum(p.nbytes for p in chosen)
-        for m in (1, 8, 64, 430):
-            xs = {p.in_features: torch.randn(m, p.in_features) for p in chosen}
+        int8 = all(kernel.run_int8 is not None for p in chosen for _, _, kernel in p.slabs)
+        for m, dtype in [(1, torch.float32), (1, torch.bfloat16), (8, torch.float32), (8, torch.bfloat16)] + [
+            (64, torch.float32),
+            (430, torch.float32),
+        ]:
+            if dtype == torch.bfloat16 and not int8:
+                continue
+            xs = {p.in_features: torch.randn(m, p.in_features, dtype=dtype) for p in chosen}
             flops = sum(2 * m * p.out_features * p.in_features for p in chosen)
 
             def run(xs=xs, chosen=chosen):
@@ -286,8 +294,9 @@ def quant_table(repeats: int) -> list[str]:
                     quant.quant_linear(xs[p.in_features], p, None)
 
             t = median_s(run, repeats if m <= 64 else max(1, repeats // 2))
+            activations = "float32" if dtype == torch.float32 else "bf16 (int8 blocks)"
             rows.append(
-                f"| {label} | {m} | {nbytes / 2**20:.0f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} "
+                f"| {label} | {m} | {activations} | {nbytes / 2**20:.0f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} "
                 f"| {nbytes / t / 1e9 / bandwidth:.0%} | {flops / t / 1e9:.0f} |"
             )
     return rows
@@ -299,8 +308,11 @@ def decode_table(repeats: int) -> list[str]:
     prompt, tokens = "Write a long story about a lighthouse keeper.", 128
     rows = ["| weights | one stream decode tok/s (median) |", "|---|---|"]
     pipes = {
-        "GGUF Q4_1 served quantized (auto)": pipeline(
+        "GGUF Q4_1 served quantized (auto), bfloat16: int8 activations": pipeline(
             "smollm2-135m", dtype="bfloat16", quantization="auto", progress=False
+        ),
+        "GGUF Q4_1 served quantized (auto), float32: exact": pipeline(
+            "smollm2-135m", dtype="float32", quantization="auto", progress=False
         ),
         "dequantized to bfloat16 (none)": pipeline(
             "smollm2-135m", dtype="bfloat16", quantization="none", progress=False

@@ -49,11 +49,15 @@ SOURCES = [
         "linear_f32.c",
         "elementwise_f32.c",
         "linear_quant.c",
+        "linear_q8.c",
+        "decode_layer.c",
         "moe.c",
         "lora.c",
     )
 ]
-HEADERS = [CSRC / name for name in ("vector_math.h", "paged_cache.h", "amx.h", "parallel.h", "linear_f32.h")]
+HEADERS = [
+    CSRC / name for name in ("vector_math.h", "paged_cache.h", "amx.h", "parallel.h", "linear_f32.h", "entry_points.h")
+]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).
 FLAGS = [
@@ -259,6 +263,76 @@ class CLibrary:
         threads=INT,
     )
     dequantize_rows_f32: Callable[..., int] = entry(w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT)
+    dequantize_rows_bf16: Callable[..., int] = entry(
+        w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT, threads=INT
+    )
+    linear_q8_available: Callable[[], int] = entry()
+    linear_q8_f32: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        w=POINTER,
+        w_stride=INT64,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        type=INT,
+        threads=INT,
+    )
+    linear_q8_bf16: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        w=POINTER,
+        w_stride=INT64,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        type=INT,
+        threads=INT,
+    )
+    decode_layer_q8_bf16: Callable[..., int] = entry(
+        x=POINTER,
+        residual=POINTER,
+        out=POINTER,
+        residual_out=POINTER,
+        m=INT,
+        hidden=INT,
+        input_norm=POINTER,
+        post_norm=POINTER,
+        eps=FLOAT,
+        qkv=POINTER,
+        qkv_stride=INT64,
+        qkv_type=INT,
+        o=POINTER,
+        o_stride=INT64,
+        o_type=INT,
+        gate_up=POINTER,
+        gate_up_stride=INT64,
+        gate_up_type=INT,
+        down=POINTER,
+        down_stride=INT64,
+        down_type=INT,
+        intermediate=INT,
+        heads=INT,
+        kv_heads=INT,
+        head_dim=INT,
+        scale=FLOAT,
+        cos_sin=POINTER,
+        positions=POINTER,
+        slots=POINTER,
+        k_cache=POINTER,
+        v_cache=POINTER,
+        tables=POINTER,
+        seq_lens=POINTER,
+        block_size=INT,
+        table_width=INT,
+        threads=INT,
+    )
     linear_f32_silu_mul_available: Callable[[], int] = entry()
     linear_f32_silu_mul: Callable[..., int] = entry(
         x=POINTER, x_stride=INT64, packed=POINTER, h=POINTER, h_stride=INT64, m=INT, inter=INT, k=INT, threads=INT

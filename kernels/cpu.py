@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from . import clib, cpu_lora, cpu_moe
 from .attention import AttentionMetadata, paged_attention, prefill_attention
+from .decode_layer import fuse_decode_layer_cpu
 from .dense import argmax
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .quant import QuantLinear, pack_quantized, quant_linear
@@ -721,4 +722,5 @@ CPU_KERNELS = Kernels(
     fused_moe=cpu_moe.fused_moe,
     argmax=argmax_rows,
     lora_sgmv=cpu_lora.lora_sgmv,
+    fuse_decode_layer=fuse_decode_layer_cpu,
 )

@@ -9,7 +9,13 @@ for them at load: one per (block type, CPU feature), `QUANT_KERNELS`. The model 
 calls the kernels' `linear` as for any packed weight, which hands a `QuantLinear` to its own `linear`.
 
 The kernels take float32 activations and write float32 (every weight dequantized in registers to gguf's value, no
-rounding of the activations); bfloat16 activations are widened on the way in and rounded on the way out."""
+rounding of the activations); bfloat16 activations are widened on the way in and rounded on the way out.
+
+A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc/linear_q8.c instead where the CPU has
+AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
+with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
+more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
+Prompts keep the exact path (their cost is not the weights' reads)."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import clib
 
@@ -34,6 +41,12 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
 }
 TYPE_NAMES = {number: name for name, (number, _, _) in GGML_TYPES.items()}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
+# Types csrc/linear_q8.c reads, and the most rows of x it is handed (a decode batch).
+INT8_TYPES = frozenset(GGML_TYPES[name][0] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
+INT8_MAX_ROWS = 8
+# Where a bfloat16 prompt's rows make dequantizing the layer to bfloat16 and one oneDNN GEMM (AMX or AVX-512 BF16)
+# cheaper than the exact kernels (the crossover measured on a Xeon with AMX: benchmarks/RESULTS.md section 12).
+BF16_GEMM_ROWS = 80
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -107,10 +120,14 @@ class QuantKernel:
     qtype: int
     isa: int
     run: Callable[..., int]
+    # The int8-activation kernel for decode rows of bfloat16 activations, where this CPU has one: run's arguments
+    # with x and y in bfloat16 (linear_q8_bf16).
+    run_int8: Callable[..., int] | None = None
 
     @property
     def name(self) -> str:
-        return f"{TYPE_NAMES[self.qtype].lower()}_{ISA_NAMES.get(self.isa, self.isa)}"
+        vnni = "+vnni" if self.run_int8 is not None else ""
+        return f"{TYPE_NAMES[self.qtype].lower()}_{ISA_NAMES.get(self.isa, self.isa)}{vnni}"
 
 
 @functools.cache
@@ -120,7 +137,11 @@ def quant_kernels() -> dict[int, QuantKernel]:
     if library is None:
         return {}
     isa = library.linear_quant_isa()
-    return {number: QuantKernel(number, isa, library.linear_quant_f32) for number, _, _ in GGML_TYPES.values()}
+    int8 = library.linear_q8_bf16 if library.linear_q8_available() else None
+    return {
+        number: QuantKernel(number, isa, library.linear_quant_f32, int8 if number in INT8_TYPES else None)
+        for number, _, _ in GGML_TYPES.values()
+    }
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,45 @@ class QuantLinear:
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([w.dequantize() for _, w, _ in self.slabs])
+
+    def dequantized_bf16(self) -> torch.Tensor:
+        """(out_features, in_features) bfloat16: the weights' values rounded to nearest even, as
+        dequantized().to(torch.bfloat16) gives them, on the torch threads."""
+        library = clib.get_library()
+        out = torch.empty((self.out_features, self.in_features), dtype=torch.bfloat16)
+        threads = torch.get_num_threads()
+        for call in self.calls:
+            part = out[call.start : call.start + call.rows]
+            status = library.dequantize_rows_bf16(
+                call.weight, call.weight_stride, part.data_ptr(), call.rows, self.in_features, call.qtype, threads
+            )
+            if status != 0:
+                raise RuntimeError(f"the {TYPE_NAMES[call.qtype].lower()} blocks could not be dequantized")
+        return out
+
+    @functools.cached_property
+    def calls(self) -> tuple[SlabCall, ...]:
+        """Each slab's kernel arguments that do not change between calls (a decode step makes ~100 of them)."""
+        return tuple(
+            SlabCall(start, w.data.data_ptr(), w.data.stride(0), w.shape[0], w.qtype, kernel.run, kernel.run_int8)
+            for start, w, kernel in self.slabs
+        )
+
+    @functools.cached_property
+    def int8(self) -> bool:
+        """Whether every slab has the int8-activation kernel (a decode batch of bfloat16 rows takes it)."""
+        return all(call.run_int8 is not None for call in self.calls)
+
+
+@dataclass(frozen=True)
+class SlabCall:
+    start: int  # the slab's first output row
+    weight: int  # address of its blocks
+    weight_stride: int  # bytes per row
+    rows: int
+    qtype: int
+    run: Callable[..., int]
+    run_int8: Callable[..., int] | None
 
 
 def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) -> QuantLinear | None:
@@ -175,31 +235,48 @@ def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) 
     return QuantLinear(tuple(joined), out_features, in_features)
 
 
+@functools.cache
+def bf16_gemm_rows() -> int | None:
+    """The fewest bfloat16 rows that take a dequantized bfloat16 GEMM, on CPUs whose bfloat16 dot products
+    (AMX, AVX-512 BF16) oneDNN uses; None elsewhere (the exact kernels serve every row count)."""
+    flags = set(clib.cpu_identity()[1])
+    if not ({"amx_bf16", "avx512_bf16"} & flags and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return None
+    return BF16_GEMM_ROWS
+
+
 def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (rows, in_features) W^T + bias through the quantized kernels, in x's dtype (float32 inside)."""
+    """x (rows, in_features) W^T + bias through the quantized kernels, in x's dtype (float32 inside, except
+    bfloat16 decode batches, int8 activations, and bfloat16 prompts, a bfloat16 GEMM: see the module's docstring)."""
     dtype = x.dtype
-    xf = x if dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
-    rows = xf.shape[0]
-    y = torch.empty((rows, packed.out_features), dtype=torch.float32)
+    rows = x.shape[0]
+    if dtype == torch.bfloat16 and (threshold := bf16_gemm_rows()) is not None and rows >= threshold:
+        # the weights' bfloat16 values (quantization none's) for this call only: the layer keeps its blocks
+        return F.linear(x, packed.dequantized_bf16(), None if bias is None else bias.to(dtype))
+    int8 = dtype == torch.bfloat16 and 0 < rows <= INT8_MAX_ROWS and packed.int8
+    xk = x if (dtype == torch.float32 or int8) and x.stride(-1) == 1 else x.float().contiguous()
+    y = torch.empty((rows, packed.out_features), dtype=xk.dtype)
     if rows == 0:
         return y.to(dtype)
     threads = torch.get_num_threads()
     bias = None if bias is None else bias.float().contiguous()
-    for start, weight, kernel in packed.slabs:
-        status = kernel.run(
-            xf.data_ptr(),
-            xf.stride(0),
-            weight.data.data_ptr(),
-            weight.data.stride(0),
-            None if bias is None else bias.data_ptr() + 4 * start,
-            y.data_ptr() + 4 * start,
+    bias_at = 0 if bias is None else bias.data_ptr()
+    x_at, x_stride, y_at, size = xk.data_ptr(), xk.stride(0), y.data_ptr(), y.element_size()
+    for call in packed.calls:
+        status = (call.run_int8 if int8 else call.run)(
+            x_at,
+            x_stride,
+            call.weight,
+            call.weight_stride,
+            bias_at + 4 * call.start if bias_at else None,
+            y_at + size * call.start,
             packed.out_features,
             rows,
-            weight.shape[0],
+            call.rows,
             packed.in_features,
-            weight.qtype,
+            call.qtype,
             threads,
         )
         if status != 0:
-            raise RuntimeError(f"the {kernel.name} linear kernel declined its arguments")
-    return y if dtype == torch.float32 else y.to(dtype)
+            raise RuntimeError(f"the {TYPE_NAMES[call.qtype].lower()} linear kernel declined its arguments")
+    return y if y.dtype == dtype else y.to(dtype)

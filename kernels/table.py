@@ -77,6 +77,9 @@ class Kernels:
     # or None: a per-step table paged_attention would otherwise build on the host and copy to the device in its
     # first layer, for the model runner to send in the step's one copy instead (the Triton tile map)
     attention_plan: Callable[..., tuple[tuple, list[int]] | None] = lambda *args: None
+    # (decode_layer.DecodeLayerParts) -> a callable running the whole pre-norm layer for a decode batch (its forward's
+    # arguments and results; None for a batch it does not take), or None where this backend has no such kernel
+    fuse_decode_layer: Callable[..., Callable | None] = lambda parts: None
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: None = None) -> torch.Tensor:

@@ -9,11 +9,12 @@ print(outs[0].text)
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .builder import build_engine
 from .config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig, SloConfig, parse_speculative_config
 from .engine import Engine
+from .outputs import TokenLogprob
 from .prompts import Prompt
 from .request import FinishReason, SamplingParams
 from .weights import resolve_device
@@ -26,6 +27,9 @@ class Output:
     finish_reason: FinishReason
     prompt_tokens: int
     generated_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids, with logprobs=k
+    # With prompt_logprobs=k: one per prompt token from the second on (its log-probability given those before it).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Pipeline:
@@ -67,7 +71,13 @@ class Pipeline:
             for out in self.engine.step().outputs:
                 if out.finished:
                     done[out.request_id] = Output(
-                        out.text, out.token_ids, out.finish_reason, out.prompt_tokens, out.generated_tokens
+                        out.text,
+                        out.token_ids,
+                        out.finish_reason,
+                        out.prompt_tokens,
+                        out.generated_tokens,
+                        out.logprobs,
+                        out.prompt_logprobs,
                     )
         return [done[rid] for rid in ids]
 

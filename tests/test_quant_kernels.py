@@ -183,3 +183,125 @@ def test_narrowing_keeps_whole_blocks():
     assert np.array_equal(reference(w.narrow(0, 2, 3)), full[2:5])
     with pytest.raises(ValueError, match="multiples of 32"):
         w.narrow(1, 16, 32)
+
+
+# --- kernels/csrc/linear_q8.c: int8 activations for decode rows, through the process's library ---
+
+INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+def int8_library():
+    library = clib.get_library()
+    require_tool(library is not None, "no C compiler on this machine")
+    if not library.linear_q8_available():
+        pytest.skip("this CPU has no AVX-512 VNNI: the int8-activation path is not built")
+    return library
+
+
+def int8_linear(library, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
+    rows, n = x.shape[0], w.shape[0]
+    y = torch.empty((rows, n), dtype=torch.float32)
+    status = library.linear_q8_f32(
+        x.data_ptr(), x.stride(0), w.data.data_ptr(), w.data.stride(0),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows, n, w.shape[1], w.qtype, threads,
+    )  # fmt: skip
+    assert status == 0
+    return y
+
+
+def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's q8 activations hold it: per 32 values d = max|x| / 127, x / d rounded to nearest even."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).float()
+    d = amax / 127
+    inverse = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1), 0)
+    q = torch.round(blocks.float() * inverse)  # float32 product, as the kernel forms it; round: ties to even
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", INT8_TYPES)
+@pytest.mark.parametrize("rows,k", [(1, 512), (3, 544), (8, 96), (5, 1536)])
+def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
+    """Each row's 32-value blocks rounded to int8 as llama.cpp does, multiplied exactly with the file's quants: the
+    float64 product of those rounded activations and gguf's dequantized weights, to float32 summation. k past a
+    group of 16 blocks and a lone last block (k = 96) included."""
+    library = int8_library()
+    w = random_blocks(name, 37, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(37)
+    weight = torch.from_numpy(reference(w)).double()
+    xq = rounded_to_int8_blocks(x)
+    expected = xq @ weight.T + bias.double()
+    y = int8_linear(library, x, w, bias)
+    scale = xq.abs() @ weight.abs().T + bias.double().abs()
+    assert ((y.double() - expected).abs() <= 1e-6 * scale).all()
+    exact = x.double() @ weight.T + bias.double()  # the rounding's cost: about a part in a thousand, no more
+    assert (y.double() - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q8_0"])
+def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name):
+    library = int8_library()
+    w = random_blocks(name, 70, 768)
+    x = torch.randn(8, 768, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([int8_linear(library, x[i : i + 1], w, threads=1) for i in range(len(x))])
+    for rows in (2, 5, 8):
+        for threads in (1, 2, 3):
+            assert torch.equal(int8_linear(library, x[:rows], w, threads=threads), alone[:rows]), (rows, threads)
+
+
+def test_int8_path_declines_what_it_does_not_read():
+    library = int8_library()
+    w = random_blocks("Q4_K", 4, 256)
+    x = torch.randn(2, 256)
+    y = torch.empty(2, 4)
+    args = [x.data_ptr(), 256, w.data.data_ptr(), w.data.stride(0), None, y.data_ptr(), 4, 2, 4]
+    assert library.linear_q8_f32(*args, 256, w.qtype, 1) == -1  # K-quants keep the exact path
+    w = random_blocks("Q4_0", 4, 64)
+    args[2], args[3] = w.data.data_ptr(), w.data.stride(0)
+    assert library.linear_q8_f32(*args, 48, w.qtype, 1) == -1  # k not a whole number of blocks
+    assert library.linear_q8_f32(*args, 64, w.qtype, 1) == 0
+
+
+def test_only_bfloat16_decode_rows_take_int8_activations():
+    """float32 activations stay exact (the dequantized model's results); bfloat16 ones take the int8 path for a
+    decode batch and the exact path for prompt rows."""
+    library = int8_library()
+    w = random_blocks("Q4_1", 64, 256)
+    packed = quant.pack_quantized([(0, w)], 64)
+    assert packed.formats == ["q4_1_avx512+vnni"]
+    x = torch.randn(12, 256).bfloat16().float()
+    exact = quant.quant_linear(x, packed, None)
+    assert torch.equal(exact[:3], quant.quant_linear(x[:3], packed, None))  # float32: exact for few rows too
+    decode = quant.quant_linear(x[:8].bfloat16(), packed, None)
+    assert torch.equal(decode, int8_linear(library, x[:8], w).bfloat16())
+    assert not torch.equal(decode, exact[:8].bfloat16())
+    assert torch.equal(quant.quant_linear(x.bfloat16(), packed, None), exact.bfloat16())  # 12 rows: a prompt
+    wide = torch.cat([x[:5], torch.randn(5, 256)], dim=1).bfloat16()  # rows of a wider tensor, as split() makes
+    assert torch.equal(quant.quant_linear(wide[:, :256], packed, None), decode[:5])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_bfloat16_weights_are_the_dequantized_ones_rounded(name):
+    """A bfloat16 prompt's GEMM operand: gguf's values rounded to nearest even, as torch rounds them."""
+    if not quant.quant_kernels():
+        require_tool(False, "no C compiler on this machine")
+    parts = [(0, random_blocks(name, 5, 512, 1)), (5, random_blocks("Q8_0", 3, 512, 2))]
+    packed = quant.pack_quantized(parts, 8)
+    expected = torch.cat([torch.from_numpy(reference(w)) for _, w in parts]).bfloat16()
+    assert torch.equal(packed.dequantized_bf16(), expected)  # as values: the kernels' zeros carry no sign
+
+
+def test_bfloat16_prompts_take_one_gemm_on_the_rounded_weights():
+    """Where the CPU has bfloat16 dot products, a bfloat16 prompt (at least BF16_GEMM_ROWS rows) is one GEMM on the
+    weights rounded to bfloat16 (quantization none's numerics); float32 prompts stay exact."""
+    if quant.bf16_gemm_rows() is None:
+        pytest.skip("this CPU has neither AMX nor AVX-512 BF16")
+    w = random_blocks("Q4_1", 64, 256)
+    packed = quant.pack_quantized([(0, w)], 64)
+    x = torch.randn(quant.BF16_GEMM_ROWS, 256).bfloat16()
+    weight = torch.from_numpy(reference(w))
+    y = quant.quant_linear(x, packed, None)
+    assert torch.equal(y, torch.nn.functional.linear(x, weight.bfloat16()))
+    exact = quant.quant_linear(x.float(), packed, None).double()
+    assert ((exact - x.double() @ weight.double().T).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T)).all()

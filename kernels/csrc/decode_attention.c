@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "paged_cache.h"
+#include "entry_points.h"
 #include "parallel.h"
 
 #ifdef __AVX512F__

@@ -13,6 +13,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "entry_points.h"
 #include "parallel.h"
 #include "vector_math.h"
 

@@ -521,3 +521,27 @@ int dequantize_rows_f32(const uint8_t *w, int64_t w_stride, float *out, int n, i
                 v16_store(out + (int64_t)j * k + blk * qk + 16 * g, dequant16(type, w + j * w_stride + (int64_t)blk * bb, g));
     return 0;
 }
+
+/* The bfloat16 values (float32's rounded to nearest even, as torch rounds) of n weight rows, out (n, k): a bfloat16
+ * prompt's GEMM operand, made for one call (kernels/quant.py). Rows are split over the threads. */
+int dequantize_rows_bf16(const uint8_t *w, int64_t w_stride, uint16_t *out, int n, int k, int type, int threads) {
+    const int qk = block_weights(type), bb = block_bytes(type);
+    if (!linear_quant_row_bytes(type, k) || n < 0) return -1;
+    threads = threads_for(threads, (int64_t)n * k, MIN_WORK_PER_THREAD);
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int j = 0; j < n; j++) {
+        float values[16];
+        for (int blk = 0; blk < k / qk; blk++)
+            for (int g = 0; g < qk / 16; g++) {
+                v16_store(values, dequant16(type, w + j * w_stride + (int64_t)blk * bb, g));
+                uint16_t *o = out + (int64_t)j * k + blk * qk + 16 * g;
+                for (int i = 0; i < 16; i++) {
+                    uint32_t u;
+                    memcpy(&u, values + i, 4);
+                    o[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)(u >> 16 | 0x40)
+                                                           : (uint16_t)((u + 0x7FFFu + (u >> 16 & 1)) >> 16);
+                }
+            }
+    }
+    return 0;
+}

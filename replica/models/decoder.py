@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import AttentionMetadata, Kernels, rope_cos_sin, rope_inv_freq
+from ...kernels.decode_layer import DecodeLayerParts
 from ..parallel import (
     ColumnParallelLinear,
     GateUpParallelLinear,
@@ -309,11 +310,50 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, kernels)
         self.mlp = make_mlp(cfg, layer, tp, kernels, expert_parallel)
 
+    fused = None  # the backend's whole-layer decode step (kernels/decode_layer.py), where it has one for this layer
+
     def forward(self, x, residual, positions, cos_sin, meta, k_cache, v_cache):
+        if self.fused is not None:
+            out = self.fused(x, residual, positions, cos_sin, meta, k_cache, v_cache)
+            if out is not None:
+                return out
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, cos_sin, meta, k_cache, v_cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def fuse(self) -> None:
+        """Offers the backend this layer whole, once its weights are packed: where the layer is Llama's plain form
+        (no bias, LoRA, window, soft-capping, q/k norms or tensor parallelism), the backend may run its decode steps
+        in one call."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj)
+        plain = (
+            type(self) is DecoderLayer  # the fused kernel is this class's forward, not a subclass's
+            and isinstance(mlp, MLP)
+            and mlp.gate_up_proj.activation == "silu"
+            and isinstance(self.input_layernorm, RMSNorm)
+            and not (attn.qk_norm or attn.scale_queries or attn.window or attn.softcap)
+            and all(p.bias is None for p in projections)
+            and all(p.lora is None for p in (*projections, mlp.gate_up_proj, mlp.down_proj))
+            and attn.o_proj.tp.size == 1
+        )
+        self.fused = None
+        if plain:
+            parts = DecodeLayerParts(
+                self.input_layernorm.weight,
+                self.post_attention_layernorm.weight,
+                self.input_layernorm.eps,
+                attn.qkv_proj.packed,
+                attn.o_proj.packed,
+                mlp.gate_up_proj.packed,
+                mlp.down_proj.packed,
+                attn.heads,
+                attn.kv_heads,
+                attn.head_dim,
+                attn.scale,
+            )
+            self.fused = attn.kernels.fuse_decode_layer(parts)
 
 
 class ParallelDecoderLayer(DecoderLayer):
@@ -410,10 +450,14 @@ class DecoderModel(nn.Module):
         return self.project_out(x) if self.config.embedding_dim else x
 
     def pack_weights(self) -> None:
-        """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any)."""
+        """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any), then
+        offers each layer whole to the kernels (DecoderLayer.fuse)."""
         for module in self.modules():
             if hasattr(module, "pack"):
                 module.pack()
+        for layer in self.layers:
+            if isinstance(layer, DecoderLayer):
+                layer.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, vocab) in the model's dtype: the sampler widens only rows it samples."""

@@ -1,0 +1,20 @@
+/* Prototypes of the entry points one kernel calls from another (decode_layer.c), included by their own sources too
+ * so that the compiler holds both sides to one signature. */
+#pragma once
+#include <stdint.h>
+
+int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                      uint16_t *residual_out, int rows, int hidden, int64_t x_stride, float eps, int threads);
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, int64_t in_stride, int threads);
+int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
+                         const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
+                         uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim,
+                         int threads);
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
+                          const int32_t *seq_lens, const int32_t *starts, uint16_t *out, int seqs, int heads,
+                          int kv_heads, int head_dim, int block_size, int table_width, float scale, float softcap,
+                          int threads);
+int linear_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias,
+                   uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads);
+int elementwise_available(void);
+int linear_q8_available(void);

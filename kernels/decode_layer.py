@@ -1,0 +1,140 @@
+"""A decoder layer's decode step in one C call (kernels/csrc/decode_layer.c): Llama's pre-norm layer over GGUF blocks
+with bfloat16 activations, for a batch of decode rows.
+
+The model offers each layer's parts once, after packing (`DecodeLayerParts`); a backend's `fuse_decode_layer` answers
+with a `FusedDecodeLayer` where the whole layer fits the C kernel, else None (the layer runs module by module, as on
+every other path). The C kernel calls the same kernels as that path, in the same order, so the results are the same
+bits: what it removes is the Python between them, about as long as the weights' reads in a small model's decode
+step. A call returns None for a batch it does not take (prompt rows, more rows than a decode batch, another dtype),
+and the layer runs module by module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import clib
+from .attention import AttentionMetadata
+from .quant import INT8_MAX_ROWS, QuantLinear
+
+
+@dataclass(frozen=True)
+class DecodeLayerParts:
+    """What a pre-norm layer (RMSNorm, q/k/v, rotary, attention, o, RMSNorm, SiLU(gate) * up, down) is made of, on
+    one rank, with no bias, LoRA, window or soft-capping (the model offers only such layers)."""
+
+    input_norm: torch.Tensor  # (hidden,) RMSNorm weight
+    post_norm: torch.Tensor  # (hidden,)
+    eps: float
+    qkv: object  # each projection's packed form, as the backend's pack_* made it
+    o: object
+    gate_up: object  # gate rows, then up rows
+    down: object
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float  # the attention's score scale
+
+
+@dataclass(frozen=True)
+class FusedDecodeLayer:
+    parts: DecodeLayerParts
+    library: clib.CLibrary
+    weights: tuple  # the C call's per-layer arguments, from input_norm to head_dim
+
+    def __call__(
+        self, x, residual, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the layer's output, the residual stream after attention), as DecoderLayer.forward returns them (residual
+        None in the first layer); None for a batch this path does not take."""
+        rows, hidden = x.shape
+        if not (
+            0 < rows <= INT8_MAX_ROWS
+            and meta.num_decodes == rows == len(meta.seq_lens_host)
+            and x.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and x.is_contiguous()
+            and (
+                residual is None
+                or (residual.dtype == x.dtype and residual.is_contiguous() and residual.shape == x.shape)
+            )
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and cos_sin.dtype == torch.float32
+            and cos_sin.is_contiguous()
+            and cos_sin.shape[1] == self.parts.head_dim
+        ):
+            return None
+        step = meta.workspace.get("decode_layer")
+        if step is None:  # the step's index tensors in the kernels' types, once for every layer
+            step = meta.workspace["decode_layer"] = (
+                positions.to(torch.int64).contiguous(),
+                meta.slot_mapping.to(torch.int64).contiguous(),
+                meta.block_tables.to(torch.int32).contiguous(),
+                meta.seq_lens.to(torch.int32).contiguous(),
+            )
+        positions, slots, tables, lens = step
+        out, residual_out = torch.empty_like(x), torch.empty_like(x)
+        status = self.library.decode_layer_q8_bf16(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            residual_out.data_ptr(),
+            rows,
+            hidden,
+            *self.weights,
+            self.parts.scale,
+            cos_sin.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            k_cache.shape[1],
+            tables.shape[1],
+            torch.get_num_threads(),
+        )
+        return (out, residual_out) if status == 0 else None
+
+
+def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
+    """The fused decode step of a layer whose projections are all GGUF blocks the int8-activation kernel reads (one
+    slab each) and whose norms are bfloat16, where this CPU runs the kernels it calls; else None."""
+    library = clib.get_library()
+    if library is None or not (library.elementwise_available() and library.linear_q8_available()):
+        return None
+    projections = (parts.qkv, parts.o, parts.gate_up, parts.down)
+    if not all(isinstance(p, QuantLinear) and p.int8 and len(p.calls) == 1 for p in projections):
+        return None
+    hidden = parts.o.out_features
+    q_width = parts.heads * parts.head_dim
+    intermediate = parts.down.in_features
+    shapes_fit = (
+        parts.qkv.out_features == q_width + 2 * parts.kv_heads * parts.head_dim
+        and parts.qkv.in_features == parts.gate_up.in_features == parts.down.out_features == hidden
+        and parts.o.in_features == q_width
+        and parts.gate_up.out_features == 2 * intermediate
+        and parts.head_dim % 2 == 0
+    )
+    norms_fit = all(
+        w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape == (hidden,)
+        for w in (parts.input_norm, parts.post_norm)
+    )
+    if not (shapes_fit and norms_fit):
+        return None
+    qkv, o, gate_up, down = (p.calls[0] for p in projections)
+    weights = (
+        parts.input_norm.data_ptr(),
+        parts.post_norm.data_ptr(),
+        parts.eps,
+        *(qkv.weight, qkv.weight_stride, qkv.qtype),
+        *(o.weight, o.weight_stride, o.qtype),
+        *(gate_up.weight, gate_up.weight_stride, gate_up.qtype),
+        *(down.weight, down.weight_stride, down.qtype),
+        intermediate,
+        parts.heads,
+        parts.kv_heads,
+        parts.head_dim,
+    )
+    return FusedDecodeLayer(parts, library, weights)
