@@ -21,7 +21,8 @@
    kernels read (kernels/csrc/linear_quant.c; the embedded file's own Q4_1 layers with its Q8_0 LM head, and the
    same shapes in every other type, random blocks), at 1 to 430 rows: ms per pass over all layers, weight GB/s
    against the host's read bandwidth (a float32 sum over 1 GiB); decode rows also in bfloat16, which take the
-   int8-activation kernel (kernels/csrc/linear_q8.c) where the CPU has AVX-512 VNNI.
+   int8-activation kernel (kernels/csrc/linear_q8.c) where the CPU has AVX-512 VNNI, and a bfloat16 prompt, which
+   takes one bfloat16 GEMM on the weights dequantized for the call where the CPU has AMX or AVX-512 BF16.
 7. One stream's decode through the whole engine (--quant-only): tokens/s of the embedded model served quantized
    (quantization auto, bfloat16 and float32) against dequantized to bfloat16 (none), the same prompt, greedy, EOS
    ignored.
@@ -279,12 +280,17 @@ def quant_table(repeats: int) -> list[str]:
         sets[name] = [in_type(name, p) for p in layers]
     for label, chosen in sets.items():
         nbytes = sum(p.nbytes for p in chosen)
-        int8 = all(kernel.run_int8 is not None for p in chosen for _, _, kernel in p.slabs)
+        int8 = all(p.int8 for p in chosen)
+        gemm_rows = quant.bf16_gemm_rows()
         for m, dtype in [(1, torch.float32), (1, torch.bfloat16), (8, torch.float32), (8, torch.bfloat16)] + [
             (64, torch.float32),
             (430, torch.float32),
+            (430, torch.bfloat16),
         ]:
-            if dtype == torch.bfloat16 and not int8:
+            bf16_path = "bf16 (int8 blocks)" if m <= quant.INT8_MAX_ROWS and int8 else None
+            if gemm_rows is not None and m >= gemm_rows:
+                bf16_path = "bf16 (bf16 GEMM)"
+            if dtype == torch.bfloat16 and bf16_path is None:
                 continue
             xs = {p.in_features: torch.randn(m, p.in_features, dtype=dtype) for p in chosen}
             flops = sum(2 * m * p.out_features * p.in_features for p in chosen)
@@ -294,7 +300,7 @@ def quant_table(repeats: int) -> list[str]:
                     quant.quant_linear(xs[p.in_features], p, None)
 
             t = median_s(run, repeats if m <= 64 else max(1, repeats // 2))
-            activations = "float32" if dtype == torch.float32 else "bf16 (int8 blocks)"
+            activations = "float32" if dtype == torch.float32 else bf16_path
             rows.append(
                 f"| {label} | {m} | {activations} | {nbytes / 2**20:.0f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} "
                 f"| {nbytes / t / 1e9 / bandwidth:.0%} | {flops / t / 1e9:.0f} |"
@@ -308,7 +314,7 @@ def decode_table(repeats: int) -> list[str]:
     prompt, tokens = "Write a long story about a lighthouse keeper.", 128
     rows = ["| weights | one stream decode tok/s (median) |", "|---|---|"]
     pipes = {
-        "GGUF Q4_1 served quantized (auto), bfloat16: int8 activations": pipeline(
+        "GGUF Q4_1 served quantized (auto), bfloat16: int8 activations, one C call a layer": pipeline(
             "smollm2-135m", dtype="bfloat16", quantization="auto", progress=False
         ),
         "GGUF Q4_1 served quantized (auto), float32: exact": pipeline(
