@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "paged_cache.h"
 #include "entry_points.h"
 #include "parallel.h"
@@ -42,21 +43,6 @@
 #define TILE 16
 /* Query heads of one KV group that share each value vector loaded (float32). */
 #define GROUP_CHUNK 4
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 /* ---------------------------------------------------------------------------------------------------------- */
 /* Portable path: one token at a time, online softmax rescaled once per block.                                 */

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "entry_points.h"
 #include "parallel.h"
 
@@ -221,14 +222,6 @@ static inline __attribute__((always_inline)) void rows_dot_one_x(int type, const
         out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_offset[r]) + (bias ? bias[r] : 0.f);
 }
 
-/* float32 to bfloat16, rounded to nearest even as torch rounds (NaN stays a quiet NaN). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)(u >> 16 | 0x40);
-    return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1)) >> 16);
-}
-
 /* Output columns [lo, hi) for every row: y is float32, or bfloat16 where y_bf16. */
 static void rows_dot(int type, const uint8_t *w, int64_t ws, const float *bias, const row_q8 *x, int m, void *y,
                      int y_bf16, int64_t ys, int k, int lo, int hi) {
@@ -239,7 +232,7 @@ static void rows_dot(int type, const uint8_t *w, int64_t ws, const float *bias, 
             rows_dot_one_x(type, w + lo * ws, ws, blocks, x, out, bias ? bias + lo : 0);
             for (int r = 0; r < WROWS; r++) {
                 if (y_bf16)
-                    ((uint16_t *)y)[lo + r] = to_bf16(out[r]);
+                    ((uint16_t *)y)[lo + r] = f32_to_bf16(out[r]);
                 else
                     ((float *)y)[lo + r] = out[r];
             }
@@ -258,7 +251,7 @@ static void rows_dot(int type, const uint8_t *w, int64_t ws, const float *bias, 
             for (int i = 0; i < mr; i++) {
                 const int64_t at = (int64_t)(i0 + i) * ys + j;
                 if (y_bf16)
-                    ((uint16_t *)y)[at] = to_bf16(out[i]);
+                    ((uint16_t *)y)[at] = f32_to_bf16(out[i]);
                 else
                     ((float *)y)[at] = out[i];
             }

@@ -8,26 +8,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "parallel.h"
 
 /* The longest rank a slot may hold (the shrunk vector lives on the stack). */
 #define MAX_RANK 256
 /* Multiply-adds per extra thread below which one thread does it all. */
 #define MIN_WORK_PER_THREAD (1 << 15)
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
-}
 
 /* One adapted row: shrunk = x A^T (rank), then y += shrunk B^T. T is float or uint16_t (bfloat16). */
 #define ROW_KERNEL(NAME, T, LOAD, STORE)                                                                               \
