@@ -474,23 +474,31 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A bfloat16 weight (out_features, in_features) in csrc/linear.c's tile order, packed once at load."""
+    """A bfloat16 weight (out_features, in_features) in csrc/linear.c's tile order, packed once at load:
+    tile (nb, kb), row r, dword c, half i = w[16 nb + c][32 kb + 2 r + i], out_features padded to 16 with zero rows."""
 
-    tiles: torch.Tensor
+    tiles: torch.Tensor  # (out_features / 16, in_features / 32, 16, 16, 2)
     out_features: int
     in_features: int
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> PackedLinear:
+        out_features, in_features = weight.shape
+        padded = F.pad(weight.detach(), (0, 0, 0, -out_features % 16))
+        tiles = padded.view(-1, 16, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+        return PackedLinear(tiles, out_features, in_features)
+
+    def unpacked(self) -> torch.Tensor:
+        """The weight (out_features, in_features) again, for the rare input the kernel does not take."""
+        return self.tiles.permute(0, 3, 1, 2, 4).reshape(-1, self.in_features)[: self.out_features]
 
 
 def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
     """The weight in the AMX linear kernel's order, or None where that kernel does not run (no AMX, not bfloat16,
     in_features not a multiple of 32)."""
-    out_features, in_features = weight.shape
-    if _amx() is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or in_features % 32:
+    if _amx() is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 32:
         return None
-    padded = F.pad(weight.detach(), (0, 0, 0, -out_features % 16))
-    # tile (nb, kb), row r, dword c, half i = w[16 nb + c][32 kb + 2 r + i]
-    tiles = padded.view(-1, 16, in_features // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    return PackedLinear(tiles, out_features, in_features)
+    return PackedLinear.of(weight)
 
 
 def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -632,9 +640,10 @@ class PackedWeight:
 
     @property
     def holds_weight(self) -> bool:
-        """The packed form alone computes the layer, so the layer may drop its plain weight (float32: every input the
-        kernel declines goes to torch with the weight unpacked)."""
-        return self.f32 is not None
+        """The packed form alone computes the layer, so the layer drops its plain weight, which would double the
+        model's memory: oneDNN takes every input; an input the float32 or AMX kernel declines goes to torch with the
+        weight unpacked."""
+        return True
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
@@ -679,7 +688,8 @@ def linear(
         y = linear_amx(x, packed.amx, bias)
         if y is not None:
             return y
-    elif packed is not None:
+        return F.linear(x, packed.amx.unpacked() if weight is None else weight, bias)
+    if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -419,6 +419,27 @@ def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
         assert torch.allclose(cpu.linear(x, w, bias, onednn).float(), ref, rtol=1e-2, atol=1e-2), rows
 
 
+def test_bfloat16_layers_hold_one_copy_of_their_weights(tiny_model_dir):
+    """A bfloat16 layer's packed form (AMX tiles or oneDNN's blocked layout) is its only copy of the weight: the plain
+    one is dropped, and the AMX tile order unpacks to it exactly for the inputs the kernel declines."""
+    from fastgen.kernels import cpu
+    from fastgen.replica import pipeline
+    from fastgen.replica.parallel import ParallelLinear
+
+    w = torch.randn(40, 64, dtype=torch.bfloat16)
+    assert torch.equal(cpu.PackedLinear.of(w).unpacked(), w)  # 40 rows: a partial tile of 16
+    if cpu.pack_weight(w) is None:
+        pytest.skip("oneDNN has no bfloat16 on this CPU: the plain weight serves")
+    model = pipeline(str(tiny_model_dir), dtype="bfloat16", progress=False).engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
+    assert layers and all(m.weight is None and m.packed is not None for m in layers)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    head = model.lm_head  # tied: the embedding keeps its table, the head only its packed copy
+    assert model.embed_tokens.weight is not None
+    reference = x.float() @ model.embed_tokens.weight.float().T
+    assert torch.allclose(head.project(x, None).float(), reference, rtol=2e-2, atol=2e-2)
+
+
 # 37, 5, 3, 18: a last panel short of 32 features (masked); 960: more panels than one group; 1030: two k blocks, the
 # partial sums kept in the output between them
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (37, 50), (5, 16), (3, 7), (18, 1030)])
