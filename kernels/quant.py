@@ -113,6 +113,30 @@ class QuantizedTensor:
         return torch.from_numpy(dequantize(data.numpy(), self.qtype).copy()).reshape(rows, cols)
 
 
+def quantize_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantizedTensor | None:
+    """`--quantization int8`: weight (rows, cols) as int8 with one scale per row (output channel), scale =
+    max|row| / 127 in float16 and q = round(w / scale), nearest even. Written as Q8_0 blocks that all carry their row's
+    scale, so every Q8_0 path (exact, int8 activations, bfloat16 GEMM, the fused layer) serves it; the repeated scale
+    costs 2 bytes per 32 weights. absmax: the rows' max |w| where this is a shard of wider rows (a row-parallel
+    layer's), so every TP size serves the same values. None where cols is not a whole number of blocks."""
+    rows, cols = weight.shape
+    qtype = GGML_TYPES["Q8_0"][0]
+    per_block, _ = block_shape(qtype)
+    if cols % per_block:
+        return None
+    w = weight.detach().float()
+    if absmax is None:
+        absmax = w.abs().amax(dim=1)
+    # The smallest float16 subnormal keeps a tiny row's scale from rounding to zero (an all-zero row gives q = 0).
+    scale = (absmax.float() / 127).clamp(min=2**-24).half()  # (rows,)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)  # (rows, cols)
+    blocks = cols // per_block
+    scales = scale.view(torch.uint8).view(rows, 1, 2).expand(rows, blocks, 2)
+    quants = q.view(torch.uint8).view(rows, blocks, per_block)
+    data = torch.cat([scales, quants], dim=2).reshape(rows, -1)  # (rows, blocks * 34): llama.cpp's block_q8_0
+    return QuantizedTensor(data, qtype, (rows, cols))
+
+
 @dataclass(frozen=True)
 class QuantKernel:
     """The linear kernel of one block type on one CPU feature level, chosen at load."""
@@ -229,7 +253,11 @@ def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) 
         return None
     joined = []
     for start, group in slabs:
-        data = torch.cat([p.data for p in group]).contiguous()
+        data = group[0].data
+        # One part that is all of its own storage is the slab as it is: a tied LM head then shares its embedding's
+        # blocks instead of holding a second copy. Anything else is joined (or cut out of a larger tensor) by a copy.
+        if len(group) > 1 or not data.is_contiguous() or data.untyped_storage().nbytes() != data.nbytes:
+            data = torch.cat([p.data for p in group]).contiguous()
         weight = QuantizedTensor(data, group[0].qtype, (data.shape[0], in_features))
         joined.append((start, weight, kernels[weight.qtype]))
     return QuantLinear(tuple(joined), out_features, in_features)

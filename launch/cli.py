@@ -106,8 +106,8 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=d.quantization,
-        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype (default: "
-        "%(default)s)",
+        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: "
+        "weight-only int8, per-channel scales (CPU) (default: %(default)s)",
     )
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
     p.add_argument(

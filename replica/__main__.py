@@ -106,8 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--quantization",
         default=_ENGINE.quantization,
         choices=QUANTIZATIONS,
-        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: weight-only "
-        "int8; fp8: CUDA only (default: %(default)s)",
+        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: "
+        "weight-only int8, per-channel scales (CPU); fp8: CUDA only (default: %(default)s)",
     )
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step op by op (vLLM's flag)"

@@ -96,15 +96,17 @@ def build_draft_runner(config: EngineConfig, target: ModelConfig, num_blocks: in
 
 def quantized_source(config: EngineConfig, device: torch.device):
     """The GGUF file to read quantized (`quantization` auto of a GGUF model on the CPU), else None: the model loads
-    the dequantized folder. fp8 and int8 are refused here until they exist, with what to use instead."""
+    the dequantized folder (int8 quantizes it after loading). fp8 is refused until it exists, int8 off the CPU."""
     if config.quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {config.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
     if config.quantization == "fp8":
         raise ValueError(
             "quantization fp8 needs CUDA (float8 matrix units); on the CPU use auto (a GGUF's own blocks) or none"
         )
-    if config.quantization == "int8":
-        raise ValueError("quantization int8 is not available yet: use auto (a GGUF's own blocks) or none")
+    if config.quantization == "int8" and device.type != "cpu":
+        raise ValueError(
+            "quantization int8 (weight-only) runs on the CPU's kernels; on CUDA serve --quantization none or auto"
+        )
     if config.quantization != "auto" or config.load_format == "dummy" or device.type != "cpu":
         return None
     return weights.gguf_file(config.model)
@@ -141,6 +143,8 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
         model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
     model.eval()
+    if config.quantization == "int8":
+        model.quantize_int8()
     lora = None
     if config.lora.enable_lora:  # before packing: an adapted gate/up layer keeps the activation apart
         lora = LoraWeights(model, config.lora.max_loras, config.lora.max_lora_rank)

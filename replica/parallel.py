@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import TORCH_KERNELS, Kernels
-from ..kernels.quant import QuantizedTensor
+from ..kernels.quant import QuantizedTensor, quantize_per_channel
 
 # The single-tensor all-gather: torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor, which the
 # older torch of a GPU machine may still be the only name for.
@@ -28,9 +28,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, op=op)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,6 +108,18 @@ class ParallelLinear(nn.Module):
         self.packed = self.packed_form(self.weight)
         if self.packed is not None and self.packed.holds_weight:
             self.weight = None  # two copies of every weight would double the model's memory
+
+    def quantize_int8(self) -> None:
+        """`--quantization int8`, before packing: the float weight becomes int8 rows with one scale per output
+        channel (kernels/quant.py's quantize_per_channel), which pack() then packs like a checkpoint's blocks."""
+        if self.weight is not None and not self.quantized:
+            rows = quantize_per_channel(self.weight, self.row_absmax())
+            if rows is not None:
+                self.quantized = [(0, rows)]
+
+    def row_absmax(self) -> torch.Tensor:
+        """max |w| of each output row: this rank's rows are whole."""
+        return self.weight.detach().abs().amax(dim=1).float()
 
     def packed_form(self, weight: torch.Tensor):
         """The weight in the form this layer's kernel reads (None: the plain weight serves)."""
@@ -233,6 +245,10 @@ class RowParallelLinear(ParallelLinear):
             ):
                 tensor = tensor.dequantize()  # a shard boundary inside a block
             self.put(name, 0, tensor.narrow(1, self.tp.rank * self.local_in, self.local_in))
+
+    def row_absmax(self) -> torch.Tensor:
+        """max |w| of each whole row, over every rank's columns: the scale a TP 1 replica would pick."""
+        return self.tp.all_reduce(super().row_absmax(), dist.ReduceOp.MAX)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.project(x, None))

@@ -184,6 +184,7 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
             cache=CacheConfig(block_size=run.get("block_size", 16), num_blocks=run.get("num_blocks", 256)),
             enable_expert_parallel=run.get("expert_parallel", False),
             lora=lora_config,
+            quantization=run.get("quantization", EngineConfig.quantization),
         )
         if rank == 0:
             engine = build_engine(config, tp, channel)

@@ -20,6 +20,7 @@ from ...kernels.decode_layer import DecodeLayerParts
 from ..parallel import (
     ColumnParallelLinear,
     GateUpParallelLinear,
+    ParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -448,6 +449,13 @@ class DecoderModel(nn.Module):
         if self.norm is not None:
             x = self.norm(x, residual)[0]
         return self.project_out(x) if self.config.embedding_dim else x
+
+    def quantize_int8(self) -> None:
+        """`--quantization int8`: every decoder layer's linear weights to int8 with per-channel scales, before
+        packing. The LM head (and the embedding it may share) stay in --dtype, as vLLM keeps them; so do MoE experts."""
+        for module in self.layers.modules():
+            if isinstance(module, ParallelLinear):
+                module.quantize_int8()
 
     def pack_weights(self) -> None:
         """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any), then
