@@ -30,6 +30,9 @@ pytestmark = pytest.mark.slow
 
 BOTH_SERVING = {"r0": "serving", "r1": "serving"}
 LONG = dict(max_new_tokens=700, ignore_eos=True)  # seconds of decoding on the tiny model on CPU
+# Far more work than any deadline below: 32 completions of 1,000 tokens, more than the replicas' 8 MiB KV pools hold
+# at once (a Zen 5 core decodes LONG alone in under half a second).
+HUGE = dict(max_new_tokens=1000, n=32, ignore_eos=True)
 SHORT = dict(max_new_tokens=4)
 
 
@@ -209,7 +212,7 @@ def test_client_cancel_stops_the_replica_work(balancer, replicas):
 def test_client_deadline_stops_the_replica_work(balancer, replicas):
     with Client(balancer.address) as c:
         with pytest.raises(GenerationError) as err:
-            c.generate("too slow", timeout=0.5, **LONG)
+            c.generate("too slow", timeout=0.5, **HUGE)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: all(running_on(p) == 0 for p in replicas.values()), 5, what="replicas idle after deadline")
 
