@@ -46,18 +46,24 @@ def cores() -> int:
 
 
 def machine() -> dict:
-    """CPU model, cores this process may use, and the matrix/vector extensions the kernels choose by."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """CPU model, its family and model numbers (a virtual machine's model name may say only "AMD EPYC": family 25 is
+    Zen 3/4, 26 Zen 5), cores this process may use, and the matrix/vector extensions the kernels choose by."""
+    model, flags, numbers = platform.processor() or platform.machine(), set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                model = value.strip()
+            elif key in ("cpu family", "model") and value.strip().isdigit():
+                numbers["family" if key == "cpu family" else "model"] = int(value)
+            elif key == "flags":
+                flags = set(value.split())
                 break
     except OSError:
         pass
-    return {"cpu": model, "cores": cores(), "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
+    found = {"cpu": model, "cores": cores(), "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
+    return found | numbers
 
 
 def machine_name(m: dict | None = None) -> str:
