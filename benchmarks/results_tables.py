@@ -516,12 +516,19 @@ def moe() -> str:
 
 
 # ---- 12. quantized weights against llama.cpp ----
-LLAMA_CPP = ["llama_cpp/smollm2_q4_1_spr.json"]
+LLAMA_CPP = ["llama_cpp/smollm2_q4_1_spr.json", "llama_cpp/smollm2_q4_1_zen5.json"]
 LLAMA_CPP_MEASURES = {
     "decode": "one stream, decode",
     "concurrent": "8 concurrent streams",
     "prefill": "430-token prefill",
 }
+
+
+def host(machine: dict) -> str:
+    """A table's short name for the CPU a summary ran on."""
+    name = machine["cpu"].replace("(R)", "").replace(" Processor", "")
+    generation = {25: "Zen 3/4", 26: "Zen 5"}.get(machine.get("family")) if name.startswith("AMD") else None
+    return name + (f" ({generation})" if generation else "") + (", AMX" if machine.get("amx") else "")
 
 
 def llama_cpp() -> str:
@@ -533,6 +540,7 @@ def llama_cpp() -> str:
             ratio, floor = m["median_ratio"], d["floors"][key]
             body.append(
                 [
+                    host(d["machine"]),
                     label,
                     f"{num(median(m['fastgen_tokens_per_s']), 1)} tok/s",
                     f"{num(median(m['llama_cpp_tokens_per_s']), 1)} tok/s",
@@ -540,8 +548,25 @@ def llama_cpp() -> str:
                     f"≥ {num(floor, 1)}×: {'met' if ratio >= floor else '**unmet**'}",
                 ]
             )
-    head = ["", "FastGen (median)", "llama.cpp (median)", "FastGen ÷ llama.cpp per repeat; median", "floor"]
+    head = ["host", "", "FastGen (median)", "llama.cpp (median)", "FastGen ÷ llama.cpp per repeat; median", "floor"]
     return rows(head, body)
+
+
+QUANTIZATION = ["quantization/smollm2_zen5.json"]
+
+
+def quantization() -> str:
+    body = []
+    for rel in QUANTIZATION:
+        d = load(rel)
+        for mode, entry in d["modes"].items():
+            cells = [host(d["meta"]["machine"]), f"`{mode}`", f"{num(entry['weight_bytes'] / 2**20, 0)} MiB"]
+            for key in LLAMA_CPP_MEASURES:
+                m = entry[key]
+                cells.append(f"{num(median(m['tokens_per_s']), 1)} tok/s; **{num(m['median_ratio'])}×**")
+            body.append(cells)
+    head = ["host", "--quantization", "weights held"]
+    return rows(head + [f"{label}; ÷ `none`" for label in LLAMA_CPP_MEASURES.values()], body)
 
 
 # ---- 14. speculative decoding ----
@@ -604,6 +629,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "slo-provenance": slo_provenance,
     "tensor-parallel": tensor_parallel,
     "llama-cpp": llama_cpp,
+    "quantization": quantization,
     "moe": moe,
     "speculative": speculative,
     "lora": lora,
