@@ -232,7 +232,8 @@ class ApiRequest:
     top_logprobs: int = 0
     echo: bool = False
     tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls (balancer/tools.py)
-    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: the choices carry them
+    # vLLM's prompt_logprobs field: completions' choices carry them; a chat reply (one prompt) at its top level
+    prompt_logprobs: bool = False
     reasoning: str | None = None  # chat: the --reasoning-parser that splits thoughts into reasoning_content
     prompt_only: bool = False  # max_tokens 0 with echo (lm-eval's loglikelihood): the one token generated is dropped
 
@@ -256,6 +257,7 @@ def parse_chat(
     top = f.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    prompt_top = f.integer("prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     try:
         plan, tools_json, tool_constraint = parse_tools(f.body, tool_call_parser)
     except ToolError as e:
@@ -264,6 +266,8 @@ def parse_chat(
     max_tokens = f.integer("max_completion_tokens", lo=1)
     params = sampling_params(f, n, max_tokens if max_tokens is not None else f.integer("max_tokens", lo=1))
     params.logprobs, params.top_logprobs = logprobs, top
+    if prompt_top is not None:  # the rendered conversation's tokens, template included, as vLLM scores them
+        params.prompt_logprobs = prompt_top
     if tool_constraint is not None:
         if params.HasField("constraint"):
             raise bad_request("a forced tool_choice cannot be combined with response_format", "tool_choice")
@@ -280,7 +284,18 @@ def parse_chat(
     except RequestRefused as e:
         raise refused(e) from None
     stream, include_usage = stream_flags(f)
-    return ApiRequest(CHAT, (request,), n, stream, include_usage, logprobs, top, tools=plan, reasoning=reasoning_parser)
+    return ApiRequest(
+        CHAT,
+        (request,),
+        n,
+        stream,
+        include_usage,
+        logprobs,
+        top,
+        tools=plan,
+        prompt_logprobs=prompt_top is not None,
+        reasoning=reasoning_parser,
+    )
 
 
 def parse_completion(body: object, request_id: str, limits: PromptLimits = DEFAULT_PROMPT_LIMITS) -> ApiRequest:
@@ -608,7 +623,10 @@ def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.G
         for i, r in enumerate(responses)
         for j, c in enumerate(choices_of(r))
     ]
-    return _reply(meta, "chat.completion", choices, response_usage(responses))
+    reply = _reply(meta, "chat.completion", choices, response_usage(responses))
+    if api.prompt_logprobs:
+        reply["prompt_logprobs"] = vllm_prompt_logprobs(responses[0].prompt_logprobs)
+    return reply
 
 
 def chat_message(api: ApiRequest, text: str, reason: str | None) -> dict:
@@ -769,6 +787,8 @@ class ChatStream(Stream):
             for i in range(len(self.api.prompts) * self.api.n):
                 opening = {"role": "assistant", "content": ""}
                 out.append(self.chunk_event([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
+            if self.api.prompt_logprobs:  # the first chunk carries them, as the whole reply's top level does
+                out[0]["prompt_logprobs"] = vllm_prompt_logprobs(chunk.prompt_logprobs)
         logprobs = chat_logprobs(chunk.logprobs) if self.api.logprobs and chunk.logprobs else None
         index, reason = self._index(prompt, chunk), finish_reason(chunk.finish_reason)
         if self.api.reasoning is not None:

@@ -365,6 +365,24 @@ def test_chat_stream_logprobs_ride_on_their_chunk():
     assert "usage" not in events[-1]
 
 
+def test_chat_prompt_logprobs_as_vllm_returns_them():
+    """vLLM's extra field on chat: the rendered conversation's tokens scored, at the reply's top level (null for the
+    first token), and on a stream's first chunk; absent unless asked for."""
+    assert not params(chat()).HasField("prompt_logprobs") and "prompt_logprobs" not in op.chat_response(
+        META, chat(), [pb.GenerateResponse(text="!")]
+    )
+    api = chat(prompt_logprobs=1)
+    assert params(api).prompt_logprobs == 1 and api.prompt_logprobs
+    assert error_of(chat, prompt_logprobs=-1).param == "prompt_logprobs"
+    scored = [token(9, " b", -1.5)]
+    reply = op.chat_response(META, api, [pb.GenerateResponse(text="!", prompt_logprobs=scored)])
+    assert reply["prompt_logprobs"] == [None, {"9": {"logprob": -1.5, "decoded_token": " b"}}]
+    s = op.STREAMS[op.CHAT](META, chat(prompt_logprobs=0, stream=True, n=2))
+    first = s.events(0, chunk(1, "A", prompt_logprobs=scored))
+    assert first[0]["prompt_logprobs"] == reply["prompt_logprobs"]
+    assert all("prompt_logprobs" not in e for e in first[1:] + s.events(0, chunk(0, "B")))
+
+
 def test_completion_stream_echo_offsets_and_several_prompts():
     api = completion(prompt=["a", "b"], n=2, stream=True, echo=True)
     s = op.STREAMS[op.COMPLETION](META, api)

@@ -206,6 +206,42 @@ def test_prompt_logprobs_match_transformers_float32(client):
     assert scored[0] is None and abs(scored[1][str(ids[1])]["logprob"] - expected[0]) < 1e-3
 
 
+def test_chat_prompt_logprobs_score_the_rendered_conversation(client):
+    """vLLM's prompt_logprobs on chat: every token of the conversation as the chat template renders it (the
+    generation prompt included) scored as transformers' float32 log-softmax does, within 1e-3; streamed, on the
+    first chunk."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastgen.replica.weights import resolve_model
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    done = client.chat.completions.create(
+        model=client.model_name, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}, temperature=0
+    )
+    scored = done.model_extra["prompt_logprobs"]
+    folder = resolve_model("smollm2-135m")
+    ids = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    assert scored[0] is None and [int(next(iter(e))) for e in scored[1:]] == ids[1:]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = [e[str(t)]["logprob"] for e, t in zip(scored[1:], ids[1:])]
+    assert max(abs(a - ref[p, t].item()) for p, (a, t) in enumerate(zip(got, ids[1:]))) < 1e-3
+    stream = client.chat.completions.create(
+        model=client.model_name,
+        messages=messages,
+        max_tokens=2,
+        stream=True,
+        extra_body={"prompt_logprobs": 0},
+        temperature=0,
+    )
+    chunks = list(stream)
+    assert chunks[0].model_extra["prompt_logprobs"] == scored
+    assert all("prompt_logprobs" not in c.model_extra for c in chunks[1:])
+
+
 # ---- frameworks (the test extra installs both; without them these skip, and fail in CI) ------------------------------
 def test_langchain_bind_tools_and_structured_output(client):
     require_tool(
