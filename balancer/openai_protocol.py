@@ -791,46 +791,39 @@ class ChatStream(Stream):
                 out[0]["prompt_logprobs"] = vllm_prompt_logprobs(chunk.prompt_logprobs)
         logprobs = chat_logprobs(chunk.logprobs) if self.api.logprobs and chunk.logprobs else None
         index, reason = self._index(prompt, chunk), finish_reason(chunk.finish_reason)
-        if self.api.reasoning is not None:
-            return out + self._reasoning_events(index, chunk, logprobs, reason)
-        if self.api.tools is not None:
-            return out + self._tool_events(index, chunk, logprobs, reason)
+        if self.api.reasoning is not None or self.api.tools is not None:
+            deltas, reason = self._parsed(index, chunk, reason)
+            deltas = deltas or ([{}] if logprobs or reason else [])
+            for k, delta in enumerate(deltas):  # the chunk's logprobs and finish reason ride on its last delta
+                last = k == len(deltas) - 1
+                choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None}
+                out.append(self.chunk_event([{**choice, "finish_reason": reason if last else None}]))
+            return out
         if chunk.text or logprobs or chunk.finish_reason:
             delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
             out.append(self.chunk_event([{**choice, "finish_reason": reason}]))
         return out
 
-    def _reasoning_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
-        """Thoughts as reasoning_content deltas; the answer after them as content (tool calls are not parsed in a
-        reasoning model's stream)."""
-        stream = self.reasoning_streams.setdefault(index, ReasoningStream(self.api.reasoning))
-        deltas = stream.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
-        return [
-            self.chunk_event(
-                [
-                    {
-                        "index": index,
-                        "delta": d,
-                        "logprobs": logprobs if k == len(deltas) - 1 else None,
-                        "finish_reason": reason if k == len(deltas) - 1 else None,
-                    }
-                ]
-            )
-            for k, d in enumerate(deltas)
-        ]
-
-    def _tool_events(self, index: int, chunk, logprobs, reason: str | None) -> list[dict]:
+    def _parsed(self, index: int, chunk, reason: str | None) -> tuple[list[dict], str | None]:
+        """The chunk's deltas through the choice's parsers: thoughts as reasoning_content (with a reasoning parser),
+        the answer after them as content, or, with tools, through the choice's tool stream, as the whole reply
+        splits them (chat_message). The finish reason becomes tool_calls where a call was made."""
+        finished = bool(chunk.finish_reason)
+        deltas = [{"content": chunk.text}] if chunk.text else []
+        if self.api.reasoning is not None:
+            thoughts = self.reasoning_streams.setdefault(index, ReasoningStream(self.api.reasoning))
+            deltas = thoughts.feed(chunk.text, finished)
+        if self.api.tools is None:
+            return deltas, reason
         tools = self.tool_streams.setdefault(index, ToolStream(self.api.tools))
-        deltas = tools.feed(chunk.text, bool(chunk.finish_reason)) or ([{}] if logprobs or reason else [])
+        answer = "".join(d["content"] for d in deltas if "content" in d)
+        deltas = [d for d in deltas if "content" not in d]
+        if answer or finished:
+            deltas += tools.feed(answer, finished)
         if reason is not None and tools.called:
             reason = "tool_calls" if reason == "stop" or tools.plan.forced else reason
-        events = []
-        for k, delta in enumerate(deltas):
-            last = k == len(deltas) - 1
-            choice = {"index": index, "delta": delta, "logprobs": logprobs if last else None}
-            events.append(self.chunk_event([{**choice, "finish_reason": reason if last else None}]))
-        return events
+        return deltas, reason
 
 
 @dataclass

@@ -379,6 +379,36 @@ def test_reasoning_is_split_whole_and_streamed(parser, text, thoughts, content):
     assert got["content"].lstrip("\n") == (content or "")
 
 
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_a_reasoning_models_tool_calls_stream_as_the_whole_reply_splits_them(piece):
+    """Qwen3's shape: thoughts, then a hermes call. Streamed in pieces of any size, the deltas accumulate to the whole
+    reply's reasoning_content, content and tool_calls, and the stream finishes with tool_calls."""
+    from fastgen.balancer.openai_protocol import ChatStream, Meta, chat_response, parse_chat
+    from fastgen.proto import fastgen_pb2 as pb
+
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER, TIME]}
+    api = parse_chat(body, "id", tool_call_parser="hermes", reasoning_parser="qwen3")
+    text = '<think>\nThe user wants Oslo.\n</think>\n\nOne moment. <tool_call>{"name": "get_weather", '
+    text += '"arguments": {"city": "Oslo", "unit": "celsius"}}</tool_call>'
+    reply = chat_response(Meta("x", 0, "m"), api, [pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_EOS)])
+    whole = reply["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["tool_calls"]
+    stream, got, calls, reasons = ChatStream(Meta("x", 0, "m"), api), {"reasoning_content": "", "content": ""}, [], []
+    pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
+    for k, part in enumerate(pieces):
+        chunk = pb.GenerateChunk(text=part, finish_reason=pb.FINISH_REASON_EOS if k == len(pieces) - 1 else 0)
+        for event in stream.events(0, chunk):
+            choice = event["choices"][0]
+            reasons.append(choice["finish_reason"])
+            for key in got:
+                got[key] += choice["delta"].get(key) or ""
+            calls += choice["delta"].get("tool_calls", [])
+    assert got["reasoning_content"].strip("\n") == whole["message"]["reasoning_content"].strip("\n")
+    assert got["content"].strip() == (whole["message"]["content"] or "").strip()
+    assert [c["function"] for c in calls] == [c["function"] for c in whole["message"]["tool_calls"]]
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
 def test_tools_and_tool_turns_reach_the_chat_template():
     """An agent's loop: tools, an assistant turn that called one, the tool's answer; the template sees all three."""
     from fastgen.balancer.openai_protocol import parse_chat
