@@ -1,13 +1,14 @@
 """What structured output costs (issue 47): the grammar mask per step at batch 64 with 64 different JSON schemas, and
 the engine's decode step time with every sequence constrained against none.
 
-    taskset -c 0,1 python -m fastgen.benchmarks.structured --batch 64 --steps 32
+    python -m fastgen.benchmarks.structured --repeats 5 --json benchmarks/results/structured/NAME.json
 
 1. Mask: the engine's own path for one step — Constraints.masks (xgrammar fills each sequence's bitmask) and the
    sampler's unpack + masked_fill over (batch, vocab) logits — then each matcher accepts a token of a valid answer.
-2. Throughput: the embedded SmolLM2 (float32) decodes `batch` requests of `tokens` tokens; the mean time of the
+2. Throughput: the embedded SmolLM2 (float32) decodes `batch` requests of `tokens` tokens; the median time of the
    steps that decode the full batch, constrained (each request its own schema; a long free string so every step is
-   constrained) and not. Both runs are greedy with min_new_tokens, so the batches are the same size."""
+   constrained) and not. Both runs are greedy with min_new_tokens, so the batches are the same size. Repeats
+   alternate their order; the throughput lost is taken within each repeat (1 - off / on), its median reported."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+
+from .provenance import run_info
 
 
 def schema(i: int) -> str:
@@ -87,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None, help="write the summary here (benchmarks/results/...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from ..replica import pipeline
@@ -95,17 +100,26 @@ def main(argv: list[str] | None = None) -> None:
     engine = pipeline(
         "smollm2-135m", dtype="float32", max_batch_tokens=2048, max_seqs=args.batch, progress=False
     ).engine
-    out = {"batch": args.batch, "threads": args.threads, **mask_cost(engine, args.batch, args.steps)}
-    # Interleaved, medians of the repeats: the machine's other load hits both alike.
+    out = {
+        "meta": run_info("structured", argv),
+        "batch": args.batch,
+        "threads": args.threads,
+        **mask_cost(engine, args.batch, args.steps),
+    }
     decode_step_s(engine, args.batch, args.tokens, False, -1)  # warm-up: the first batch of a shape runs slower
     runs = {False: [], True: []}
-    for r in range(args.repeats):
-        for constrained in (False, True):
+    for r in range(args.repeats):  # interleaved, the order alternating: a drifting host hits both alike
+        for constrained in (False, True) if r % 2 == 0 else (True, False):
             runs[constrained].append(decode_step_s(engine, args.batch, args.tokens, constrained, r))
-    off, on = statistics.median(runs[False]), statistics.median(runs[True])
-    out.update(decode_step_ms_off=round(off * 1e3, 1), decode_step_ms_on=round(on * 1e3, 1))
-    out["throughput_lost"] = round(1 - off / on, 3)
+    lost = [1 - off / on for off, on in zip(runs[False], runs[True])]
+    out["decode_step_ms_off"] = [round(x * 1e3, 2) for x in runs[False]]
+    out["decode_step_ms_on"] = [round(x * 1e3, 2) for x in runs[True]]
+    out["throughput_lost"] = [round(x, 4) for x in lost]
+    out["median_throughput_lost"] = round(statistics.median(lost), 4)
     print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
