@@ -612,6 +612,28 @@ def lora() -> str:
     return rows(["mix", "repeats", "generated tok/s (median)", "÷ base per repeat; throughput lost"], body)
 
 
+# ---- 16. structured output ----
+STRUCTURED = ["structured/smollm2_zen5.json"]
+
+
+def structured() -> str:
+    body = []
+    for rel in STRUCTURED:
+        d = load(rel)
+        off, on = d["decode_step_ms_off"], d["decode_step_ms_on"]
+        body.append(
+            [
+                host(d["meta"]["machine"]),
+                f"{num(d['fill_ms_per_step'])} + {num(d['apply_ms_per_step'])} ms",
+                f"{num(d['compile_ms_per_schema'], 1)} ms",
+                f"{num(median(off), 1)} → {num(median(on), 1)} ms",
+                f"{per_repeat([100 * x for x in d['throughput_lost']], 1)}; **{num(100 * d['median_throughput_lost'], 1)}%**",
+            ]
+        )
+    head = ["host", "mask per step (fill + apply), 64 schemas", "compile per schema", "decode step off → on"]
+    return rows(head + ["throughput lost per repeat; median"], body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "offline-transformers": offline_transformers,
     "offline-vllm": offline_vllm,
@@ -633,6 +655,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "moe": moe,
     "speculative": speculative,
     "lora": lora,
+    "structured": structured,
 }
 
 
