@@ -125,13 +125,17 @@ def test_quantized_layers_hold_the_files_blocks():
     assert np.isclose(held / 2**20, 91, atol=2)  # MiB
 
 
-def requantized(source, target, qtype_name: str):
+def requantized(source, target, choose):
     """A copy of a GGUF file with every quantized tensor (weights the file holds in a block type) dequantized and
-    quantized again to `qtype_name` with gguf's own quantizers: a model in another block type, made here from the
-    embedded file (nothing downloaded)."""
+    quantized again to the type `choose` names (a type name for all, or a function of the tensor's name and shape):
+    gguf's own quantizers, ours (tests/kquants.py) for the K-quants it cannot make. A model in other block types,
+    made here from the embedded file (nothing downloaded)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
+    from .kquants import quantize_q4_k, quantize_q6_k
+
+    k_quantizers = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
     reader = GGUFReader(source)
     writer = GGUFWriter(str(target), arch=reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
@@ -140,19 +144,46 @@ def requantized(source, target, qtype_name: str):
         vtype = field.types[0]
         sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), vtype, sub)
-    qtype = GGMLQuantizationType[qtype_name]
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape))
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             writer.add_tensor(t.name, np.array(t.data))
             continue
         dense = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
-        writer.add_tensor(t.name, quantize(dense, qtype), raw_dtype=qtype)  # the shape read from the bytes
+        qtype_name = choose if isinstance(choose, str) else choose(t.name, shape)
+        qtype = GGMLQuantizationType[qtype_name]
+        blocks = k_quantizers[qtype_name](dense) if qtype_name in k_quantizers else quantize(dense, qtype)
+        writer.add_tensor(t.name, blocks, raw_dtype=qtype)  # the shape read from the bytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def q4_k_m(name: str, shape: tuple[int, int]) -> str:
+    """llama.cpp's Q4_K_M choices as they fall on SmolLM2: K-quants need rows of 256 weights, so its 576-wide weights
+    fall back (Q5_0; the embedding Q8_0) and only ffn_down (1,536 wide) is K-quantized, in Q6_K in every other layer
+    (llama.cpp's "more bits" layers) and Q4_K in the rest."""
+    if shape[1] % 256:
+        return "Q8_0" if name == "token_embd.weight" else "Q5_0"
+    return "Q6_K" if int(name.split(".")[1]) % 2 == 0 else "Q4_K"
+
+
+def test_k_quant_layouts_are_ggufs():
+    """tests/kquants.py writes llama.cpp's Q4_K and Q6_K blocks: gguf's dequantizers read them back to within the
+    types' steps (half a 4-bit step of each 32-value range; half a 6-bit step of each 16 values' max)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from .kquants import quantize_q4_k, quantize_q6_k
+
+    x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32) * np.array([1, 0.01, 5, 0])[:, None]
+    for quantize, qtype, step in ((quantize_q4_k, "Q4_K", 2 / 15), (quantize_q6_k, "Q6_K", 1 / 31)):
+        y = dequantize(quantize(x), GGMLQuantizationType[qtype]).reshape(x.shape)
+        sub = 32 if qtype == "Q4_K" else 16
+        spread = np.abs(x.reshape(4, -1, sub)).max(axis=2).repeat(sub, axis=1)
+        assert np.all(np.abs(y - x) <= 0.6 * step * spread + 1e-6), qtype
 
 
 @pytest.mark.slow
@@ -171,6 +202,29 @@ def test_requantized_file_matches_transformers_on_its_dequantized_checkpoint(tmp
     outs = pipe(PROMPTS[:2], max_new_tokens=16, min_new_tokens=16)
     for out, ref in zip(outs, refs, strict=True):
         assert_same_up_to_near_ties(out.token_ids, ref)
+
+
+@pytest.mark.slow
+def test_q4_k_m_file_matches_transformers_and_keeps_its_perplexity(tmp_path):
+    """SmolLM2 quantized as llama.cpp's Q4_K_M falls on it (Q4_K and Q6_K ffn_down, Q5_0 and Q8_0 elsewhere), made
+    here: served in its blocks, greedy float32 tokens are transformers' on the file dequantized up to near ties, and
+    the perplexity on the held text is the dequantized model's in float32 and within 0.5% of it in bfloat16."""
+    from fastgen.kernels.quant import QuantLinear
+
+    source, _ = embedded()
+    gguf = requantized(source, tmp_path / "smollm2.Q4_K_M.gguf", q4_k_m)
+    pipe = pipeline(str(gguf), dtype="float32", quantization="auto", progress=False)
+    downs = [layer.mlp.down_proj.packed for layer in pipe.engine.runner.model.layers]
+    assert all(isinstance(p, QuantLinear) for p in downs)
+    assert [p.formats[0].split("_")[0:2] for p in downs[:2]] == [["q6", "k"], ["q4", "k"]]
+    refs = reference_greedy(resolve_model(str(gguf)), PROMPTS[:2], 16)
+    for out, ref in zip(pipe(PROMPTS[:2], max_new_tokens=16, min_new_tokens=16), refs, strict=True):
+        assert_same_up_to_near_ties(out.token_ids, ref)
+    text = held_text()
+    dequantized = perplexity(pipeline(str(gguf), dtype="float32", quantization="none", progress=False), text)
+    assert abs(perplexity(pipe, text) / dequantized - 1) < 1e-4
+    served = perplexity(pipeline(str(gguf), dtype="bfloat16", quantization="auto", progress=False), text)
+    assert abs(served / dequantized - 1) < 0.005, (served, dequantized)
 
 
 def held_text() -> str:
