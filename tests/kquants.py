@@ -15,8 +15,8 @@ def _fp16(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """x (rows, cols), cols a multiple of 256 -> uint8 (rows, cols / 256 * 144): per block d, dmin (float16), 12 bytes of
-    6-bit scales and mins for its 8 sub-blocks of 32, then 128 bytes of 4-bit quants (y = d sc q - dmin m)."""
+    """x (rows, cols), cols a multiple of 256 -> uint8 (rows, cols / 256 * 144): per block d, dmin (float16), 12 bytes
+    of 6-bit scales and mins for its 8 sub-blocks of 32, then 128 bytes of 4-bit quants (y = d sc q - dmin m)."""
     rows, cols = x.shape
     blocks = x.reshape(-1, 8, 32).astype(np.float32)  # (blocks, sub-blocks, values)
     low = np.minimum(blocks.min(axis=2), 0)
