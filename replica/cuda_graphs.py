@@ -19,8 +19,8 @@ import torch
 
 from ..kernels import AttentionMetadata
 from .batch import Batch
-from .model_runner import padded_tables, step_lists, to_device
 from .models.llama import LlamaModel
+from .step_lists import padded_tables, step_lists, to_device
 
 log = logging.getLogger("fastgen.replica")
 

@@ -8,7 +8,7 @@ step's rows grouped by adapter slot (replica/lora.py) before the forward pass.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +19,7 @@ from .batch import Batch
 from .batch_broadcast import BatchBroadcast
 from .kv_cache import copy_blocks
 from .models import DecoderModel
+from .step_lists import padded_tables, step_lists, to_device
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
@@ -137,54 +138,3 @@ class ModelRunner:
             longest = max(end - start for _, start, end in lists.lora_segments)
             lora = LoraSegments(lora_rows, lists.lora_segments, lora_table.view(3, -1), longest)
         return StepInputs(input_ids, positions, meta, sample_rows, lora)
-
-
-@dataclass
-class StepLists:
-    """A batch's flat per-token and per-sequence values, on the host."""
-
-    tokens: list[int]
-    positions: list[int]
-    slots: list[int]  # cache slot of each token: block * block_size + offset
-    query_start: list[int]  # (seqs + 1): offsets of each sequence's tokens
-    seq_lens: list[int]  # cached tokens per sequence once this step has written its own
-    sample_rows: list[int]  # the token rows whose logits are sampled
-    lora_rows: list[int] = field(default_factory=list)  # the token rows of LoRA sequences, grouped by slot
-    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) of lora_rows
-
-
-def step_lists(batch: Batch, block_size: int) -> StepLists:
-    out = StepLists([], [], [], [0], [], [])
-    by_slot: dict[int, list[int]] = {}
-    for s in batch.seqs:
-        n = len(s.token_ids)
-        out.tokens += s.token_ids
-        span = range(s.start, s.start + n)
-        out.positions += span
-        out.slots += [s.block_table[p // block_size] * block_size + p % block_size for p in span]
-        out.query_start.append(out.query_start[-1] + n)
-        out.seq_lens.append(s.start + n)
-        # Every position's for prompt logprobs, the last 1 + num_draft for a verify, the last for a sampled chunk.
-        out.sample_rows += range(out.query_start[-1] - s.num_logits, out.query_start[-1])
-        if s.lora_slot >= 0:
-            by_slot.setdefault(s.lora_slot, []).extend(range(out.query_start[-2], out.query_start[-1]))
-    for slot in sorted(by_slot):  # one segment per adapter: its rows from every sequence of the step
-        start = len(out.lora_rows)
-        out.lora_rows += by_slot[slot]
-        out.lora_segments.append((slot, start, len(out.lora_rows)))
-    return out
-
-
-def padded_tables(batch: Batch) -> tuple[int, list[int]]:
-    """(width, every sequence's block table padded with 0 to width, flattened row after row)."""
-    width = max(len(s.block_table) for s in batch.seqs)
-    return width, [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """One int64 tensor on the device. On CUDA it crosses in one copy from pinned memory that does not wait for the
-    device (torch's caching host allocator keeps the pinned buffer until the copy is done)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
