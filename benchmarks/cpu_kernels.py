@@ -66,11 +66,12 @@ def paired_s(first, second, repeats: int) -> tuple[float, float, float]:
 def linear_table(repeats: int) -> list[str]:
     from fastgen.replica import pipeline
 
-    model = pipeline("smollm2-135m", dtype="bfloat16", progress=False).engine.runner.model
-    weights = [m.weight for m in model.modules() if getattr(m, "packed", None) is not None]
-    amx_packed = [cpu.pack_linear(w) for w in weights]
-    if any(p is None for p in amx_packed):
+    if cpu._amx() is None:
         return ["(the AMX linear kernel does not run on this machine)"]
+    model = pipeline("smollm2-135m", dtype="bfloat16", quantization="none", progress=False).engine.runner.model
+    # The layers hold only their AMX tiles: the plain weights again, for oneDNN's own packing
+    weights = [m.packed.amx.unpacked() for m in model.modules() if getattr(m, "packed", None) is not None]
+    amx_packed = [cpu.pack_linear(w) for w in weights]
     onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 512) for w in weights]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     rows = ["| rows | oneDNN ms | AMX kernel ms | AMX / oneDNN speed | AMX weight GB/s |", "|---|---|---|---|---|"]
@@ -94,7 +95,7 @@ def linear_f32_table(repeats: int) -> list[str]:
     from fastgen.replica import pipeline
     from fastgen.replica.parallel import ParallelLinear, ParallelLMHead
 
-    model = pipeline("smollm2-135m", dtype="float32", progress=False).engine.runner.model
+    model = pipeline("smollm2-135m", dtype="float32", quantization="none", progress=False).engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, ParallelLinear)]
     if any(layer.packed is None or layer.packed.f32 is None for layer in layers):
         return ["(the float32 linear kernel does not run on this machine)"]
@@ -210,7 +211,7 @@ def gate_up_f32_table(repeats: int) -> list[str]:
     from fastgen.replica import pipeline
     from fastgen.replica.parallel import GateUpParallelLinear
 
-    model = pipeline("smollm2-135m", dtype="float32", progress=False).engine.runner.model
+    model = pipeline("smollm2-135m", dtype="float32", quantization="none", progress=False).engine.runner.model
     gated = [m.packed.f32 for m in model.modules() if isinstance(m, GateUpParallelLinear)]
     if any(p is None or not p.gated for p in gated):
         return ["(the fused gate/up kernel does not run on this machine: it is built for AVX-512 only)"]
