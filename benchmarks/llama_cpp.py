@@ -209,6 +209,15 @@ def summarize(runs: dict[str, list[dict[str, float]]]) -> dict:
     return out
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The three measures' workload (MEASURES), shared with benchmarks/quantization.py."""
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams (llama.cpp's -np)")
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--decode-prompt-tokens", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=430)
+    p.add_argument("--repeats", type=int, default=3)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m fastgen.benchmarks.llama_cpp",
@@ -217,11 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--model", default="smollm2-135m", help="a GGUF file or the embedded model (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="both servers' threads (default: all cores)")
-    p.add_argument("--streams", type=int, default=8, help="concurrent streams (llama.cpp's -np)")
-    p.add_argument("--gen", type=int, default=128)
-    p.add_argument("--decode-prompt-tokens", type=int, default=32)
-    p.add_argument("--prefill-tokens", type=int, default=430)
-    p.add_argument("--repeats", type=int, default=3)
+    add_workload_args(p)
     p.add_argument("--llama-server", type=Path, default=None, help="a llama-server built from source (default: build)")
     p.add_argument(
         "--repack",

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .llama_cpp import MEASURES, add_workload_args
 from .provenance import run_info
-
-MEASURES = ("decode", "concurrent", "prefill")
 
 
 def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -111,11 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--modes", default="none,int8,auto", help="quantization modes; the first is the baseline")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--gen", type=int, default=128)
-    p.add_argument("--decode-prompt-tokens", type=int, default=32)
-    p.add_argument("--prefill-tokens", type=int, default=430)
-    p.add_argument("--repeats", type=int, default=3)
+    add_workload_args(p)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
