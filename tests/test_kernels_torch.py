@@ -161,8 +161,9 @@ def c_attention(forbid):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])  # 16, 32: bf16 scores on AMX tiles; 1: vdpbf16ps
 @pytest.mark.parametrize(
-    "kv_heads, head_dim, group", [(2, 64, 3), (3, 128, 2), (1, 32, 1), (2, 80, 3), (1, 48, 9), (1, 40, 2)]
-)  # 80, 48: masked chunks; 40: portable (f32)
+    "kv_heads, head_dim, group",
+    [(2, 64, 3), (3, 128, 2), (1, 32, 1), (2, 80, 3), (1, 48, 9), (1, 40, 2), (1, 64, 71), (1, 40, 71)],
+)  # 80, 48: masked chunks; 40: portable (f32); 71: Falcon-7B's query heads on its one KV head
 def test_cpu_decode_kernel_matches_torch(seed, dtype, block_size, kv_heads, head_dim, group, c_attention):
     """The compiled C attention against dense attention, on a mixed batch (decodes + a prompt chunk), on one thread
     and split over several. Cache slots no sequence owns hold NaN, so a kernel that reads past a sequence's tokens
