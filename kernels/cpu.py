@@ -31,6 +31,7 @@ kernels/clib.py); without a compiler, or for shapes and dtypes a kernel does not
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +55,16 @@ def load_library() -> clib.CLibrary | None:
 
 def _get_library() -> clib.CLibrary | None:
     return clib.get_library()
+
+
+log = logging.getLogger("fastgen.kernels")
+
+
+@functools.cache
+def declined(kernel: str, what: str) -> None:
+    """Says once per process and shape that a C kernel declined its inputs and torch serves them: a model on that
+    path runs several times slower, which its operator should know."""
+    log.warning("the C %s kernel does not take %s: torch's serves it, several times slower", kernel, what)
 
 
 # Asked once: each of these is a call through ctypes, and the layers would ask it several times per layer.
@@ -182,6 +193,7 @@ def paged_attention_cpu(
     else:
         rows, (tables, lens) = q.shape[0], rows_as_decodes(meta)
     if rows and decode_attention(q[:rows], k_cache, v_cache, tables, lens, scale, out[:rows]) is None:
+        declined("decode attention", attention_shape(q, k_cache))
         return paged_attention(q, k_cache, v_cache, meta, scale)
     if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out):
         prefill_attention(q, k_cache, v_cache, meta, scale, out)  # shapes the AMX kernel does not take
@@ -197,7 +209,16 @@ def _attention_as_decodes(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
         rows = meta.workspace[("cpu_rows", window)] = (tables, lens, window_starts(lens, window))
     tables, lens, starts = rows
     out = decode_attention(q, k_cache, v_cache, tables, lens, scale, torch.empty_like(q), starts, softcap)
-    return out if out is not None else paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    if out is None:
+        declined("decode attention", attention_shape(q, k_cache))
+        return paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    return out
+
+
+def attention_shape(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    return f"{q.dtype} attention of {heads} heads on {kv_heads} KV heads of {head_dim}, blocks of {block_size}"
 
 
 def _prefill_attention_avx512(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:

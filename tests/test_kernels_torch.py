@@ -172,6 +172,28 @@ def test_cpu_decode_kernel_matches_torch(seed, dtype, block_size, kv_heads, head
     check_cpu_attention(batch, dtype, head_dim, f"seed {seed}")
 
 
+def test_a_declined_attention_shape_is_served_by_torch_and_said_once(caplog):
+    """A head size past the C decode kernel's (256): torch's attention serves the batch, and the operator is told
+    once per shape, not once per layer and step."""
+    from fastgen.kernels import cpu
+
+    if cpu.load_library() is None:
+        require_tool(False, "no C compiler on this machine")
+    cpu.declined.cache_clear()
+    batch = make_paged_batch(
+        [1, 5], [9, 12], heads=2, kv_heads=1, head_dim=320, block_size=16, dtype=torch.float32, rng=random.Random(0)
+    )
+    with caplog.at_level("WARNING", logger="fastgen.kernels"):
+        for _ in range(3):
+            out = cpu.paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, 320**-0.5)
+    assert torch.allclose(out, dense_attention(batch, 320**-0.5), atol=1e-5, rtol=1e-5)
+    said = [r.getMessage() for r in caplog.records if "does not take" in r.getMessage()]
+    assert said == [
+        "the C decode attention kernel does not take torch.float32 attention of 2 heads on 1 KV heads of "
+        "320, blocks of 16: torch's serves it, several times slower"
+    ]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "kv_heads, group, head_dim, block_size, length, chunk",
