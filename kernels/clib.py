@@ -192,6 +192,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        window=INT,
         threads=INT,
     )
     prefill_attention_avx512_f32: Callable[..., int] = entry(
@@ -209,6 +210,7 @@ class CLibrary:
         block_size=INT,
         table_width=INT,
         scale=FLOAT,
+        window=INT,
         threads=INT,
     )
     elementwise_available: Callable[[], int] = entry()

@@ -180,21 +180,31 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """Same contract as attention.paged_attention. Decodes in one call of the C decode kernel; prompt chunks on the
     AMX kernel (bfloat16 on CPUs with AMX), else on the AVX-512 prompt kernel, else each of their rows as a decode in
-    that same decode call; where the decode kernel does not apply, torch for the whole batch. A sliding window or
-    soft-capping sends every row through the decode kernel, which alone takes them."""
-    if window or softcap:
+    that same decode call; where the decode kernel does not apply, torch for the whole batch. A sliding window's
+    prompt chunks take the AVX-512 prompt kernel too (not the AMX one); soft-capping sends every row through the decode
+    kernel, which alone takes it."""
+    if softcap:
         return _attention_as_decodes(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     has_prompts = meta.num_decodes < len(meta.seq_lens_host)
-    prompts_on_amx = has_prompts and _amx_prefill_applies(q, k_cache, v_cache, out)
-    prompts_done = prompts_on_amx or (has_prompts and _prefill_attention_avx512(q, k_cache, v_cache, meta, scale, out))
+    prompts_on_amx = has_prompts and not window and _amx_prefill_applies(q, k_cache, v_cache, out)
+    prompts_done = prompts_on_amx or (
+        has_prompts and _prefill_attention_avx512(q, k_cache, v_cache, meta, scale, out, window)
+    )
+    if window and has_prompts and not prompts_done:
+        return _attention_as_decodes(q, k_cache, v_cache, meta, scale, window, softcap)
     if prompts_done:
         rows, tables, lens = meta.num_decodes, meta.block_tables[: meta.num_decodes], meta.seq_lens[: meta.num_decodes]
     else:
         rows, (tables, lens) = q.shape[0], rows_as_decodes(meta)
-    if rows and decode_attention(q[:rows], k_cache, v_cache, tables, lens, scale, out[:rows]) is None:
+    starts = None
+    if window:  # the decode rows' first visible tokens, once per step (every window layer asks for the same)
+        starts = meta.workspace.get(("cpu_starts", window, rows))
+        if starts is None:
+            starts = meta.workspace[("cpu_starts", window, rows)] = window_starts(lens, window)
+    if rows and decode_attention(q[:rows], k_cache, v_cache, tables, lens, scale, out[:rows], starts) is None:
         declined("decode attention", attention_shape(q, k_cache))
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window)
     if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out):
         prefill_attention(q, k_cache, v_cache, meta, scale, out)  # shapes the AMX kernel does not take
     return out
@@ -221,9 +231,12 @@ def attention_shape(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return f"{q.dtype} attention of {heads} heads on {kv_heads} KV heads of {head_dim}, blocks of {block_size}"
 
 
-def _prefill_attention_avx512(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+def _prefill_attention_avx512(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0
+) -> bool:
     """Every prompt chunk of the batch on the AVX-512 prompt kernel (csrc/prefill_attention_avx512.c) in one call,
-    into out; False where it does not apply (no library, dtypes, layouts, shapes it declines)."""
+    each row within its sliding window where window > 0, into out; False where it does not apply (no library,
+    dtypes, layouts, shapes it declines)."""
     library = _get_library()
     if (
         library is None
@@ -257,6 +270,7 @@ def _prefill_attention_avx512(q, k_cache, v_cache, meta: AttentionMetadata, scal
         block_size,
         tables.shape[1],
         scale,
+        window,
         torch.get_num_threads(),
     )
     return status == 0

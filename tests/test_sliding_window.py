@@ -100,6 +100,47 @@ def test_c_decode_kernel_windows_and_soft_caps(window, softcap, dtype, block_siz
     assert torch.equal(again, out)  # the per-step rows cached in the metadata give the same answer
 
 
+@pytest.mark.parametrize("window", [3, 64, 70, 130])  # 64: a key tile of the prompt kernel; 70, 130: past one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_prompt_kernel_windows_over_long_chunks(window, dtype, cpu_kernels, monkeypatch):
+    """Long prompt chunks after long histories take the AVX-512 prompt kernel with the window (its first key tile
+    after the first row's window start, rows whose window starts past a tile skipped, keys before each row's window
+    masked), decode rows the decode kernel's: against dense attention, on one thread and on several."""
+    calls = []
+    prompt_kernel = cpu_kernels._prefill_attention_avx512
+    monkeypatch.setattr(
+        cpu_kernels, "_prefill_attention_avx512", lambda *a, **k: calls.append(prompt_kernel(*a, **k)) or calls[-1]
+    )
+    rng = random.Random(window)
+    torch.manual_seed(window)
+    seqs = [(40, 1), (300, 1), (150, 200), (0, 141), (260, 67)]  # (cached, new): decodes first
+    batch = make_paged_batch(
+        [new for _, new in seqs],
+        [cached + new for cached, new in seqs],
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        rng=rng,
+        spare_blocks=4,
+        poison=True,
+        num_decodes=2,
+    )
+    scale = 64**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.set_num_threads(1)
+    try:
+        out = cpu_kernels.paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, window)
+        assert calls == [True]  # the prompt kernel took the chunks
+        assert torch.allclose(out.float(), dense(batch, scale, window, 0.0), atol=tol, rtol=tol)
+        torch.set_num_threads(2)
+        again = cpu_kernels.paged_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, window)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(again, out)
+
+
 def test_c_kernel_without_window_or_cap_is_unchanged(cpu_kernels):
     """window 0 and softcap 0 take the unwindowed path: the same bits as the call without them."""
     batch = mixed_batch(3, torch.float32, 16)

@@ -4,7 +4,9 @@
  * bfloat16 is widened to float32 on load by a shift, so no AVX512-BF16 instruction is needed.
  *
  * A work unit is (sequence's chunk, tile of PF_QROWS queries, KV head): the tile's rows times the group's query heads,
- * the unit's query vectors, against keys [0, position of the tile's last row]. Per key tile:
+ * the unit's query vectors, against keys [0, position of the tile's last row] — with a sliding window of W keys, from
+ * the key tile holding the first row's first visible key (position - W + 1), keys before a row's window masked as
+ * those past its position are. Per key tile:
  * - the tile's keys are converted to float32 and transposed into head_dim x PF_KEYS, its values converted as they lie
  *   (scratch), once for all the unit's query vectors;
  * - scores as a matrix product: PF_QV query vectors at a time against the whole tile, each vector's PF_KEYS scores in
@@ -12,9 +14,10 @@
  * - causal mask, online softmax per query vector (running max and sum; the output is rescaled when the max grows);
  * - out = alpha out + p v as a matrix product: PF_QV query vectors at a time, each value load shared by them.
  * PF_QV query vectors at a time go through all three steps, so their scores are still in L1 when their softmax and
- * their update read them. Query vectors whose row lies before the key tile are skipped (they would see no key of
- * it, which leaves their sums exactly as they are). Keys past a row's position get probability 0 exactly; key slots
- * past the tile's last key are zero, so no cache slot a sequence does not own is read.
+ * their update read them. Query vectors whose row lies before the key tile, or whose window starts after it, are
+ * skipped (they would see no key of it, which leaves their sums exactly as they are). Keys past a row's position
+ * get probability 0 exactly; key slots past the tile's last key are zero, so no cache slot a sequence does not own
+ * is read.
  *
  * Work units are handed out in order to whichever thread is free (units differ in cost: a causal tile's keys grow
  * with its position, so dealing them round-robin left one thread the costlier half); each unit (so each output row)
@@ -151,12 +154,13 @@ static void micro(int scores, const float *q, const float *kt, float *s, float *
 /* Online softmax of query vector v's scores over the tile's first `valid` keys (1 <= valid <= PF_KEYS), in place:
  * s becomes the probabilities (0 past the valid keys), m and l the running max and sum, *alpha the factor the
  * vector's earlier output is rescaled by. */
-static inline void softmax_row(float *s, int valid, float *m, float *l, float *alpha) {
+static inline void softmax_row(float *s, int lo, int valid, float *m, float *l, float *alpha) {
     __m512 x[4];
     __mmask16 keep[4];
     for (int c = 0; c < 4; c++) {
-        const int left = valid - 16 * c;
+        const int left = valid - 16 * c, before = lo - 16 * c; /* keys [lo, valid) of this vector's 16 */
         keep[c] = left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        keep[c] &= before <= 0 ? (__mmask16)0xffff : before >= 16 ? 0 : (__mmask16)(0xffffu << before);
         x[c] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), keep[c], s + 16 * c);
     }
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
@@ -179,8 +183,10 @@ static inline void softmax_row(float *s, int valid, float *m, float *l, float *a
      * point at row i0 (rows of heads * head_dim elements). */                                                    \
     static void unit_##NAME(const T *q, T *out, const T *k_cache, const T *v_cache, const CacheWalk *w,           \
                             int first_pos, int rows, int heads, int group, int h, int head_dim, float scale,      \
-                            const Scratch *x) {                                                                   \
+                            int window, const Scratch *x) {                                                       \
         const int nq = rows * group, last_pos = first_pos + rows - 1;                                             \
+        /* a window's first key tile: the one holding the first row's first visible key */                       \
+        const int first_key = window && first_pos + 1 > window ? first_pos + 1 - window : 0;                      \
         const int64_t row = (int64_t)heads * head_dim;                                                            \
         const __m512 scaled = _mm512_set1_ps(scale);                                                              \
         for (int r = 0; r < rows; r++)                                                                            \
@@ -192,7 +198,7 @@ static inline void softmax_row(float *s, int valid, float *m, float *l, float *a
             }                                                                                                     \
         memset(x->o, 0, sizeof(float) * nq * head_dim);                                                           \
         for (int v = 0; v < nq; v++) x->m[v] = -INFINITY, x->l[v] = 0.f;                                          \
-        for (int t0 = 0; t0 <= last_pos; t0 += PF_KEYS) {                                                         \
+        for (int t0 = first_key / PF_KEYS * PF_KEYS; t0 <= last_pos; t0 += PF_KEYS) {                             \
             const int n = last_pos + 1 - t0 < PF_KEYS ? last_pos + 1 - t0 : PF_KEYS;                              \
             for (int j0 = 0; j0 < PF_KEYS; j0 += 16) { /* keys -> kt, values -> v, as float32; zeros past n */    \
                 int64_t at[16];                                                                                   \
@@ -208,14 +214,18 @@ static inline void softmax_row(float *s, int valid, float *m, float *l, float *a
                     for (int d = 0; d < 16; d++) _mm512_store_ps(x->kt + (d0 + d) * PF_KEYS + j0, k[d]);          \
                 }                                                                                                 \
             }                                                                                                     \
-            /* rows before the tile see none of its keys: their vectors are skipped (exactly as if attended) */   \
+            /* rows before the tile, and rows whose window starts past it, see none of its keys: their vectors   \
+             * are skipped (exactly as if attended) */                                                            \
             const int v0 = (t0 > first_pos ? t0 - first_pos : 0) * group;                                         \
-            for (int v = v0; v < nq; v += PF_QV) {                                                                \
-                const int mr = nq - v < PF_QV ? nq - v : PF_QV;                                                   \
+            const int past = window ? (t0 + n + window - 1 - first_pos) * group : nq;                             \
+            const int v1 = past < nq ? past : nq;                                                                 \
+            for (int v = v0; v < v1; v += PF_QV) {                                                                \
+                const int mr = v1 - v < PF_QV ? v1 - v : PF_QV;                                                   \
                 micro(1, x->q + (int64_t)v * head_dim, x->kt, x->s + (int64_t)v * PF_KEYS, 0, 0, 0, 0, head_dim, mr); \
                 for (int u = v; u < v + mr; u++) {                                                                \
-                    const int seen = first_pos + u / group - t0 + 1;                                              \
-                    softmax_row(x->s + (int64_t)u * PF_KEYS, seen < n ? seen : n, x->m + u, x->l + u, x->alpha + u); \
+                    const int seen = first_pos + u / group - t0 + 1, lo = window ? seen - window : 0;                  \
+                    softmax_row(x->s + (int64_t)u * PF_KEYS, lo, seen < n ? seen : n, x->m + u, x->l + u,         \
+                                x->alpha + u);                                                                    \
                 }                                                                                                 \
                 micro(0, 0, 0, x->s + (int64_t)v * PF_KEYS, x->o + (int64_t)v * head_dim, x->alpha + v, n, x->v,   \
                       head_dim, mr);                                                                              \
@@ -245,10 +255,11 @@ static inline int query_tiles(const int32_t *query_start, int i) {
 #define DEFINE_ENTRY(NAME, T)                                                                                      \
     static int run_##NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *tables,                    \
                           const int32_t *query_start, const int32_t *seq_lens, T *out, int seqs, int heads,         \
-                          int kv_heads, int head_dim, int block_size, int table_width, float scale, int threads) {  \
+                          int kv_heads, int head_dim, int block_size, int table_width, float scale, int window,     \
+                          int threads) {                                                                            \
         if (seqs <= 0) return 0;                                                                                    \
         if (kv_heads <= 0 || heads % kv_heads || heads / kv_heads > PF_MAX_GROUP || head_dim <= 0 ||               \
-            head_dim % 16 || head_dim > PF_MAX_HEAD_DIM || block_size <= 0)                                         \
+            head_dim % 16 || head_dim > PF_MAX_HEAD_DIM || block_size <= 0 || window < 0)                           \
             return -1;                                                                                              \
         const int group = heads / kv_heads;                                                                         \
         int64_t work = 0;                                                                                           \
@@ -300,7 +311,7 @@ static inline int query_tiles(const int32_t *query_start, int i) {
                                      (int64_t)h * head_dim, block_size};                                            \
                 const int64_t at = ((int64_t)query_start[i] + i0) * row;                                            \
                 unit_##NAME(q + at, out + at, k_cache, v_cache, &w, seq_lens[i] - chunk + i0, rows, heads,          \
-                            group, h, head_dim, scale, &x);                                                         \
+                            group, h, head_dim, scale, window, &x);                                                 \
             }                                                                                                       \
             free(x.q);                                                                                              \
             free(x.s);                                                                                              \
@@ -325,17 +336,18 @@ DEFINE_ENTRY(bf16, uint16_t)
 
 /* q, out: (tokens, heads, head_dim) contiguous; sequence i's chunk is rows [query_start[i], query_start[i + 1]), the
  * last of its seq_lens[i] tokens; tables: (seqs, table_width) int32; caches (blocks, block_size, kv_heads,
- * head_dim). */
+ * head_dim). window > 0: a row at position p sees keys [p + 1 - window, p] only (a sliding window). */
 int prefill_attention_avx512_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
                                  const int32_t *query_start, const int32_t *seq_lens, float *out, int seqs, int heads,
-                                 int kv_heads, int head_dim, int block_size, int table_width, float scale,
+                                 int kv_heads, int head_dim, int block_size, int table_width, float scale, int window,
                                  int threads) {
 #if HAVE_PF_AVX512
     return run_f32(q, k_cache, v_cache, tables, query_start, seq_lens, out, seqs, heads, kv_heads, head_dim,
-                   block_size, table_width, scale, threads);
+                   block_size, table_width, scale, window, threads);
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)tables, (void)query_start, (void)seq_lens, (void)out, (void)seqs;
-    (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)table_width, (void)scale, (void)threads;
+    (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)table_width, (void)scale, (void)window;
+    (void)threads;
     return -1;
 #endif
 }
@@ -343,13 +355,14 @@ int prefill_attention_avx512_f32(const float *q, const float *k_cache, const flo
 int prefill_attention_avx512_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                   const int32_t *tables, const int32_t *query_start, const int32_t *seq_lens,
                                   uint16_t *out, int seqs, int heads, int kv_heads, int head_dim, int block_size,
-                                  int table_width, float scale, int threads) {
+                                  int table_width, float scale, int window, int threads) {
 #if HAVE_PF_AVX512
     return run_bf16(q, k_cache, v_cache, tables, query_start, seq_lens, out, seqs, heads, kv_heads, head_dim,
-                    block_size, table_width, scale, threads);
+                    block_size, table_width, scale, window, threads);
 #else
     (void)q, (void)k_cache, (void)v_cache, (void)tables, (void)query_start, (void)seq_lens, (void)out, (void)seqs;
-    (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)table_width, (void)scale, (void)threads;
+    (void)heads, (void)kv_heads, (void)head_dim, (void)block_size, (void)table_width, (void)scale, (void)window;
+    (void)threads;
     return -1;
 #endif
 }
