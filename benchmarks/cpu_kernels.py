@@ -7,10 +7,10 @@
    (the whole model per pass, as a forward pass does). Also the weight bytes per second at each size.
 2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
    turn, the C kernel against the torch reference; bytes of K/V read per second.
-3. Prompt attention, float32 and bfloat16: one prompt chunk over its cached history, as the CPU kernels attend it
-   (the AMX prompt kernel for bfloat16 where there is AMX, else the AVX-512 prompt kernel,
-   kernels/csrc/prefill_attention_avx512.c) against every row through the C decode kernel (the fallback) and
-   torch's CPU attention, whose results depend on the thread count.
+3. Prompt attention, float32 and bfloat16: one prompt chunk over its cached history (also under a sliding window), as
+   the CPU kernels attend it (the AMX prompt kernel for bfloat16 where there is AMX and no window, else the AVX-512
+   prompt kernel, kernels/csrc/prefill_attention_avx512.c) against every row through the C decode kernel (the
+   fallback; paired, order alternating) and torch's CPU attention, whose results depend on the thread count.
 4. Linear layers, float32: every linear layer of SmolLM2-135M at 1 to 2048 rows (the LM head up to 64, the most rows
    a step samples), the batch-invariant AVX-512/AVX2 kernel on its packed weights (kernels/csrc/linear_f32.c) against
    torch's F.linear (MKL's sgemm) on the plain ones, weights not in cache; also the FLOP/s at each size. The
@@ -183,26 +183,33 @@ def prompt_attention_table(repeats: int) -> list[str]:
     from fastgen.testing import make_paged_batch
 
     rows = [
-        "| dtype | chunk / sequence | CPU kernels ms | rows as decodes ms | torch ms | CPU kernels / rows as decodes "
-        "| CPU kernels / torch |",
-        "|---|---|---|---|---|---|---|",
+        "| dtype | chunk / sequence | window | CPU kernels ms | rows as decodes ms | torch ms "
+        "| CPU kernels / rows as decodes | CPU kernels / torch |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for dtype in (torch.float32, torch.bfloat16):
-        for chunk, length in ((128, 128), (512, 512), (512, 1024)):
+        for chunk, length, window in ((128, 128, 0), (512, 512, 0), (512, 1024, 0), (512, 1024, 256)):
             torch.manual_seed(0)
             b = make_paged_batch([chunk], [length], heads=9, kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
             tables, lens = cpu.rows_as_decodes(b.meta)
+            starts = cpu.window_starts(lens, window)
 
-            def as_decodes(b=b, tables=tables, lens=lens):
-                assert cpu.decode_attention(b.q, b.k_cache, b.v_cache, tables, lens, 0.125) is not None
+            def as_decodes(b=b, tables=tables, lens=lens, starts=starts):
+                out = torch.empty_like(b.q)
+                assert cpu.decode_attention(b.q, b.k_cache, b.v_cache, tables, lens, 0.125, out, starts) is not None
 
-            ours = median_s(lambda b=b: cpu.paged_attention_cpu(b.q, b.k_cache, b.v_cache, b.meta, 0.125), repeats)
-            decodes = median_s(as_decodes, repeats)
-            theirs = median_s(lambda b=b: torch_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.125), repeats)
+            def ours(b=b, window=window):
+                cpu.paged_attention_cpu(b.q, b.k_cache, b.v_cache, b.meta, 0.125, window)
+
+            def theirs(b=b, window=window):
+                torch_attention(b.q, b.k_cache, b.v_cache, b.meta, 0.125, window)
+
+            ours_s, decodes_s = paired_s(ours, as_decodes, repeats)[:2]
+            theirs_s = median_s(theirs, repeats)
             name = str(dtype).removeprefix("torch.")
             rows.append(
-                f"| {name} | {chunk} / {length} | {ours * 1e3:.2f} | {decodes * 1e3:.2f} | {theirs * 1e3:.2f} "
-                f"| {ours / decodes:.2f} | {ours / theirs:.2f} |"
+                f"| {name} | {chunk} / {length} | {window or '–'} | {ours_s * 1e3:.2f} | {decodes_s * 1e3:.2f} "
+                f"| {theirs_s * 1e3:.2f} | {ours_s / decodes_s:.2f} | {ours_s / theirs_s:.2f} |"
             )
     return rows
 
