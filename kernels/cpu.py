@@ -31,7 +31,6 @@ kernels/clib.py); without a compiler, or for shapes and dtypes a kernel does not
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,14 +56,11 @@ def _get_library() -> clib.CLibrary | None:
     return clib.get_library()
 
 
-log = logging.getLogger("fastgen.kernels")
-
-
 @functools.cache
 def declined(kernel: str, what: str) -> None:
     """Says once per process and shape that a C kernel declined its inputs and torch serves them: a model on that
     path runs several times slower, which its operator should know."""
-    log.warning("the C %s kernel does not take %s: torch's serves it, several times slower", kernel, what)
+    clib.log.warning("the C %s kernel does not take %s: torch's serves it, several times slower", kernel, what)
 
 
 # Asked once: each of these is a call through ctypes, and the layers would ask it several times per layer.
@@ -673,12 +669,9 @@ class PackedWeight:
     onednn: torch.Tensor | None = None
     f32: PackedF32 | None = None
 
-    @property
-    def holds_weight(self) -> bool:
-        """The packed form alone computes the layer, so the layer drops its plain weight, which would double the
-        model's memory: oneDNN takes every input; an input the float32 or AMX kernel declines goes to torch with the
-        weight unpacked."""
-        return True
+    # The packed form alone computes the layer, so the layer drops its plain weight, which would double the model's
+    # memory: oneDNN takes every input; an input the float32 or AMX kernel declines goes to torch with it unpacked.
+    holds_weight = True
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
