@@ -23,6 +23,8 @@ from fastgen.launch.config import DeployConfig, ProcessSpec
 from fastgen.replica.config import parse_size
 from fastgen.testing import free_port
 
+from .helpers import free_port_range
+
 STAND_IN = textwrap.dedent(
     """
     # A stand-in server: NOT_SERVING for --delay s, then SERVING; exits 0 on SIGTERM after --drain s.
@@ -348,13 +350,17 @@ def listening_above_a_free_port() -> socket.socket:
 def test_port_problems_name_the_flag(tmp_path):
     with listening_above_a_free_port() as s:  # the replica's port (--port + 1) taken, the balancer's free
         port = s.getsockname()[1]
-        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port(), http_port=0)
+        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port_range(2), http_port=0)
         problems = deployment.port_problems(c, tmp_path)
     assert len(problems) == 1 and str(port) in problems[0] and "replica-0" in problems[0] and "--port" in problems[0]
 
 
 def test_ports_of_other_live_deployments_are_taken(tmp_path):
-    other = DeployConfig(name="other", replicas=1, port=free_port(), metrics_port=free_port(), http_port=free_port())
+    # Bases of free ranges: a deployment of one replica holds --port and --metrics-port and the port after each.
+    port = free_port_range(2)
+    metrics = free_port_range(2, avoid={port, port + 1})
+    http = free_port_range(1, avoid={port, port + 1, metrics, metrics + 1})
+    other = DeployConfig(name="other", replicas=1, port=port, metrics_port=metrics, http_port=http)
     paths = state.paths_for(tmp_path, "other")
     state.save_config(paths, other)
     fd = state.try_lock(paths)  # stands for its supervisor
@@ -371,7 +377,8 @@ def test_http_port_in_use_names_its_flag(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        c = DeployConfig(replicas=1, port=free_port(), metrics_port=free_port(), http_port=port)
+        base = free_port_range(2)  # --port and --metrics-port each hold the port after them too
+        c = DeployConfig(replicas=1, port=base, metrics_port=free_port_range(2, avoid={base, base + 1}), http_port=port)
         problems = deployment.port_problems(c, tmp_path)
     assert problems == [f"port {port} (balancer HTTP) on 127.0.0.1 is in use: choose another --http-port"]
 
