@@ -33,7 +33,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -80,6 +80,17 @@ class RequestFailed(Exception):
         self.code = code
         self.details = details
         self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True)
+class Route:
+    """What one pick decided, carried through the attempt it starts: a retry or a move picks again and gets a route
+    of its own, so nothing about an attempt outlives it."""
+
+    replica: Replica
+    # Prompt tokens the replica has yet to prefill for this request, which its lease counts as queued work there:
+    # prefix_aware's prediction (a cached prefix must not weigh on its holder), else the whole prompt's estimate.
+    uncached_tokens: int
 
 
 @dataclass
@@ -131,9 +142,6 @@ class Balancer:
         self.migration = migration
         self.limits = limits
         self.per_tenant_salt = per_tenant_salt  # API keys are per tenant: each has its own prefix cache (tenants.py)
-        # prefix_aware's prediction of the prompt tokens the chosen replica has yet to prefill, by id() of the request
-        # object, from the pick to the lease: a cached prefix must not weigh on its holder as queued work.
-        self._uncached: dict[int, int] = {}
 
     async def generate(
         self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None, caller: str | None = None
@@ -143,23 +151,24 @@ class Balancer:
         attempts = Attempts(self._max_retries, request=request)
         await self._key_prompt(attempts)
         moves = 0
-        replica = self._pick(attempts)
+        route = self._pick(attempts)
 
         def may_move() -> bool:
             return moves < self.migration.limit
 
         while True:
             try:
-                return await self._generate_on(replica, request, deadline, may_move)
+                return await self._generate_on(route, request, deadline, may_move)
             except grpc.aio.AioRpcError as e:
-                await self._after_failure(replica, e, attempts)
-                replica = self._pick(attempts)
+                await self._after_failure(route.replica, e, attempts)
+                route = self._pick(attempts)
             except ReplicaLost:
                 moves += 1
-                self._metrics.on_replica_call(replica.id, grpc.StatusCode.CANCELLED)
-                self._metrics.on_migration(replica.id, "unhealthy", 0)
-                log.info("replica %s left health during a call; running it again elsewhere", replica.id)
-                replica = self._pick_other_than(replica, attempts, "no healthy replica to move the call to")
+                lost = route.replica
+                self._metrics.on_replica_call(lost.id, grpc.StatusCode.CANCELLED)
+                self._metrics.on_migration(lost.id, "unhealthy", 0)
+                log.info("replica %s left health during a call; running it again elsewhere", lost.id)
+                route = self._pick_other_than(lost, attempts, "no healthy replica to move the call to")
 
     async def stream(
         self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None, caller: str | None = None
@@ -168,7 +177,7 @@ class Balancer:
         journal = journal_for(request, self.migration)
         attempts = Attempts(self._max_retries, request=request)
         await self._key_prompt(attempts)
-        replica, upstream = self._pick(attempts), request
+        route, upstream = self._pick(attempts), request
         failed_at = None  # when a replica of this stream failed, until the next one sends a token
 
         def may_move() -> bool:
@@ -176,7 +185,7 @@ class Balancer:
 
         while True:
             try:
-                async with contextlib.aclosing(self._stream_from(replica, upstream, deadline, may_move)) as chunks:
+                async with contextlib.aclosing(self._stream_from(route, upstream, deadline, may_move)) as chunks:
                     async for chunk in chunks:
                         if failed_at is not None:
                             self._metrics.on_resumed(time.monotonic() - failed_at)
@@ -185,17 +194,17 @@ class Balancer:
                 return
             except grpc.aio.AioRpcError as e:
                 if not journal.delivered:
-                    await self._after_failure(replica, e, attempts)
-                    replica = self._pick(attempts)
+                    await self._after_failure(route.replica, e, attempts)
+                    route = self._pick(attempts)
                     continue
                 if e.code() not in MIGRATE_ON:
-                    self._metrics.on_replica_call(replica.id, e.code())
-                    raise self._failed_after_output(replica, e, "not retried so no text is repeated") from None
+                    self._metrics.on_replica_call(route.replica.id, e.code())
+                    raise self._failed_after_output(route.replica, e, "not retried so no text is repeated") from None
                 failure, cause = e, e.code().name.lower()
             except ReplicaLost:
                 failure, cause = None, "unhealthy"
             failed_at = failed_at or time.monotonic()
-            replica, upstream = await self._move(replica, failure, cause, journal, attempts)
+            route, upstream = await self._move(route.replica, failure, cause, journal, attempts)
 
     def _admit(self, request: fastgen_pb2.GenerateRequest, caller: str | None) -> fastgen_pb2.GenerateRequest:
         """The request as it goes upstream (its tenant's salt); RequestFailed when it is over a limit, before
@@ -256,10 +265,11 @@ class Balancer:
 
     # ---- one upstream call ----
     async def _generate_on(
-        self, replica: Replica, request, deadline: float | None, may_move: Callable[[], bool]
+        self, route: Route, request, deadline: float | None, may_move: Callable[[], bool]
     ) -> fastgen_pb2.GenerateResponse:
+        replica = route.replica
         call = replica.stub.Generate(request, timeout=time_left(deadline))
-        async with self.pool.lease(replica, self._prompt_tokens(request)), self._unless_lost(replica, call, may_move):
+        async with self.pool.lease(replica, route.uncached_tokens), self._unless_lost(replica, call, may_move):
             try:
                 response = await call
             except asyncio.CancelledError:
@@ -269,10 +279,11 @@ class Balancer:
         return response
 
     async def _stream_from(
-        self, replica: Replica, request, deadline: float | None, may_move: Callable[[], bool]
+        self, route: Route, request, deadline: float | None, may_move: Callable[[], bool]
     ) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
+        replica = route.replica
         call = replica.stub.GenerateStream(request, timeout=time_left(deadline))
-        async with self.pool.lease(replica, self._prompt_tokens(request)):
+        async with self.pool.lease(replica, route.uncached_tokens):
             try:
                 async with self._unless_lost(replica, call, may_move):
                     async for chunk in call:
@@ -312,8 +323,8 @@ class Balancer:
 
     async def _move(
         self, replica: Replica, failure: grpc.aio.AioRpcError | None, cause: str, journal: Journal, attempts: Attempts
-    ) -> tuple[Replica, fastgen_pb2.GenerateRequest]:
-        """The replica and request that continue a stream whose replica failed (failure: the call's error; None when
+    ) -> tuple[Route, fastgen_pb2.GenerateRequest]:
+        """The route and request that continue a stream whose replica failed (failure: the call's error; None when
         the replica left health); RequestFailed when the stream cannot move."""
         details = failure.details() if failure is not None else "it left health while the stream waited"
         self._metrics.on_replica_call(replica.id, failure.code() if failure is not None else grpc.StatusCode.CANCELLED)
@@ -335,12 +346,16 @@ class Balancer:
             replica.id,
             journal.tokens,
             details,
-            successor.id,
+            successor.replica.id,
         )
-        return successor, journal.resumed_request() if journal.delivered else journal.request
+        if not journal.delivered:
+            return successor, journal.request
+        # The pick's prediction is for the prompt as first sent, not for one resumed after output: that counts whole.
+        resumed = journal.resumed_request()
+        return replace(successor, uncached_tokens=estimate_prompt_tokens(resumed)), resumed
 
     # ---- routing and retries ----
-    def _pick_other_than(self, replica: Replica, attempts: Attempts, unavailable: str) -> Replica:
+    def _pick_other_than(self, replica: Replica, attempts: Attempts, unavailable: str) -> Route:
         """A healthy replica for a request that leaves `replica` mid-call. Only that one is excluded: after a rolling
         restart the replica a long stream started on may be the one to take it back."""
         attempts.tried = {replica.position}
@@ -351,7 +366,8 @@ class Balancer:
                 raise
             raise RequestFailed(f.code, f"{unavailable}: {f.details}") from None
 
-    def _pick(self, attempts: Attempts) -> Replica:
+    def _pick(self, attempts: Attempts) -> Route:
+        """Where the request's next attempt goes; RequestFailed when no replica may take it."""
         key = self._prefix_key(attempts)
         lora = attempts.request.lora_name
         loads = self.pool.candidates(exclude=attempts.tried, key=key, lora=lora)
@@ -365,19 +381,12 @@ class Balancer:
         attempts.tried.add(position)
         replica = self.pool.at(position)
         self._metrics.on_route(self._router.policy, replica.id)
-        if key is not None:
-            cached = loads[position].cached_tokens
-            self.pool.note_routed(replica, key)
-            self._metrics.on_prefix_route(replica.id, key.tokens, cached)
-            if len(self._uncached) > 4096:  # picks whose call never started (deadline passed) leave entries
-                self._uncached.clear()
-            self._uncached[id(attempts.request)] = max(0, key.tokens - cached)
-        return replica
-
-    def _prompt_tokens(self, request) -> int:
-        """Prompt tokens a request adds to its replica's queue: prefix_aware's prediction, else the estimate."""
-        uncached = self._uncached.pop(id(request), None)
-        return estimate_prompt_tokens(request) if uncached is None else uncached
+        if key is None:
+            return Route(replica, estimate_prompt_tokens(attempts.request))
+        cached = loads[position].cached_tokens
+        self.pool.note_routed(replica, key)
+        self._metrics.on_prefix_route(replica.id, key.tokens, cached)
+        return Route(replica, max(0, key.tokens - cached))
 
     @staticmethod
     def _prefix_key(attempts: Attempts) -> PromptKey | None:

@@ -119,6 +119,7 @@ async def balancer_over(
     healthy: bool = True,
     policy: str = "round_robin",
     migration: MigrationSettings = DEFAULT_MIGRATION,
+    health_interval: float = 0.05,
 ):
     servers, health, specs = [], {}, []
     for fake in fakes:
@@ -130,7 +131,7 @@ async def balancer_over(
         specs.append(ReplicaSpec(fake.id, f"127.0.0.1:{port}"))
     registry = CollectorRegistry()
     metrics = BalancerMetrics(registry)
-    pool = ReplicaPool(specs, health_interval=0.05, health_timeout=1.0, metrics=metrics)
+    pool = ReplicaPool(specs, health_interval=health_interval, health_timeout=1.0, metrics=metrics)
     service = BalancerService(pool, Router(policy, len(fakes)), metrics, max_retries, migration)
     port = free_port()
     server, _ = create_server(service, "127.0.0.1", port)
@@ -389,6 +390,62 @@ def test_least_loaded_follows_the_replicas_reports():
             a.running = 0
             await _wait_for(lambda: h.pool.replicas[0].status.running_requests == 0)
             assert {(await h.client.generate("x")).replica for _ in range(6)} == {"a", "b"}
+
+    run(main())
+
+
+def test_each_pick_weighs_on_its_replica_only_while_its_attempt_runs():
+    """prefix_aware counts the prompt tokens a pick predicts its replica has yet to prefill as queued work there, for
+    as long as that attempt runs: a failed attempt, a retry, a cancelled call and a retried stream each give theirs
+    back, so an idle pool reads idle again."""
+    full = grpc.StatusCode.RESOURCE_EXHAUSTED
+    a, b = FakeReplica("a", [full, SLOW]), FakeReplica("b", [OK, FailAfter(0)])
+    prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 321))))  # 20 blocks of 16
+
+    def accounted(h: Harness) -> list[tuple[int, int]]:
+        return [(r.in_flight, r.unreported_prompt_tokens) for r in h.pool.replicas]
+
+    async def main():
+        # One status report each, then none for a minute: a report would wipe the unreported tokens and hide a leak.
+        async with balancer_over([a, b], policy="prefix_aware", health_interval=60) as h:
+            await _wait_for(lambda: all(r.reports == 1 for r in h.pool.replicas))
+            assert (await h.balancer.generate(prompt)).replica == "b"  # a was full
+            assert accounted(h) == [(0, 0), (0, 0)]
+
+            # Both were routed the prompt, so both hold it but for its last block: a's attempt counts that block.
+            call = asyncio.ensure_future(h.balancer.generate(prompt))
+            await _wait_for(lambda: a.calls == 2)
+            assert accounted(h) == [(1, 16), (0, 0)]
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            assert accounted(h) == [(0, 0), (0, 0)]
+
+            chunks = [c async for c in h.balancer.stream(prompt)]  # b fails before any output: retried on a
+            assert {c.replica for c in chunks} == {"a"}
+            assert accounted(h) == [(0, 0), (0, 0)]
+            assert [r.reports for r in h.pool.replicas] == [1, 1]
+
+    run(main())
+    assert (a.calls, b.calls) == (3, 2)
+
+
+def test_a_stream_resumed_after_output_counts_its_prompt_whole_where_it_moves():
+    """The pick's prediction covers the prompt as first sent; a stream resumed after output weighs on its new replica
+    with the whole prompt's estimate, and gives it back when the stream ends."""
+    a, b = FakeReplica("a", [grpc.StatusCode.RESOURCE_EXHAUSTED, FailAfter(2)]), FakeReplica("b", [OK, SLOW])
+    prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 321))))
+
+    async def main():
+        async with balancer_over([a, b], policy="prefix_aware", health_interval=60) as h:
+            await _wait_for(lambda: all(r.reports == 1 for r in h.pool.replicas))
+            assert (await h.balancer.generate(prompt)).replica == "b"  # both now hold the prompt but its last block
+            stream = h.balancer.stream(prompt)
+            replicas = [(await stream.__anext__()).replica for _ in range(3)]
+            assert replicas == ["a", "a", "b"]  # a died after two chunks; b continues
+            assert [(r.in_flight, r.unreported_prompt_tokens) for r in h.pool.replicas] == [(0, 0), (1, 320)]
+            await stream.aclose()
+            assert [(r.in_flight, r.unreported_prompt_tokens) for r in h.pool.replicas] == [(0, 0), (0, 0)]
 
     run(main())
 
