@@ -89,6 +89,31 @@ class _Completion:
     matcher: Matcher | None = None  # where it stands in its request's grammar; None: unconstrained
 
 
+@dataclass(frozen=True)
+class CacheInfo:
+    """The paged KV pool and its prefix cache, as the replica reports them (GetStatus, WatchCache)."""
+
+    block_size: int  # tokens per KV block: what a balancer splits prompts by to hash them
+    blocks_total: int
+    blocks_free: int  # never cached, or cached and held by no sequence (evictable)
+    blocks_cached: int  # holding a prefix's KV, held or evictable; 0 without prefix caching
+    prefix_caching: bool  # off: nothing is kept by content, so there are no changes to watch
+
+    @property
+    def blocks_used(self) -> int:
+        return self.blocks_total - self.blocks_free
+
+
+@dataclass(frozen=True)
+class CacheChanges:
+    """The prefix cache's changes since the engine was last asked (Engine.cache_events), for WatchCache: `events`
+    as (stored, hash), oldest first (stored False: evicted); or, where the record overflowed, `snapshot`, every
+    cached hash, for the reader to start again from."""
+
+    events: list[tuple[bool, bytes]] = field(default_factory=list)
+    snapshot: list[bytes] | None = None
+
+
 class Engine:
     def __init__(
         self,
@@ -304,17 +329,34 @@ class Engine:
     def load(self) -> EngineLoad:
         """What is queued and running now, and how full the KV pool is."""
         s = self.scheduler
+        pool = self.cache_info()
         return EngineLoad(
             queued=len(s.waiting),
             running=len(s.running),
-            kv_blocks_used=s.allocator.num_used,
-            kv_blocks_total=s.allocator.num_blocks,
+            kv_blocks_used=pool.blocks_used,
+            kv_blocks_total=pool.blocks_total,
             queued_prompt_tokens=sum(q.num_uncomputed for q in s.waiting),
             pending_prompt_tokens=sum(max(0, q.num_prompt_tokens - q.num_computed) for q in (*s.waiting, *s.running)),
             refuse_for_s=s.refuse_for(),
             loras=tuple(self.loras.names()) if self.loras is not None else (),
             resident_loras=tuple(self.loras.resident()) if self.loras is not None else (),
         )
+
+    # ---- the KV pool ------------------------------------------------------------------------------------
+    def cache_info(self) -> CacheInfo:
+        """The KV pool's geometry and fill. Its counts are plain reads: from another thread than the engine's, a
+        moment's view."""
+        a = self.scheduler.allocator
+        return CacheInfo(a.block_size, a.num_blocks, a.num_free, a.num_cached, a.cache is not None)
+
+    def cache_events(self) -> CacheChanges:
+        """The prefix cache's changes since the last call (none without prefix caching). Engine thread only: it
+        drains the cache's record, which is bounded, so a caller that asks too seldom gets a snapshot instead."""
+        cache = self.scheduler.allocator.cache
+        if cache is None:
+            return CacheChanges()
+        events, dropped = cache.drain_events()
+        return CacheChanges(snapshot=cache.hashes()) if dropped else CacheChanges(events)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -585,7 +627,7 @@ class Engine:
         )
 
     def _stats(self, batch: Batch, accepted: list[tuple[int, int]], forward_s: float, start: float) -> StepStats:
-        alloc = self.scheduler.allocator
+        pool = self.cache_info()
         prefix = self.scheduler.prefix_stats()
         return StepStats(
             num_seqs=len(batch.seqs),
@@ -597,12 +639,12 @@ class Engine:
             step_s=time.monotonic() - start,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
-            kv_blocks_used=alloc.num_used,
-            kv_blocks_total=alloc.num_blocks,
+            kv_blocks_used=pool.blocks_used,
+            kv_blocks_total=pool.blocks_total,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             prefix_cache_evictions=prefix.evictions,
-            prefix_cache_blocks=alloc.num_cached,
+            prefix_cache_blocks=pool.blocks_cached,
             plan=batch.plan,
             spec_drafts=len(accepted),
             spec_draft_tokens=sum(k for k, _ in accepted),

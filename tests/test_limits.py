@@ -161,7 +161,7 @@ class BrokenEngine:
 def test_engine_thread_survives_an_unexpected_error_while_admitting():
     from prometheus_client import CollectorRegistry
 
-    from fastgen.replica.service import EngineLoop, QueueLimits
+    from fastgen.replica.engine_loop import EngineLoop, QueueLimits
     from fastgen.server.metrics import ReplicaMetrics
 
     async def run():

@@ -118,9 +118,9 @@ def test_engine_loop_builds_and_steps_the_engine_on_one_thread(tiny_model_dir):
 
     from fastgen.replica.builder import build_engine
     from fastgen.replica.config import CacheConfig, EngineConfig
+    from fastgen.replica.engine_loop import EngineLoop, QueueLimits
     from fastgen.replica.parallel import TPGroup
     from fastgen.replica.request import SamplingParams
-    from fastgen.replica.service import EngineLoop, QueueLimits
     from fastgen.server.metrics import ReplicaMetrics
 
     threads = {}

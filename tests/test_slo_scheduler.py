@@ -594,9 +594,9 @@ def test_an_overloaded_replica_refuses_with_a_retry_hint():
 
     from prometheus_client import CollectorRegistry
 
+    from fastgen.replica.engine_loop import EngineLoop, QueueLimits
     from fastgen.replica.outputs import EngineLoad
     from fastgen.replica.request import SamplingParams
-    from fastgen.replica.service import EngineLoop, QueueLimits
     from fastgen.server.errors import QueueFullError, retry_hint_ms, trailing_metadata
     from fastgen.server.metrics import ReplicaMetrics
 
