@@ -43,6 +43,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from ..launch import processes
 from .backends import OpenAIBackend
 from .http_overhead import deployment, served_name
 from .provenance import machine, run_info
@@ -108,17 +109,11 @@ def fetch_tree(root: Path, version: str) -> Path:
     return tree
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        time.sleep(0.5)
-    raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s")
+def healthy(url: str) -> bool:
+    with contextlib.suppress(OSError):
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            return resp.status == 200
+    return False
 
 
 def cpu_has_amx() -> bool:
@@ -142,18 +137,10 @@ def llama_server(binary: Path, gguf: Path, args: argparse.Namespace):
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads)]
     cmd += ["-tb", str(args.threads), "-np", str(args.streams), "-c", str(context), "--no-webui", "--cache-ram", "0"]
     cmd += repack_args(args.repack)
-    log = open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, args.start_timeout)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    url = f"http://127.0.0.1:{port}"
+    with processes.start("llama-server", cmd, Path(tempfile.gettempdir()) / f"llama-server-{port}.log") as server:
+        server.wait_ready(lambda: healthy(url), args.start_timeout, what="healthy", interval=0.5)
+        yield url
 
 
 class LlamaCppBackend(OpenAIBackend):

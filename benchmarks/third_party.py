@@ -22,16 +22,14 @@ own phase timing, and its processes (a controller, workers, record processors) s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
+from ..launch import processes
 from .provenance import RAW_DIR, run_info
 
 DEFAULT_AIPERF = Path.home() / "venv-bench" / "bin" / "aiperf"
@@ -154,18 +152,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_group(cmd: list[str], env: dict[str, str], timeout: float) -> int:
-    """Runs cmd in its own process group; on timeout or interrupt the whole group (AIPerf's services) goes."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    """Runs cmd in its own process group, its output on our terminal; on timeout or interrupt the whole group
+    (AIPerf's services) goes."""
+    aiperf = processes.start("aiperf", cmd, env=env, new_session=True)
     try:
-        return proc.wait(timeout=timeout)
+        return aiperf.popen.wait(timeout=timeout)
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        aiperf.stop(grace=30)
         raise
 
 

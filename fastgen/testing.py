@@ -234,82 +234,68 @@ SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS
 class LocalServer:
     """A FastGen server process on a loopback port, its output in a log file."""
 
-    name: str
-    popen: Any  # subprocess.Popen
+    process: Any  # fastgen.launch.processes.Process
     address: str
-    log_path: Path
     metrics_port: int = 0  # its Prometheus endpoint on 127.0.0.1
 
+    @property
+    def name(self) -> str:
+        return self.process.name
+
+    @property
+    def popen(self) -> Any:  # subprocess.Popen
+        return self.process.popen
+
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.process.alive()
 
     def rss_bytes(self) -> int:
         """Resident memory now (0 once the process is gone)."""
         import psutil
 
         try:
-            return psutil.Process(self.popen.pid).memory_info().rss
+            return psutil.Process(self.process.pid).memory_info().rss
         except psutil.NoSuchProcess:
             return 0
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
+        return self.process.log_tail(chars)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
-        import subprocess
-
-        if self.alive():
-            self.popen.terminate()
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(10)
+        self.process.stop(grace=timeout)
 
 
 def start_server(module: str, name: str, args: list[str], log_dir: Path) -> LocalServer:
     """`python -m fastgen.<module> --host 127.0.0.1 --port <free> --metrics-port <free> *args`."""
     import os
-    import subprocess
     import sys
+
+    from .launch.processes import start
 
     port, metrics_port = free_port(), free_port()
     argv = [sys.executable, "-m", f"fastgen.{module}", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--metrics-port", str(metrics_port), *args]
-    log_path = Path(log_dir) / f"{name}.log"
-    with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **SINGLE_THREAD_ENV},
-        )
-    return LocalServer(name, popen, f"127.0.0.1:{port}", log_path, metrics_port)
+    env = {**os.environ, **SINGLE_THREAD_ENV}
+    process = start(name, argv, Path(log_dir) / f"{name}.log", env=env, append=True)
+    return LocalServer(process, f"127.0.0.1:{port}", metrics_port)
 
 
 def wait_grpc_serving(server: LocalServer, timeout: float = 300.0) -> None:
-    """Waits until the server's grpc.health.v1 answers SERVING; RuntimeError (with its log) if it exits first."""
+    """Waits until the server's grpc.health.v1 answers SERVING; RuntimeError (with its log) if it exits first,
+    TimeoutError after `timeout` s."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise RuntimeError(f"{server.name} exited with {server.popen.returncode}:\n{server.log_tail()}")
+    def serving() -> bool:
         with grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
             except grpc.RpcError:
-                pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{server.name} at {server.address} not SERVING after {timeout} s:\n{server.log_tail()}")
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    server.process.wait_ready(serving, timeout, f"SERVING at {server.address}")
 
 
 def cached_tiny_model() -> Path:

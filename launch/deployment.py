@@ -18,7 +18,7 @@ import psutil
 
 from ..proto import fastgen_pb2
 from ..server.client import ChannelSecurity
-from . import gpus, probe, prometheus
+from . import gpus, probe, processes, prometheus
 from .certs import ensure_token_file, local_access
 from .config import (
     API_KEY_ENV,
@@ -166,21 +166,16 @@ def ports_of_live_deployments(home: Path, exclude: str) -> dict[int, str]:
 
 
 def spawn_supervisor(paths: Paths, lock_fd: int, python: str, api_key: str | None = None) -> subprocess.Popen:
-    paths.logs.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     if api_key:  # the supervisor hands it to the balancer alone (supervisor.child_env)
         env[API_KEY_ENV] = api_key
-    with open(paths.log("supervisor"), "w") as out:
-        return subprocess.Popen(
-            [python, "-m", "fastgen.launch.supervisor", str(paths.root), "--lock-fd", str(lock_fd)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=paths.root,
-            start_new_session=True,  # survives the terminal and Ctrl-C of the shell that ran `start`
-            pass_fds=(lock_fd,),
-            env=env,
-        )
+    argv = [python, "-m", "fastgen.launch.supervisor", str(paths.root), "--lock-fd", str(lock_fd)]
+    # Its own session: it survives the terminal and Ctrl-C of the shell that ran `start`. Only started here: it is
+    # stopped by `stop` (a stop request, then its recorded processes), long after this process has gone.
+    supervisor = processes.start(
+        "the supervisor", argv, paths.log("supervisor"), env=env, cwd=paths.root, new_session=True, pass_fds=(lock_fd,)
+    )
+    return supervisor.popen
 
 
 def wait_for_start(paths: Paths, supervisor: subprocess.Popen, timeout: float) -> dict:

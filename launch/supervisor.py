@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..proto import fastgen_pb2
 from ..server.client import ChannelSecurity
-from . import probe
+from . import probe, processes
 from .certs import local_access
 from .config import (
     API_KEY_ENV,
@@ -89,17 +89,14 @@ class StopFlag:
 
 def launch(child: Child, env: dict[str, str], first: bool) -> None:
     child.log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(child.log_path, "w" if first else "a") as out:
+    with open(child.log_path, "w" if first else "a") as out:  # a header per run: log_tail quotes the latest one
         out.write(
             f"==== fastgen-deploy: starting {child.spec.id} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
             f"{' '.join(child.spec.argv)}\n"
         )
-        out.flush()
-        # Children stay in the supervisor's session and process group, so `stop` can find them even if the
-        # supervisor itself was killed.
-        child.proc = subprocess.Popen(
-            child.spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
-        )
+    # Children stay in the supervisor's session and process group, so `stop` can find them even if the supervisor
+    # itself was killed; stopping them is terminate's (staged, whole process trees), not processes'.
+    child.proc = processes.start(child.spec.id, child.spec.argv, child.log_path, env=env, append=True).popen
     ref = probe.ProcessRef.of(child.proc.pid)
     child.create_time = ref.create_time if ref else None
     child.started_at = time.monotonic()

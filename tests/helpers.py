@@ -18,10 +18,8 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastgen.launch.probe import port_free
+from fastgen.launch.processes import Process, start
 from fastgen.testing import free_port, wait_until
 
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -58,11 +57,11 @@ REPLICA_DEFAULTS = (
 
 @dataclass
 class Proc:
-    name: str
-    popen: subprocess.Popen
+    """A FastGen server process the tests started, and where it serves."""
+
+    process: Process
     port: int
     metrics_port: int
-    log_path: Path
     host: str = "127.0.0.1"
 
     @property
@@ -70,43 +69,43 @@ class Proc:
         return f"{self.host}:{self.port}"
 
     @property
+    def name(self) -> str:
+        return self.process.name
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        return self.process.popen
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+    @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.process.pid
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return self.process.alive()
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
+        return self.process.log_tail(chars)
 
     def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; returns the exit code (kills after `timeout`)."""
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
+        """SIGTERM and wait; returns the exit code (SIGKILL after `timeout`)."""
+        return self.process.stop(timeout)
 
     def kill(self) -> None:
         """SIGKILL (idempotent): for teardown and crash tests."""
-        if self.alive():
-            self.popen.kill()
-        self.popen.wait(10)
+        self.process.kill()
 
 
-def spawn(name: str, args: list[str], port: int, metrics_port: int, log_dir: Path) -> Proc:
-    log_path = Path(log_dir) / f"{name}.log"
-    env = {**os.environ, **SINGLE_THREAD_ENV}
-    with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-        )
-    return Proc(name, popen, port, metrics_port, log_path)
+def spawn(
+    name: str, args: list[str], port: int, metrics_port: int, log_dir: Path, extra_env: Mapping[str, str] | None = None
+) -> Proc:
+    """`python *args`, its output appended to log_dir/name.log (a process restarted under its name adds to it)."""
+    env = {**os.environ, **SINGLE_THREAD_ENV, **(extra_env or {})}
+    process = start(name, [sys.executable, *args], Path(log_dir) / f"{name}.log", env=env, append=True)
+    return Proc(process, port, metrics_port)
 
 
 def start_replica(
@@ -164,17 +163,19 @@ def health(address: str, timeout: float = 1.0) -> str:
 
 
 def wait_health(proc: Proc, want: str = "SERVING", timeout: float = 120.0) -> None:
-    """Waits until `proc` answers health `want`; fails early (with its log) if it exits."""
-    deadline = time.monotonic() + timeout
+    """Waits until `proc` answers health `want`; fails early (RuntimeError, with its log) if it exits."""
     last = "not checked"
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before {want}:\n{proc.log_tail()}")
+
+    def answers() -> bool:
+        nonlocal last
         last = health(proc.address)
-        if last == want:
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{proc.name} at {proc.address} not {want} after {timeout} s (last: {last}):\n{proc.log_tail()}")
+        return last == want
+
+    try:
+        proc.process.wait_ready(answers, timeout, what=f"{want} at {proc.address}")
+    except TimeoutError as e:
+        e.add_note(f"its last health answer: {last}")
+        raise
 
 
 def wait_serving(proc: Proc, timeout: float = 120.0) -> None:
@@ -328,7 +329,8 @@ async def in_process_replica(build):
 
     from prometheus_client import CollectorRegistry
 
-    from fastgen.replica.service import EngineLoop, QueueLimits, ReplicaService
+    from fastgen.replica.engine_loop import EngineLoop, QueueLimits
+    from fastgen.replica.service import ReplicaService
     from fastgen.server.grpc_server import create_server
     from fastgen.server.metrics import ReplicaMetrics
 

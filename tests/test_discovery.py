@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -32,6 +31,7 @@ from fastgen.balancer.__main__ import parse_args
 from fastgen.balancer.discovery import Discovery, DnsSource, FileSource, LookupFailed, parse_replicas_file
 from fastgen.balancer.policy import ReplicaLoad, Router
 from fastgen.balancer.pool import ReplicaPool, ReplicaSpec
+from fastgen.launch.processes import Process, start
 from fastgen.proto.fastgen_pb2_grpc import GenerationServicer
 from fastgen.server import Client, GenerationError
 from fastgen.server.grpc_server import create_server, set_serving
@@ -210,13 +210,13 @@ def test_the_system_resolver_finds_localhost():
 class Dnsmasq:
     """dnsmasq answering for *.test from a hosts file only (anything else under .test: NXDOMAIN)."""
 
-    popen: subprocess.Popen
+    process: Process
     port: int
     hosts: Path
 
     def set_addresses(self, addresses: list[str]) -> None:
         self.hosts.write_text("".join(f"{a} {NAME}\n" for a in addresses))
-        self.popen.send_signal(signal.SIGHUP)  # re-reads the hosts file
+        self.process.send(signal.SIGHUP)  # re-reads the hosts file
 
     def answers(self, addresses: list[str]) -> bool:
         async def lookup() -> list[str]:
@@ -256,16 +256,10 @@ def dnsmasq(tmp_path_factory):
         f"--group={grp.getgrgid(os.getgid()).gr_name}",
         "--log-facility=-",
     ]
-    with open(folder / "dnsmasq.log", "wb") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = Dnsmasq(popen, port, hosts)
-    try:
-        wait_until(lambda: popen.poll() is not None or server.answers([]), 10, "dnsmasq answering")
-        assert popen.poll() is None, (folder / "dnsmasq.log").read_text()
+    with start("dnsmasq", argv, folder / "dnsmasq.log") as process:
+        server = Dnsmasq(process, port, hosts)
+        process.wait_ready(lambda: server.answers([]), 10, what="answering")
         yield server
-    finally:
-        popen.kill()
-        popen.wait(10)
 
 
 def udp_port() -> int:

@@ -9,13 +9,13 @@ scraped every second; then
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
 import signal
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from fastgen.launch.grafana import DASHBOARD_JSON
+from fastgen.launch.processes import Process, start
 from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
 from fastgen.testing import wait_until
@@ -55,9 +56,15 @@ WINDOW = "10m"  # longer than the whole test: rates and increases over it cover 
 # ---- Prometheus ---------------------------------------------------------------------------------------------------
 @dataclass
 class Prometheus:
-    popen: subprocess.Popen
+    process: Process
     url: str
-    log_path: Path
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
 
     def api(self, path: str, **params) -> dict:
         query = urllib.parse.urlencode(params)
@@ -79,26 +86,14 @@ class Prometheus:
         wait_until(lambda: self.scalar(expr) == want, timeout, f"{expr} == {want}")
 
 
-def start_prometheus(config: Path, data: Path, log_path: Path, port: int) -> Prometheus:
+def start_prometheus(config: Path, data: Path, log_path: Path, port: int) -> Process:
     argv = [
         shutil.which("prometheus"),
         f"--config.file={config}",
         f"--storage.tsdb.path={data}",
         f"--web.listen-address=127.0.0.1:{port}",
     ]
-    with open(log_path, "w") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    prom = Prometheus(popen, f"http://127.0.0.1:{port}", log_path)
-
-    def ready():
-        assert popen.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
-        try:
-            return urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2).status == 200
-        except OSError:
-            return False
-
-    wait_until(ready, 30, "prometheus to be ready")
-    return prom
+    return start("prometheus", argv, log_path)
 
 
 # ---- The client's own measurements --------------------------------------------------------------------------------
@@ -162,21 +157,17 @@ def prometheus_config(tmp_path, deploy) -> Path:
 
 @pytest.fixture
 def prometheus_server(tmp_path, prometheus_config):
-    servers = []
+    with contextlib.ExitStack() as running:  # each one started is stopped at the end, ready or not
 
-    def start() -> Prometheus:
-        port = free_port_range(1)
-        servers.append(start_prometheus(prometheus_config, tmp_path / "tsdb", tmp_path / "prometheus.log", port))
-        return servers[-1]
+        def start_one() -> Prometheus:
+            port = free_port_range(1)
+            log_path = tmp_path / "prometheus.log"
+            process = running.enter_context(start_prometheus(prometheus_config, tmp_path / "tsdb", log_path, port))
+            prom = Prometheus(process, f"http://127.0.0.1:{port}")
+            process.wait_ready(prom.ready, 30)
+            return prom
 
-    yield start
-    for prom in servers:
-        prom.popen.terminate()
-        try:
-            prom.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            prom.popen.kill()
-            prom.popen.wait(10)
+        yield start_one
 
 
 # ---- Checks -------------------------------------------------------------------------------------------------------

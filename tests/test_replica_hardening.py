@@ -36,7 +36,7 @@ def tiny_engine(model_dir):
 def engine_loop(build, **kw):
     from prometheus_client import CollectorRegistry
 
-    from fastgen.replica.service import EngineLoop, QueueLimits
+    from fastgen.replica.engine_loop import EngineLoop, QueueLimits
     from fastgen.server.metrics import ReplicaMetrics
 
     limits = kw.pop("limits", QueueLimits())
@@ -119,7 +119,7 @@ def test_a_reused_request_id_neither_collides_nor_cancels_the_other_request(tiny
 
 # ---- 5: a reader that stops reading ------------------------------------------------------------------------------
 def test_a_stalled_reader_is_cancelled_and_streams_queue_deltas_only(tiny_model_dir):
-    from fastgen.replica.service import QueueLimits, ReaderTooSlow
+    from fastgen.replica.engine_loop import QueueLimits, ReaderTooSlow
     from fastgen.server.errors import status_for
 
     async def main():
@@ -188,6 +188,12 @@ class FakeEngine:
         self.requests = []
         return StepResult(done)
 
+    def cache_events(self):
+        # Engine's own, on the scheduler above: no changes, or an error once break_after has taken the scheduler.
+        from fastgen.replica.engine import Engine
+
+        return Engine.cache_events(self)
+
 
 def fail(exc):
     def step(engine):
@@ -210,7 +216,7 @@ def test_steps_that_keep_failing_or_a_cuda_error_end_the_engine(error, failures)
     """After max_failed_steps failed steps in a row, or at once on a CUDA error (every later step would fail too),
     on_fatal runs (the replica process exits for its supervisor to restart it), the watchdog reports it unhealthy,
     and a request submitted afterwards is refused UNAVAILABLE-style (EngineDown) instead of waiting forever."""
-    from fastgen.replica.service import EngineDown, Watchdog
+    from fastgen.replica.engine_loop import EngineDown, Watchdog
 
     async def main():
         fatal = []
@@ -238,7 +244,7 @@ def test_steps_that_keep_failing_or_a_cuda_error_end_the_engine(error, failures)
 def test_device_errors_are_told_from_out_of_memory_through_their_causes():
     import torch
 
-    from fastgen.replica.service import is_device_error
+    from fastgen.replica.engine_loop import is_device_error
 
     class AcceleratorError(RuntimeError):  # torch.AcceleratorError's name, on a torch that may not have it
         pass
@@ -277,7 +283,8 @@ def test_a_stalled_engine_is_not_serving_until_it_completes_steps_again():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from prometheus_client import CollectorRegistry
 
-    from fastgen.replica.service import ReplicaService, Watchdog, watch_engine
+    from fastgen.replica.engine_loop import Watchdog
+    from fastgen.replica.service import ReplicaService, watch_engine
     from fastgen.server.grpc_server import create_server, set_serving
     from fastgen.server.metrics import ReplicaMetrics
     from fastgen.testing import free_port
@@ -383,30 +390,27 @@ def test_a_hung_tensor_parallel_peer_fails_rank_0s_collective(tmp_path):
     """The group's collectives carry --tp-timeout: rank 0 waiting on a peer that hangs (a stopped process, a wedged
     GPU) gets an error, which ends the replica for its supervisor to restart, instead of waiting 365 days."""
     import os
-    import subprocess
     import sys
 
+    from fastgen.launch.processes import start
     from fastgen.testing import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     ranks = [
-        subprocess.Popen(
+        start(
+            f"rank {r}",
             [sys.executable, "-c", HUNG_PEER],
+            tmp_path / f"rank-{r}.log",
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
         )
         for r in range(2)
     ]
     try:
-        out, _ = ranks[0].communicate(timeout=120)
-        assert ranks[0].returncode == 0, out
-        assert "collective failed: " in out
+        assert ranks[0].popen.wait(120) == 0, ranks[0].log_tail()
+        assert "collective failed: " in ranks[0].log_tail()
     finally:
         for p in ranks:
             p.kill()
-            p.wait()
 
 
 # The replica's own entry point with one fault injected: once serving, the engine's second step raises what Triton's

@@ -26,7 +26,7 @@ from fastgen.replica.batch_broadcast import EXIT_GROUP_BROKEN, INLINE, decode_ba
 from fastgen.replica.tp_worker import RankEnv, rank_device
 from fastgen.testing import free_port, make_tiny_model, wait_until
 
-from .helpers import REPLICA_DEFAULTS, SINGLE_THREAD_ENV, Proc, assert_matches, hf_greedy, random_prompts, wait_serving
+from .helpers import REPLICA_DEFAULTS, Proc, assert_matches, hf_greedy, random_prompts, spawn, wait_serving
 from .tp_ranks import FINALIZING, broadcast_rank, engine_rank, layers_rank, run_ranks
 
 BATCHES = [
@@ -199,8 +199,7 @@ def test_tp2_engine_gives_tp1_greedy_tokens(tp_models, tmp_path):
 def start_ranks(model, log_dir: Path, name: str, tp: int = 2) -> list[Proc]:
     """A replica's rank processes as torchrun would start them: same command, RANK etc. in the environment."""
     port, metrics_port, master_port = free_port(), free_port(), free_port()
-    argv = [
-        sys.executable,
+    args = [
         "-m",
         "fastgen.replica",
         "--host",
@@ -217,22 +216,21 @@ def start_ranks(model, log_dir: Path, name: str, tp: int = 2) -> list[Proc]:
         "--tp",
         str(tp),
     ]
-    procs = []
-    for rank in range(tp):
-        env = {
-            **os.environ,
-            **SINGLE_THREAD_ENV,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(tp),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(master_port),
-        }
-        log_path = log_dir / f"{name}-rank-{rank}.log"
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        procs.append(Proc(f"{name}-rank-{rank}", popen, port, metrics_port, log_path))
-    return procs
+    return [
+        spawn(f"{name}-rank-{rank}", args, port, metrics_port, log_dir, rank_vars(rank, tp, master_port))
+        for rank in range(tp)
+    ]
+
+
+def rank_vars(rank: int, tp: int, master_port: int) -> dict[str, str]:
+    """What torchrun sets for a rank."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(tp),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    }
 
 
 def assert_exit(procs: list[Proc], codes: list[int], timeout: float = 30.0) -> None:
@@ -258,23 +256,10 @@ def test_ranks_that_leave_a_broken_group_exit_at_once_with_their_status(tmp_path
     modes = ("idle", "step", "fail", "orderly", "forming")
     groups = []
     for mode in modes:
-        port, group = free_port(), []
-        for rank in range(2):
-            env = {
-                **os.environ,
-                **SINGLE_THREAD_ENV,
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            log_path = tmp_path / f"{mode}-rank-{rank}.log"
-            with open(log_path, "wb") as log:
-                argv = [sys.executable, "-m", "fastgen.tests.tp_ranks", mode]
-                popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            group.append(Proc(f"{mode}-rank-{rank}", popen, 0, 0, log_path))
-        groups.append(group)
+        port, args = free_port(), ["-m", "fastgen.tests.tp_ranks", mode]
+        groups.append(
+            [spawn(f"{mode}-rank-{rank}", args, 0, 0, tmp_path, rank_vars(rank, 2, port)) for rank in range(2)]
+        )
     idle, step, fail, orderly, forming = groups
     try:
         wait_until(lambda: all("ready" in p.log_tail() for p in idle), 60, what="the idle group's ranks")
