@@ -14,20 +14,9 @@ from collections import deque
 from dataclasses import fields, replace
 from pathlib import Path
 
-from ..replica.config import (
-    DEVICES,
-    DTYPES,
-    KERNEL_BACKENDS,
-    LOAD_FORMATS,
-    QUANTIZATIONS,
-    SCHEDULERS,
-    CacheConfig,
-    default_max_batch_tokens,
-    parse_size,
-)
+from ..replica.engine_args import add_arguments
 from . import certs, deployment, kubernetes, prometheus
 from .config import (
-    ADMISSIONS,
     API_KEY_ENV,
     POLICIES,
     REASONING_PARSERS,
@@ -35,7 +24,6 @@ from .config import (
     DeployConfig,
     address,
     default_threads,
-    format_size,
     http_url,
 )
 from .deployment import DeployError
@@ -45,13 +33,6 @@ PORTS_HELP = """ports: the balancer listens on --port and replica i on --port+1+
 balancer are on --metrics-port and those of replica i on --metrics-port+1+i; the balancer serves the OpenAI-compatible
 HTTP API on --http-port (0: none). State and logs live in
 $FASTGEN_HOME/<name> (default ~/.fastgen/<name>)."""
-
-
-def size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cpu_count() -> int:
@@ -90,32 +71,7 @@ def add_start(sub) -> None:
 def add_start_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of `start` but --name: what the deployment runs and how (`k8s render` takes them too)."""
     d = DeployConfig()
-    p.add_argument(
-        "--model",
-        default=d.model,
-        help="embedded alias, preset (llama-3-8b, llama-3-70b, llama-3.2-1b, mistral-7b, qwen2-7b; with --load-format "
-        "dummy), Hugging Face folder or .gguf file (default: %(default)s)",
-    )
-    p.add_argument(
-        "--load-format",
-        choices=LOAD_FORMATS,
-        default=d.load_format,
-        help="auto: read the weights; dummy: random weights made on the device, no checkpoint (default: %(default)s)",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=d.quantization,
-        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: "
-        "weight-only int8, per-channel scales (CPU) (default: %(default)s)",
-    )
     p.add_argument("--replicas", type=int, default=d.replicas, help="default: %(default)s")
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=d.tp,
-        help="tensor-parallel ranks per replica, one process each (default: %(default)s)",
-    )
     p.add_argument("--policy", choices=POLICIES, default=d.policy, help="default: %(default)s")
     p.add_argument(
         "--tool-call-parser",
@@ -154,89 +110,6 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         "only",
     )
     add_security_flags(p)
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="default: %(default)s")
-    p.add_argument(
-        "--device",
-        choices=DEVICES,
-        default=d.device,
-        help="auto: cuda where GPUs are found, else cpu. On cuda every replica process (every rank with --tp) gets a "
-        "GPU of its own, so replicas x tp GPUs are needed (default: %(default)s)",
-    )
-    p.add_argument(
-        "--kernels",
-        choices=KERNEL_BACKENDS,
-        default=d.kernels,
-        help="auto: triton on cuda, the C kernels on cpu (default: %(default)s)",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: decode steps run op by op (vLLM's flag; graphs are on by default on cuda)",
-    )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="with --tp: each rank holds whole experts of a mixture-of-experts model, not a slice of each "
-        "(vLLM's flag)",
-    )
-    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters chosen per request by name")
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=list(d.lora_modules),
-        metavar="NAME=PATH",
-        help="adapters every replica serves: a name and a PEFT adapter folder each (needs --enable-lora)",
-    )
-    p.add_argument(
-        "--max-loras", type=int, default=d.max_loras, help="adapters resident per replica (default: %(default)s)"
-    )
-    p.add_argument(
-        "--max-lora-rank", type=int, default=d.max_lora_rank, help="largest adapter rank (default: %(default)s)"
-    )
-    p.add_argument(
-        "--speculative-config",
-        default=d.speculative_config,
-        help='speculative decoding on every replica, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=d.max_batch_tokens,
-        help=f"tokens of one forward pass: the slo scheduler's cap (default {default_max_batch_tokens('slo')}), "
-        f"the budget of the others (default {default_max_batch_tokens('splitfuse')})",
-    )
-    p.add_argument("--max-seqs", type=int, default=d.max_seqs, help="sequences per forward pass (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=None, help="exact KV pool size; overrides --kv-cache-memory")
-    p.add_argument(
-        "--kv-cache-memory",
-        type=size_arg,
-        default=None,
-        help=f"KV pool per replica (per rank with --tp): 512MiB, 2GiB or bytes (default: "
-        f"{format_size(CacheConfig.memory_bytes)} on CPU; on CUDA what --gpu-memory-utilization leaves)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=d.gpu_memory_utilization,
-        help="on CUDA without --kv-cache-memory: the share of each GPU that weights, activations and the KV pool may "
-        "fill (default: %(default)s)",
-    )
-    p.add_argument(
-        "--scheduler",
-        choices=SCHEDULERS,
-        default=d.scheduler,
-        help="slo: each step's token budget from the requests' deadlines (--sla-prompt-rate, the largest "
-        "--sla-token-rate), capped by --max-batch-tokens (default: %(default)s)",
-    )
-    p.add_argument(
-        "--admission",
-        choices=ADMISSIONS,
-        default=d.admission,
-        help="slo: while even decoding alone would break the token-rate floors, keep admitting new requests or "
-        "refuse them with RESOURCE_EXHAUSTED and a retry hint (default: %(default)s)",
-    )
     p.add_argument(
         "--step-trace-dir",
         type=lambda text: str(Path(text).expanduser().resolve()),
@@ -245,42 +118,14 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
         help="each replica appends every step's shape and measured time (and, under slo, the prediction) to "
         "DIR/replica-N.csv",
     )
-    p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
-    p.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="recompute every prompt from its first token instead of reusing cached KV blocks of equal prefixes",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per replica process, so per rank with --tp (default: cores // (replicas * tp))",
-    )
     p.add_argument(
         "--timeout",
         type=float,
         default=d.timeout,
         help="seconds to wait for every process to serve (default: %(default)s)",
     )
-    p.add_argument(
-        "--sla-prompt-rate",
-        type=float,
-        default=d.sla_prompt_rate,
-        metavar="P",
-        help="SLA scored by every replica: first token within prompt_tokens / P s (default: %(default)g)",
-    )
-    p.add_argument(
-        "--sla-token-rate",
-        dest="sla_token_rates",
-        type=float,
-        nargs="+",
-        default=d.sla_token_rates,
-        metavar="R",
-        help="SLA: inter-token moving average at most 1 / R s; each R is exported as a "
-        "token_rate label (default: 1 2 4)",
-    )
+    add_arguments(p.add_argument_group("engine of every replica (python -m fastgen.replica takes the same flags)"), d)
+    p.set_defaults(threads=None)  # config_from computes it from this machine's cores
 
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:

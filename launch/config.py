@@ -1,7 +1,8 @@
 """What a deployment is: its settings, their validation, its port layout and the command of every process.
 
-Pure: no sockets, no processes, no torch (the CLI must answer instantly). The engine's names and defaults come from
-fastgen.replica.config, which imports no torch either.
+Pure: no sockets, no processes, no torch (the CLI must answer instantly). The engine's settings, flags and defaults
+are fastgen.replica.engine_args.EngineArgs (no torch either), which DeployConfig extends and a replica's command line
+is written from.
 
 Port layout of a deployment with N replicas (documented in the CLI's help):
     balancer   gRPC --port          metrics --metrics-port          HTTP (OpenAI API) --http-port (0: none)
@@ -22,30 +23,26 @@ from pathlib import Path
 
 from ..replica.config import (
     ADMISSIONS,
-    DEPLOYMENT_SCHEDULER,
     DEVICES,
     DTYPES,
     KERNEL_BACKENDS,
     LOAD_FORMATS,
     QUANTIZATIONS,
     SCHEDULERS,
-    CacheConfig,
-    EngineConfig,
     LoraConfig,
-    SchedulerConfig,
     default_max_batch_tokens,
     parse_lora_module,
     parse_speculative_config,
     preset_path,
 )
-from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES
+from ..replica.engine_args import EngineArgs, to_argv
 from ..server.tls import TlsFiles
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 # The balancer's (balancer/tools.py, balancer/reasoning.py; a test keeps them equal): the launcher imports no balancer.
 TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3", "llama3_json", "mistral")
 REASONING_PARSERS = ("", "deepseek_r1", "qwen3")  # "": off
-DEFAULT_MODEL = EngineConfig.model
+DEFAULT_MODEL = EngineArgs.model
 DEFAULT_HTTP_PORT = 8000  # vLLM's and the OpenAI clients' customary port
 # The OpenAI API's key travels to the balancer in its environment, never on a command line (which `ps` shows) nor in
 # config.json; the balancer (balancer/openai_api.py) reads the same variable.
@@ -55,11 +52,12 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
-class DeployConfig:
+class DeployConfig(EngineArgs):
+    """A deployment's settings: every replica's engine (EngineArgs, the flags python -m fastgen.replica takes too),
+    and what only the deployment has."""
+
     name: str = "default"
-    model: str = DEFAULT_MODEL
     replicas: int = 2
-    tp: int = 1
     # least_loaded beat prefix_aware in every chat run that measured both (benchmarks/RESULTS.md, "Prefix caching")
     policy: str = "least_loaded"
     host: str = "127.0.0.1"
@@ -68,35 +66,10 @@ class DeployConfig:
     http_port: int = DEFAULT_HTTP_PORT  # the balancer's OpenAI-compatible API; 0: none
     tool_call_parser: str = "auto"  # how the HTTP API finds tool calls with tool_choice auto: the model's family
     reasoning_parser: str = ""  # splits a reasoning model's <think> block into reasoning_content; "": off
-    dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda; start resolves auto (cuda where GPUs are found)
-    kernels: str = EngineConfig.kernels
-    load_format: str = EngineConfig.load_format
-    quantization: str = EngineConfig.quantization
-    enforce_eager: bool = EngineConfig.enforce_eager
-    enable_expert_parallel: bool = EngineConfig.enable_expert_parallel
-    speculative_config: str | None = None  # vLLM's JSON, passed to every replica as given; None: off
-    # Multi-LoRA serving (vLLM's flags, docs/lora.md): adapters as "name=path", each replica serves them all
-    enable_lora: bool = LoraConfig.enable_lora
-    lora_modules: tuple[str, ...] = ()
-    max_loras: int = LoraConfig.max_loras
-    max_lora_rank: int = LoraConfig.max_lora_rank
+    device: str = "auto"  # auto | cpu | cuda (the replica's default is cpu); start resolves auto to what it finds
     gpus: tuple[str, ...] = ()  # on CUDA, one per replica process in plan order, chosen by start (place)
-    max_batch_tokens: int | None = None  # None: the scheduler's default (default_max_batch_tokens)
-    max_seqs: int = SchedulerConfig.max_seqs
-    block_size: int = CacheConfig.block_size
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes; None: the replica's default (sized from device memory on CUDA)
-    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: share of the device the replica may fill
-    scheduler: str = DEPLOYMENT_SCHEDULER
-    admission: str = SchedulerConfig.slo.admission  # slo: keep | refuse new requests while the floors break
     step_trace_dir: str | None = None  # each replica appends its steps' predicted and measured times to DIR/<id>.csv
-    max_model_len: int | None = None
-    prefix_caching: bool = CacheConfig.prefix_caching
-    threads: int = 1  # torch threads per process: per replica, or per rank with --tp
     timeout: float = 600.0  # seconds for every process to become SERVING
-    sla_prompt_rate: float = DEFAULT_PROMPT_RATE  # P, prompt tokens/s
-    sla_token_rates: tuple[float, ...] = DEFAULT_TOKEN_RATES  # every R, tokens/s
     # Security (launch/certs.py): the internal token's file (start generates one into the state directory) and the
     # TLS files; with tls_ca the balancer and the replicas speak mutual TLS. Paths only: no secret in config.json.
     auth_token_file: str | None = None
@@ -105,12 +78,6 @@ class DeployConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
-
-    def __post_init__(self):
-        # config.json stores it as a JSON list
-        object.__setattr__(self, "sla_token_rates", tuple(self.sla_token_rates))
-        object.__setattr__(self, "gpus", tuple(self.gpus))
-        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
     @property
     def batch_tokens(self) -> int:
@@ -388,44 +355,34 @@ def rank_env(spec: ProcessSpec, tp: int, host: str, master_port: int) -> dict[st
     }
 
 
+# Engine settings every replica's command line spells out even at the replica's default, so that `ps`, the logs and
+# the Kubernetes manifests show what a replica runs; the others appear only where they differ from it.
+PINNED = (
+    "model",
+    "device",
+    "kernels",
+    "load_format",
+    "quantization",
+    "max_batch_tokens",
+    "max_seqs",
+    "block_size",
+    "gpu_memory_utilization",
+    "scheduler",
+    "threads",
+    "sla_prompt_rate",
+    "sla_token_rates",
+)
+
+
 def replica_spec(c: DeployConfig, python: str, index: int) -> ProcessSpec:
     rid = f"replica-{index}"
     port, metrics_port = c.port + 1 + index, c.metrics_port + 1 + index
     argv = [python, "-m", "fastgen.replica", "--host", c.host, "--port", str(port), "--metrics-port", str(metrics_port)]
-    argv += ["--replica-id", rid, "--model", c.model]
-    argv += ["--device", c.device, "--kernels", c.kernels, "--load-format", c.load_format]
-    argv += ["--quantization", c.quantization]
-    if c.dtype != "auto":  # the replica picks the dtype itself when not told
-        argv += ["--dtype", c.dtype]
-    argv += ["--max-batch-tokens", str(c.batch_tokens), "--max-seqs", str(c.max_seqs)]
-    argv += ["--block-size", str(c.block_size)]
-    if c.num_blocks is not None:
-        argv += ["--num-blocks", str(c.num_blocks)]
-    if c.kv_cache_memory is not None:
-        argv += ["--kv-cache-memory", str(c.kv_cache_memory)]
-    argv += ["--gpu-memory-utilization", f"{c.gpu_memory_utilization:g}", "--scheduler", c.scheduler]
-    if c.admission != SchedulerConfig.slo.admission:  # the replica's default otherwise
-        argv += ["--admission", c.admission]
+    argv += ["--replica-id", rid]
     if c.step_trace_dir is not None:
         argv += ["--step-trace", str(Path(c.step_trace_dir) / f"{rid}.csv")]
-    if c.max_model_len is not None:
-        argv += ["--max-model-len", str(c.max_model_len)]
-    if not c.prefix_caching:
-        argv += ["--no-prefix-caching"]
-    if c.enforce_eager:
-        argv += ["--enforce-eager"]
-    if c.enable_expert_parallel:
-        argv += ["--enable-expert-parallel"]
-    if c.speculative_config:
-        argv += ["--speculative-config", c.speculative_config]
-    if c.enable_lora:
-        argv += ["--enable-lora", "--max-loras", str(c.max_loras), "--max-lora-rank", str(c.max_lora_rank)]
-    if c.lora_modules:
-        argv += ["--lora-modules", *c.lora_modules]
-    argv += ["--threads", str(c.threads)]
-    argv += ["--sla-prompt-rate", f"{c.sla_prompt_rate:g}", "--sla-token-rate", *(f"{r:g}" for r in c.sla_token_rates)]
-    if c.tp > 1:
-        argv += ["--tp", str(c.tp)]
+    # The budget as validated, rather than the replica's own resolution of None.
+    argv += to_argv(replace(c, max_batch_tokens=c.batch_tokens), PINNED)
     argv += security_args(c, "replica")
     return ProcessSpec(id=rid, role="replica", port=port, metrics_port=metrics_port, argv=argv, replica=rid)
 

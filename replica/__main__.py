@@ -13,159 +13,21 @@ import sys
 import time
 
 from ..server.grpc_server import PortInUseError, add_replica_security_args, create_server, replica_security, set_serving
-from ..server.sla import DEFAULT_PROMPT_RATE, DEFAULT_TOKEN_RATES, SlaConfig
-from .config import (
-    ADMISSIONS,
-    DEPLOYMENT_SCHEDULER,
-    DEVICES,
-    DTYPES,
-    KERNEL_BACKENDS,
-    LOAD_FORMATS,
-    MAX_FAILED_STEPS,
-    MAX_UNSENT_OUTPUTS,
-    QUANTIZATIONS,
-    SCHEDULERS,
-    STALL_TIMEOUT_S,
-    TP_TIMEOUT_S,
-    CacheConfig,
-    EngineConfig,
-    LoraConfig,
-    SchedulerConfig,
-    SloConfig,
-    SpeculativeConfig,
-    default_max_batch_tokens,
-    parse_lora_module,
-    parse_size,
-    parse_speculative_config,
-)
+from ..server.sla import SlaConfig
+from .config import MAX_FAILED_STEPS, MAX_UNSENT_OUTPUTS, STALL_TIMEOUT_S, TP_TIMEOUT_S, EngineConfig
+from .engine_args import add_arguments, from_namespace, positive, positive_float
 
 log = logging.getLogger("fastgen.replica")
-_SCHEDULER, _CACHE, _ENGINE = SchedulerConfig(), CacheConfig(), EngineConfig()
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 EXIT_ENGINE_FAILED = 4  # the engine thread died, its steps kept failing, or CUDA failed: restart the process
 
 
-def size(text: str) -> int:
-    """'512MiB', '2GiB', '1073741824' -> bytes."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def share(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def speculative(text: str) -> SpeculativeConfig | None:
-    try:
-        return parse_speculative_config(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """This process's own flags around the engine's, which fastgen-deploy start shares (engine_args.EngineArgs)."""
     p = argparse.ArgumentParser(prog="python -m fastgen.replica", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: pick a free one)")
     p.add_argument("--replica-id", default="replica-0")
-    p.add_argument("--model", default=_ENGINE.model, help="alias, preset, Hugging Face folder or .gguf file")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument(
-        "--device",
-        default=_ENGINE.device,
-        help=f"{', '.join(DEVICES)} or cuda:N (auto: cuda where there is a GPU; default: %(default)s)",
-    )
-    p.add_argument("--kernels", default=_ENGINE.kernels, choices=KERNEL_BACKENDS)
-    p.add_argument(
-        "--load-format",
-        default=_ENGINE.load_format,
-        choices=LOAD_FORMATS,
-        help="auto: read the checkpoint; dummy: random weights made on the device (any model, and the presets, "
-        "which ship without weights)",
-    )
-    p.add_argument(
-        "--quantization",
-        default=_ENGINE.quantization,
-        choices=QUANTIZATIONS,
-        help="auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: "
-        "weight-only int8, per-channel scales (CPU); fp8: CUDA only (default: %(default)s)",
-    )
-    p.add_argument(
-        "--enforce-eager", action="store_true", help="no CUDA graphs: run every decode step op by op (vLLM's flag)"
-    )
-    p.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="with --tp: each rank holds whole experts of a mixture-of-experts model instead of a slice of every "
-        "expert (vLLM's flag)",
-    )
-    add_lora_args(p)
-    p.add_argument(
-        "--speculative-config",
-        type=speculative,
-        default=None,
-        help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": PATH, '
-        '"num_speculative_tokens": 4}\' (optional "disable_by_batch_size": N); default: off',
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=positive,
-        default=None,
-        help=f"tokens of one pass: the slo scheduler's cap (default {default_max_batch_tokens('slo')}), the budget "
-        f"of the others (default {default_max_batch_tokens('splitfuse')})",
-    )
-    p.add_argument("--max-seqs", type=positive, default=_SCHEDULER.max_seqs)
-    p.add_argument("--block-size", type=positive, default=_CACHE.block_size)
-    p.add_argument("--num-blocks", type=positive, default=None)
-    p.add_argument(
-        "--kv-cache-memory",
-        type=size,
-        default=None,
-        help=f"KV pool per rank, e.g. 2GiB (default on CPU: {_CACHE.memory_bytes >> 20}MiB; on CUDA: sized from "
-        "--gpu-memory-utilization)",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=share,
-        default=GPU_MEMORY_UTILIZATION,
-        help="on CUDA, the share of the device's memory for weights, activations and the KV pool, which gets what "
-        "a profiling pass leaves; --kv-cache-memory or --num-blocks override it (default: %(default)g)",
-    )
-    p.add_argument(
-        "--scheduler",
-        default=DEPLOYMENT_SCHEDULER,
-        choices=SCHEDULERS,
-        help="slo: each step's token budget from the requests' deadlines (--sla-prompt-rate, the largest "
-        "--sla-token-rate) and a step-time model fitted on this replica; --max-batch-tokens caps it "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--admission",
-        default=_SCHEDULER.slo.admission,
-        choices=ADMISSIONS,
-        help="slo: while even decoding alone would break the token-rate floors, keep admitting new requests or "
-        "refuse them with RESOURCE_EXHAUSTED and a retry hint (default: %(default)s)",
-    )
     p.add_argument(
         "--step-trace",
         default=None,
@@ -173,16 +35,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="append every step's shape and measured time to this CSV, and under --scheduler slo the step-time "
         "model's prediction and budget",
     )
-    p.add_argument("--max-model-len", type=positive, default=None)
-    p.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="recompute every prompt from its first token instead of reusing cached KV blocks of equal prefixes",
-    )
-    p.add_argument("--default-max-new-tokens", type=positive, default=_ENGINE.default_max_new_tokens)
-    p.add_argument("--threads", type=positive, default=1, help="torch threads for this process")
-    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel ranks of this replica")
     p.add_argument("--max-queue-requests", type=positive, default=256)
     p.add_argument("--max-queue-tokens", type=positive, default=262144)
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds SIGTERM waits for in-flight requests")
@@ -217,93 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default: %(default)g)",
     )
     add_replica_security_args(p)  # --auth-token-file, --tls-cert, --tls-key, --tls-ca
-    p.add_argument(
-        "--sla-prompt-rate",
-        type=positive_float,
-        default=DEFAULT_PROMPT_RATE,
-        metavar="P",
-        help="SLA: first token within prompt_tokens / P seconds (default: %(default)g)",
-    )
-    p.add_argument(
-        "--sla-token-rate",
-        type=positive_float,
-        nargs="+",
-        default=list(DEFAULT_TOKEN_RATES),
-        metavar="R",
-        help="SLA: inter-token moving average at most 1 / R seconds; every R given is "
-        "exported as its own token_rate label (default: 1 2 4)",
-    )
-    p.add_argument(
-        "--allow-client-slo-tightening",
-        action="store_true",
-        help="let a request's slo ask for more than the SLA (a higher token_rate or prompt_rate, a shorter ttft); by "
-        "default the slo scheduler only lets a request loosen it, so that no client can claim the replica for "
-        "itself. Turn on only behind a balancer that decides who may ask for more",
-    )
-    return p.parse_args(argv)
+    add_arguments(p.add_argument_group("engine (fastgen-deploy start takes the same flags)"))
+    return p
 
 
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    """Multi-LoRA serving, vLLM's flags (docs/lora.md)."""
-    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters chosen per request by name")
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="adapters to serve from the start: a name and a PEFT adapter folder each (needs --enable-lora)",
-    )
-    p.add_argument(
-        "--max-loras",
-        type=positive,
-        default=LoraConfig.max_loras,
-        help="adapters resident at once; beyond it the least recently used idle one is evicted (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-lora-rank",
-        type=positive,
-        default=LoraConfig.max_lora_rank,
-        help="the largest adapter rank served; an adapter of higher rank is refused (default: %(default)s)",
-    )
-
-
-def lora_config(args: argparse.Namespace) -> LoraConfig:
-    modules = tuple(parse_lora_module(m) for m in args.lora_modules)
-    return LoraConfig(args.enable_lora, modules, args.max_loras, args.max_lora_rank)
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=None if args.dtype == "auto" else args.dtype,
-        device=args.device,
-        kernels=args.kernels,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        enforce_eager=args.enforce_eager,
-        enable_expert_parallel=args.enable_expert_parallel,
-        speculative_config=args.speculative_config,
-        lora=lora_config(args),
-        scheduler=SchedulerConfig(
-            max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(args.scheduler),
-            max_seqs=args.max_seqs,
-            policy=args.scheduler,
-            # The floor the scheduler holds is the strictest R the deployment is scored against.
-            slo=SloConfig(
-                args.sla_prompt_rate, max(args.sla_token_rate), args.admission, args.allow_client_slo_tightening
-            ),
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            memory_bytes=args.kv_cache_memory or _CACHE.memory_bytes,
-            # An explicit --kv-cache-memory is the budget on every device; num_blocks overrides both in the builder.
-            gpu_memory_utilization=None if args.kv_cache_memory else args.gpu_memory_utilization,
-            prefix_caching=args.prefix_caching,
-        ),
-        max_model_len=args.max_model_len,
-        default_max_new_tokens=args.default_max_new_tokens,
-    )
+    return from_namespace(args).engine_config()
 
 
 def build_info(args: argparse.Namespace):
@@ -346,15 +121,16 @@ async def serve(args: argparse.Namespace, tp=None, broadcast=None) -> int:
 
     from ..server.metrics import ReplicaMetrics, record_build_info, start_metrics_server
     from .builder import build_engine
+    from .engine_loop import EngineLoop, QueueLimits, Watchdog
     from .parallel import TPGroup
-    from .service import EngineLoop, QueueLimits, ReplicaService, Watchdog, watch_engine
+    from .service import ReplicaService, watch_engine
     from .step_model import StepTrace
 
     torch.set_num_threads(args.threads)
     config = engine_config(args)  # flag errors surface before anything binds
     registry = CollectorRegistry()
     metrics = ReplicaMetrics(
-        registry, args.replica_id, args.model, SlaConfig(args.sla_prompt_rate, tuple(args.sla_token_rate))
+        registry, args.replica_id, args.model, SlaConfig(args.sla_prompt_rate, args.sla_token_rates)
     )
     record_build_info(registry, build_info(args))
     service = ReplicaService(args.replica_id, args.model, metrics)

@@ -1,7 +1,7 @@
 """Engine settings: small frozen dataclasses, validated once at start-up (no torch).
 
-The one home of the engine's names and defaults: the replica's flags and `fastgen-deploy` (launch/config.py) read
-them from here."""
+The one home of the engine's names and defaults. Its flags, which the replica and `fastgen-deploy start` share, are
+declared once in engine_args.py (EngineArgs), which builds these from them."""
 
 from __future__ import annotations
 

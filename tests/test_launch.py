@@ -291,7 +291,7 @@ def test_cli_imports_no_torch_and_of_the_replica_only_its_config():
         "if m.split('.')[0] in ('torch', 'transformers') or m.startswith('fastgen.replica')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['fastgen.replica', 'fastgen.replica.config']"
+    assert out.strip() == "['fastgen.replica', 'fastgen.replica.config', 'fastgen.replica.engine_args']"
 
 
 # ---- state and ports --------------------------------------------------------------------------------------------

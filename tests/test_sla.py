@@ -73,8 +73,8 @@ def test_replica_flags():
     from fastgen.replica.__main__ import parse_args
 
     args = parse_args(["--port", "1"])
-    assert (args.sla_prompt_rate, args.sla_token_rate) == (100.0, [1.0, 2.0, 4.0])
+    assert (args.sla_prompt_rate, args.sla_token_rates) == (100.0, (1.0, 2.0, 4.0))
     args = parse_args(["--port", "1", "--sla-prompt-rate", "512", "--sla-token-rate", "2", "4", "6"])
-    assert SlaConfig(args.sla_prompt_rate, tuple(args.sla_token_rate)) == SlaConfig(512.0, (2.0, 4.0, 6.0))
+    assert SlaConfig(args.sla_prompt_rate, tuple(args.sla_token_rates)) == SlaConfig(512.0, (2.0, 4.0, 6.0))
     with pytest.raises(SystemExit):
         parse_args(["--port", "1", "--sla-token-rate", "0"])

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from fastgen.launch.config import DeployConfig, replica_group, validate
 from fastgen.replica import pipeline
-from fastgen.replica.__main__ import parse_args
+from fastgen.replica.__main__ import engine_config, parse_args
 from fastgen.replica.batch import Batch, ScheduledSeq
 from fastgen.replica.batch_broadcast import decode_batch, encode_batch
 from fastgen.replica.config import SpeculativeConfig, parse_speculative_config
@@ -431,7 +431,7 @@ def test_config_errors_name_the_key(value, message):
 
 def test_replica_and_deploy_flags(capsys):
     args = parse_args(["--port", "1", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    assert engine_config(args).speculative_config == SpeculativeConfig(num_speculative_tokens=2)
     with pytest.raises(SystemExit):
         parse_args(["--port", "1", "--speculative-config", '{"method": "ngram", "k": 2}'])
     assert "unknown speculative_config key 'k'" in capsys.readouterr().err
