@@ -186,7 +186,7 @@ def _port(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastgen.balancer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastgen.balancer", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=50050, help="gRPC port (default 50050; 0 picks a free one)")
     p.add_argument("--metrics-port", type=_port, default=0, help="Prometheus /metrics port (0 picks a free one)")

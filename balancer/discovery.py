@@ -104,24 +104,26 @@ class DnsSource:
             if e.errno in NO_ADDRESSES:
                 return []
             raise LookupFailed(f"resolving {self.name}: {e}") from None
-        return [info[4][0] for info in infos]
+        return [str(info[4][0]) for info in infos]  # an IPv4 or IPv6 address (typeshed's sockaddr also allows int)
 
     async def _ask_nameserver(self) -> list[str]:
+        assert self.nameserver is not None, "asked only where there is one (lookup)"
         host, port = self.nameserver
         resolver = dns.asyncresolver.Resolver(configure=False)
         resolver.nameservers = [host]
         resolver.port = port
         resolver.lifetime = DNS_TIMEOUT
-        answers = await asyncio.gather(*(self._records(resolver, kind) for kind in ("A", "AAAA")))
+        via = host_port(host, port)
+        answers = await asyncio.gather(*(self._records(resolver, kind, via) for kind in ("A", "AAAA")))
         return [address for records in answers for address in records]
 
-    async def _records(self, resolver: dns.asyncresolver.Resolver, kind: str) -> list[str]:
+    async def _records(self, resolver: dns.asyncresolver.Resolver, kind: str, via: str) -> list[str]:
         try:
             answer = await resolver.resolve(self.name, kind, search=False)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return []
         except dns.exception.DNSException as e:
-            raise LookupFailed(f"asking {host_port(*self.nameserver)} for {self.name}: {e}") from None
+            raise LookupFailed(f"asking {via} for {self.name}: {e}") from None
         return [record.address for record in answer]
 
 

@@ -25,8 +25,9 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from aiohttp import web
 
@@ -192,7 +193,8 @@ class OpenAIApi:
         self, request: web.Request, api: ApiRequest, meta: Meta, caller: str | None
     ) -> web.StreamResponse:
         stream = STREAMS[api.kind](meta, api)
-        streams = [self._balancer.stream(p, caller=caller) for p in api.prompts]
+        # Balancer.stream is an async generator (merged closes what it does not finish); its annotation says less.
+        streams = [cast(AsyncGenerator, self._balancer.stream(p, caller=caller)) for p in api.prompts]
         async with contextlib.aclosing(merged(streams)) as upstream:
             try:
                 first = await anext(upstream, None)
@@ -314,7 +316,7 @@ async def gather_or_cancel(calls: Sequence) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+async def merged(streams: Sequence[AsyncGenerator]) -> AsyncGenerator[tuple[int, object], None]:
     """(position, item) from several streams as items arrive; the first failure ends it, and closing it cancels
     every stream still running."""
     if len(streams) == 1:
@@ -340,7 +342,7 @@ async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, o
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _pump(position: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:
+async def _pump(position: int, stream: AsyncGenerator, queue: asyncio.Queue) -> None:
     try:
         async with contextlib.aclosing(stream) as items:
             async for item in items:

@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard, overload
 
 import grpc
 
@@ -46,7 +47,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the engine reads 0 as greedy
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"
 
-FINISH_REASONS = {
+FINISH_REASONS: dict[int, str] = {  # keyed by the wire enum FinishReason's numbers
     fastgen_pb2.FINISH_REASON_LENGTH: "length",
     fastgen_pb2.FINISH_REASON_STOP: "stop",
     fastgen_pb2.FINISH_REASON_EOS: "stop",
@@ -136,7 +137,7 @@ def unknown_model(name: str, served: Sequence[str]) -> ApiError:
 
 
 # ---- typed reads of a JSON object -----------------------------------------------------------------------------------
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int | float]:
     # JSON true/false are Python bools, which are ints: never a number here. 16.0 counts as 16, as pydantic reads it.
     if isinstance(value, bool):
         return False
@@ -175,6 +176,10 @@ class Fields:
             raise bad_request(f"{name} must be true or false, got {value!r}", name)
         return value
 
+    @overload
+    def integer(self, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int: ...
+    @overload
+    def integer(self, name: str, default: None = None, lo: int | None = None, hi: int | None = None) -> int | None: ...
     def integer(self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None):
         value = self.body.get(name)
         if value is None:
@@ -187,6 +192,12 @@ class Fields:
             raise bad_request(f"{name} must be {_range_text(lo, hi)}, got {value}", name)
         return value
 
+    @overload
+    def number(self, name: str, default: float, lo: float | None = None, hi: float | None = None) -> float: ...
+    @overload
+    def number(
+        self, name: str, default: None = None, lo: float | None = None, hi: float | None = None
+    ) -> float | None: ...
     def number(self, name: str, default: float | None = None, lo: float | None = None, hi: float | None = None):
         value = self.body.get(name)
         if value is None:
@@ -545,8 +556,9 @@ def _content(content: object, role: str, where: str) -> str:
         return ""
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)  # as vLLM joins text parts
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) == len(content):  # every part a text part
+            return "\n".join(strings)  # as vLLM joins text parts
     raise bad_request(f'{where} must be a string or a list of {{"type": "text", "text": ...}} parts', where)
 
 
@@ -631,15 +643,16 @@ def chat_response(meta: Meta, api: ApiRequest, responses: Sequence[fastgen_pb2.G
 
 def chat_message(api: ApiRequest, text: str, reason: str | None) -> dict:
     """A finished choice's message and finish reason: the text, or the tool calls found in it."""
-    thoughts = None
+    thoughts, answer = None, text
     if api.reasoning is not None:
-        thoughts, text = split(api.reasoning, text)
-    if api.tools is None or text is None:
-        message = {"role": "assistant", "content": text}
+        thoughts, answer = split(api.reasoning, text)
+    message: dict[str, object]
+    if api.tools is None or answer is None:
+        message = {"role": "assistant", "content": answer}
         if api.reasoning is not None:
             message["reasoning_content"] = thoughts
         return {"message": message, "finish_reason": reason}
-    content, calls = extract(api.tools, text)
+    content, calls = extract(api.tools, answer)
     message = {"role": "assistant", "content": content}
     if api.reasoning is not None:
         message["reasoning_content"] = thoughts

@@ -11,6 +11,7 @@ A request sets at most one of them. Pure: no I/O, no torch."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from ..proto import fastgen_pb2
 from .limits import RequestRefused, check_constraint
@@ -98,7 +99,8 @@ def _of_kind(kind: str, value: object, param: str) -> fastgen_pb2.Constraint:
         return fastgen_pb2.Constraint(choice=fastgen_pb2.ChoiceList(choices=value))
     if not isinstance(value, str) or not value:
         raise StructuredError(f"{param}: {kind} must be a non-empty string", param)
-    return fastgen_pb2.Constraint(**{kind: value})
+    field: dict[str, Any] = {kind: value}  # regex or grammar: a string field of its name
+    return fastgen_pb2.Constraint(**field)
 
 
 def _schema_text(schema: object, param: str) -> str:

@@ -147,6 +147,7 @@ def call(name: str, arguments: object) -> dict:
 def extract(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a finished output."""
     if plan.choice == "named":
+        assert plan.named is not None, "a named choice names its function (parse_tools)"
         return None, [call(plan.named, text)]
     if plan.choice == "required":
         try:

@@ -35,6 +35,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("fastgen.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -81,9 +82,10 @@ CPUINFO = Path("/proc/cpuinfo")
 POINTER, INT, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-def entry(**params: type) -> dataclasses.Field:
+def entry(**params: type) -> Any:
     """A field of CLibrary: the C function of the field's name, taking `params` (C name -> ctypes type, in order)
-    and returning int (0 on success, -1 where the kernel declines)."""
+    and returning int (0 on success, -1 where the kernel declines). Typed Any, as dataclasses.field() is, so that the
+    field keeps its declared type."""
     return field(metadata={"params": params})
 
 

@@ -292,6 +292,7 @@ def _amx_prefill_applies(q, k_cache, v_cache, out) -> bool:
 def _prefill_attention_amx(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
     """The prompt chunks of the batch on the AMX kernel, a sequence per call, into out; False where it declines."""
     library = _amx()
+    assert library is not None, "called where _amx_prefill_applies"
     heads, head_dim = q.shape[1:]
     block_size, kv_heads = k_cache.shape[1:3]
     tables = meta.block_tables.to(torch.int32).contiguous()
@@ -346,8 +347,7 @@ class Elementwise:
 @functools.cache
 def _elementwise_for(dtype: torch.dtype) -> Elementwise | None:
     """The fused elementwise kernels for activations of dtype where they run on this CPU, else None (torch serves)."""
-    if dtype == torch.bfloat16 and _elementwise() is not None:
-        library = _elementwise()
+    if dtype == torch.bfloat16 and (library := _elementwise()) is not None:
         return Elementwise(
             dtype,
             library.add_rms_norm_bf16,
@@ -539,7 +539,9 @@ def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None)
     rows = x.shape[0]
     y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
     bias = None if bias is None else bias.contiguous()
-    status = _amx().linear_bf16(
+    library = _amx()
+    assert library is not None, "a PackedLinear is made only where AMX runs (pack_linear)"
+    status = library.linear_bf16(
         x.data_ptr(),
         x.stride(0),
         packed.tiles.data_ptr(),
@@ -620,7 +622,9 @@ def linear_f32_silu_mul(x: torch.Tensor, packed: PackedF32) -> torch.Tensor | No
         return None
     rows, inter = x.shape[0], packed.out_features // 2
     h = torch.empty((rows, inter), dtype=torch.float32)
-    status = _linear_f32().linear_f32_silu_mul(
+    library = _linear_f32()
+    assert library is not None, "a PackedF32 is made only where the float32 kernels run (pack_f32_gate_up)"
+    status = library.linear_f32_silu_mul(
         x.data_ptr(),
         x.stride(0),
         packed.panels.data_ptr(),
@@ -645,7 +649,9 @@ def linear_f32(x: torch.Tensor, packed: PackedF32, bias: torch.Tensor | None) ->
         return None
     rows = x.shape[0]
     y = torch.empty((rows, packed.out_features), dtype=torch.float32)
-    status = _linear_f32().linear_f32(
+    library = _linear_f32()
+    assert library is not None, "a PackedF32 is made only where the float32 kernels run (pack_f32)"
+    status = library.linear_f32(
         x.data_ptr(),
         x.stride(0),
         packed.panels.data_ptr(),
@@ -719,6 +725,7 @@ def linear(
         return F.linear(x, packed.amx.unpacked() if weight is None else weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    assert weight is not None, "weight is None only beside a packed weight that holds it"
     return F.linear(x, weight, bias)
 
 

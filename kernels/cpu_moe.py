@@ -125,6 +125,7 @@ def fused_moe(
             return y
         if w13 is None or w2 is None:
             w13, w2 = packed.unpacked()
+    assert w13 is not None and w2 is not None, "w13 and w2 are None only beside packed experts that hold them"
     return moe.fused_moe(x, w13, w2, None, routing)
 
 
@@ -146,7 +147,9 @@ def _moe_kernel(x: torch.Tensor, packed: PackedExperts, routing: moe.Routing) ->
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     y = torch.empty((tokens, packed.hidden), dtype=torch.float32)
-    status = _moe_f32().moe_f32(
+    library = _moe_f32()
+    assert library is not None, "PackedExperts are made only where the MoE kernel runs (pack_experts)"
+    status = library.moe_f32(
         x.data_ptr(),
         x.stride(0) if tokens > 1 else packed.hidden,  # a single row's stride is whatever torch chose: unused
         packed.w13.data_ptr(),

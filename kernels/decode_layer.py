@@ -104,17 +104,25 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     library = clib.get_library()
     if library is None or not (library.elementwise_available() and library.linear_q8_available()):
         return None
-    projections = (parts.qkv, parts.o, parts.gate_up, parts.down)
-    if not all(isinstance(p, QuantLinear) and p.int8 and len(p.calls) == 1 for p in projections):
+    qkv, o, gate_up, down = parts.qkv, parts.o, parts.gate_up, parts.down
+    if not (
+        isinstance(qkv, QuantLinear)
+        and isinstance(o, QuantLinear)
+        and isinstance(gate_up, QuantLinear)
+        and isinstance(down, QuantLinear)
+    ):
         return None
-    hidden = parts.o.out_features
+    projections = (qkv, o, gate_up, down)
+    if not all(p.int8 and len(p.calls) == 1 for p in projections):
+        return None
+    hidden = o.out_features
     q_width = parts.heads * parts.head_dim
-    intermediate = parts.down.in_features
+    intermediate = down.in_features
     shapes_fit = (
-        parts.qkv.out_features == q_width + 2 * parts.kv_heads * parts.head_dim
-        and parts.qkv.in_features == parts.gate_up.in_features == parts.down.out_features == hidden
-        and parts.o.in_features == q_width
-        and parts.gate_up.out_features == 2 * intermediate
+        qkv.out_features == q_width + 2 * parts.kv_heads * parts.head_dim
+        and qkv.in_features == gate_up.in_features == down.out_features == hidden
+        and o.in_features == q_width
+        and gate_up.out_features == 2 * intermediate
         and parts.head_dim % 2 == 0
     )
     norms_fit = all(
@@ -123,15 +131,15 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     )
     if not (shapes_fit and norms_fit):
         return None
-    qkv, o, gate_up, down = (p.calls[0] for p in projections)
+    qkv_call, o_call, gate_up_call, down_call = (p.calls[0] for p in projections)
     weights = (
         parts.input_norm.data_ptr(),
         parts.post_norm.data_ptr(),
         parts.eps,
-        *(qkv.weight, qkv.weight_stride, qkv.qtype),
-        *(o.weight, o.weight_stride, o.qtype),
-        *(gate_up.weight, gate_up.weight_stride, gate_up.qtype),
-        *(down.weight, down.weight_stride, down.qtype),
+        *(qkv_call.weight, qkv_call.weight_stride, qkv_call.qtype),
+        *(o_call.weight, o_call.weight_stride, o_call.qtype),
+        *(gate_up_call.weight, gate_up_call.weight_stride, gate_up_call.qtype),
+        *(down_call.weight, down_call.weight_stride, down_call.qtype),
         intermediate,
         parts.heads,
         parts.kv_heads,

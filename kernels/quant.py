@@ -108,9 +108,11 @@ class QuantizedTensor:
             == 0
         ):
             return out
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize  # gguf's reference dequantizers, where no kernel library was built
 
-        return torch.from_numpy(dequantize(data.numpy(), self.qtype).copy()).reshape(rows, cols)
+        values = dequantize(data.numpy(), GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(values.copy()).reshape(rows, cols)
 
 
 def quantize_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantizedTensor | None:
@@ -194,6 +196,7 @@ class QuantLinear:
         """(out_features, in_features) bfloat16: the weights' values rounded to nearest even, as
         dequantized().to(torch.bfloat16) gives them, on the torch threads."""
         library = clib.get_library()
+        assert library is not None, "a QuantLinear is made only where the kernels were built (quant_kernels)"
         out = torch.empty((self.out_features, self.in_features), dtype=torch.bfloat16)
         threads = torch.get_num_threads()
         for call in self.calls:
@@ -291,7 +294,9 @@ def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None
     bias_at = 0 if bias is None else bias.data_ptr()
     x_at, x_stride, y_at, size = xk.data_ptr(), xk.stride(0), y.data_ptr(), y.element_size()
     for call in packed.calls:
-        status = (call.run_int8 if int8 else call.run)(
+        run = call.run_int8 if int8 else call.run
+        assert run is not None, "int8 only where every call has run_int8 (QuantLinear.int8)"
+        status = run(
             x_at,
             x_stride,
             call.weight,

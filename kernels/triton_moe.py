@@ -236,7 +236,9 @@ def _combine_kernel(
     e = tl.load(ids_ptr + t * TOP_K)
     acc = tl.load(rows_ptr + t * TOP_K * stride_rp + cols, mask=cols < tl.where(e < experts, hidden, 0), other=0.0)
     acc = acc.to(tl.float32)
-    for slot in tl.static_range(1, TOP_K):  # slots are in ascending expert order: the reference's sum order
+    # Slots are in ascending expert order: the reference's sum order. (static_range iterates only in the compiler; its
+    # Python __iter__ raises, so pyright takes it for not iterable.)
+    for slot in tl.static_range(1, TOP_K):  # pyright: ignore[reportGeneralTypeIssues]
         e = tl.load(ids_ptr + t * TOP_K + slot)
         row = rows_ptr + (t * TOP_K + slot) * stride_rp + cols
         v = tl.load(row, mask=cols < tl.where(e < experts, hidden, 0), other=0.0)

@@ -3,7 +3,12 @@
 `from fastgen.replica import pipeline` (defined in offline.py) loads lazily, so the pure-Python scheduler modules
 import without torch."""
 
+from typing import TYPE_CHECKING
+
 from fastgen import toplevel
+
+if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers
+    from .offline import Output, Pipeline, pipeline
 
 if toplevel.is_bare(__name__):  # imported as bare `replica` from the repository root: see fastgen/toplevel.py
     toplevel.hand_over(__name__, __file__)

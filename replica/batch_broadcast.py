@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -91,7 +91,9 @@ class BatchBroadcast:
 
     def __init__(self, rank: int, timeout: timedelta = IDLE_TIMEOUT) -> None:
         self.rank = rank
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # Every rank is a member (no ranks list), so this is a ProcessGroup, never the int torch's typing also allows
+        # (GroupMember.NON_GROUP_MEMBER).
+        self.group = cast("dist.ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
 
     def send(self, batch: Batch) -> None:
         flat = encode_batch(batch)

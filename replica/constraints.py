@@ -120,14 +120,16 @@ class Constraints:
                 # Any object, in compact JSON: the builtin JSON grammar allows whitespace anywhere, which a small
                 # model fills to max_tokens (the schemas below are compact too).
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if c.kind == "json_schema":
-                return compiler.compile_json_schema(c.value, any_whitespace=False)
-            if c.kind == "regex":
-                return compiler.compile_regex(c.value)
             if c.kind == "choice":
                 # A regex of the escaped alternatives: xgrammar has no choice grammar of its own.
                 return compiler.compile_grammar(choice_grammar(c.value))
-            return compiler.compile_grammar(c.value)
+            text = c.value
+            assert isinstance(text, str), "only a choice constraint's value is a tuple (Constraint)"
+            if c.kind == "json_schema":
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if c.kind == "regex":
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
             raise ConstraintError(f"constraint {c.kind} does not compile: {str(e)[:300]}") from None
 

@@ -111,6 +111,7 @@ class DecodeGraphs:
         if entry.graph is None:
             return self._forward(entry.meta, bucket)[:n]
         entry.graph.replay()
+        assert self.logits is not None, "made by the forward pass the graph captured"
         return self.logits[:n]
 
     def _load(self, batch: Batch, bucket: int) -> None:

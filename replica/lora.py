@@ -26,8 +26,11 @@ import torch
 from safetensors.torch import load_file
 
 from ..kernels.lora import LoraSegments
-from .models.decoder import FUSED
-from .parallel import ParallelLinear, RowParallelLinear
+from .models.decoder import FUSED, DecoderModel
+from .parallel import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+# The layers LoRA adapts (the TARGETS projections): split by output rows (column, q/k/v) or by input columns (row).
+AdaptedLinear = ColumnParallelLinear | QKVParallelLinear | RowParallelLinear
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -131,31 +134,32 @@ class LoraSlice:
 class LoraLayer:
     """The adapter slots of one linear layer, and the delta it adds to the layer's output."""
 
-    def __init__(self, layer: ParallelLinear, step: LoraStep, max_loras: int, max_rank: int) -> None:
+    def __init__(self, layer: AdaptedLinear, step: LoraStep, max_loras: int, max_rank: int) -> None:
         self.layer = layer
         self.step = step
         self.row_parallel = isinstance(layer, RowParallelLinear)
-        local_parts = [layer.out_features] if self.row_parallel else layer.local_parts
-        like = dict(dtype=layer.weight.dtype, device=layer.weight.device)  # attached before packing: weight is there
+        local_parts = [layer.out_features] if isinstance(layer, RowParallelLinear) else layer.local_parts
+        weight = layer.weight
+        assert weight is not None, "attached before packing: the weight is there"
         self.slices = []
         offset = 0
         for size in local_parts:
-            a = torch.zeros(max_loras, max_rank, layer.in_features, **like)
-            b = torch.zeros(max_loras, size, max_rank, **like)
+            a = torch.zeros(max_loras, max_rank, layer.in_features, dtype=weight.dtype, device=weight.device)
+            b = torch.zeros(max_loras, size, max_rank, dtype=weight.dtype, device=weight.device)
             self.slices.append(LoraSlice(offset, a, b, [0] * max_loras))
             offset += size
 
     def full_shapes(self, part: int) -> tuple[int, int]:
         """(in, out) of sub-projection `part` over all ranks: what an adapter's A and B must match."""
         layer = self.layer
-        if self.row_parallel:
+        if isinstance(layer, RowParallelLinear):
             return layer.local_in * layer.tp.size, layer.out_features
         return layer.in_features, layer.parts[part]
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Writes this rank's share of an adapter's A (r, in) and scaled B (out, r) into `slot`."""
         layer, s, r = self.layer, self.slices[part], a.shape[0]
-        if self.row_parallel:
+        if isinstance(layer, RowParallelLinear):
             a = a.narrow(1, layer.tp.rank * layer.local_in, layer.local_in)
         else:
             b = layer.shard_rows(b, part)
@@ -184,7 +188,7 @@ class LoraLayer:
 class LoraWeights:
     """Every adaptable layer's slots in a model, and the loads into them."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: DecoderModel, max_loras: int, max_rank: int) -> None:
         if max_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -193,7 +197,7 @@ class LoraWeights:
         self.layers: dict[str, LoraLayer] = {}
         for name, module in model.named_modules():
             leaf = name.rpartition(".")[2]
-            if leaf in {ours for ours, _ in TARGETS.values()} and isinstance(module, ParallelLinear):
+            if leaf in {ours for ours, _ in TARGETS.values()} and isinstance(module, AdaptedLinear):
                 module.lora = self.layers[name] = LoraLayer(module, self.step, max_loras, max_rank)
         if not self.layers:
             raise ValueError(

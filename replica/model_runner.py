@@ -77,6 +77,7 @@ class ModelRunner:
 
     def follow(self) -> None:
         """Ranks > 0: runs every batch rank 0 sends until it says stop. Raises RuntimeError when rank 0 is gone."""
+        assert self.broadcast is not None, "ranks > 0 are ranks of a tensor-parallel group, which has a broadcast"
         while (batch := self.broadcast.receive()) is not None:
             self.forward(batch)
 
@@ -86,6 +87,7 @@ class ModelRunner:
         copies come first."""
         copy_blocks(self.kv_caches, batch.copies, self.device)
         for slot, path in batch.lora_loads:
+            assert self.lora is not None, "a batch loads adapters only with --enable-lora"
             self.lora.load(slot, path)
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)

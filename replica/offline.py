@@ -69,7 +69,7 @@ class Pipeline:
         done: dict[str, Output] = {}
         while len(done) < len(ids):
             for out in self.engine.step().outputs:
-                if out.finished:
+                if out.finish_reason is not None:  # out.finished
                     done[out.request_id] = Output(
                         out.text,
                         out.token_ids,

@@ -7,6 +7,7 @@ all-reduce their partial sums. The embedding splits the vocabulary; the LM head 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,9 @@ from torch import nn
 
 from ..kernels import TORCH_KERNELS, Kernels
 from ..kernels.quant import QuantizedTensor, quantize_per_channel
+
+if TYPE_CHECKING:
+    from .lora import LoraLayer
 
 # The single-tensor all-gather: torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor, which the
 # older torch of a GPU machine may still be the only name for.
@@ -28,7 +32,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
 
-    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, op=op)
         return x
@@ -87,7 +91,7 @@ class ParallelLinear(nn.Module):
         self.kernels = kernels
         self.packed = None
         self.quantized: list[tuple[int, QuantizedTensor]] = []
-        self.lora = None  # a LoraLayer where LoRA adapters may adapt this layer
+        self.lora: LoraLayer | None = None  # where LoRA adapters may adapt this layer
 
     def put(self, name: str, start: int, rows: torch.Tensor | QuantizedTensor) -> None:
         """Rows [start, start + len) of parameter `name` from a checkpoint's (already sharded) tensor."""
@@ -97,15 +101,17 @@ class ParallelLinear(nn.Module):
             getattr(self, name).data[start : start + rows.shape[0]].copy_(rows)
 
     def pack(self) -> None:
+        weight = self.weight
+        assert weight is not None, "packed once, while the plain weight is there"
         if self.quantized:
             self.packed = self.kernels.pack_quantized(self.quantized, self.out_features)
             if self.packed is not None:
                 self.quantized, self.weight = [], None  # the packed blocks are the weight
                 return
             for start, rows in self.quantized:  # no kernel for this format here: serve it dequantized
-                self.weight.data[start : start + rows.shape[0]].copy_(rows.dequantize())
+                weight.data[start : start + rows.shape[0]].copy_(rows.dequantize())
             self.quantized = []
-        self.packed = self.packed_form(self.weight)
+        self.packed = self.packed_form(weight)
         if self.packed is not None and self.packed.holds_weight:
             self.weight = None  # two copies of every weight would double the model's memory
 
@@ -119,6 +125,7 @@ class ParallelLinear(nn.Module):
 
     def row_absmax(self) -> torch.Tensor:
         """max |w| of each output row: this rank's rows are whole."""
+        assert self.weight is not None, "asked before packing (quantize_int8), when the plain weight is there"
         return self.weight.detach().abs().amax(dim=1).float()
 
     def packed_form(self, weight: torch.Tensor):
@@ -238,6 +245,7 @@ class RowParallelLinear(ParallelLinear):
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
         if name == "bias":
+            assert self.bias is not None, f"a checkpoint bias is loaded only into a layer made with one ({name})"
             self.bias.data.copy_(tensor)  # whole on every rank, added once after the all-reduce
         else:
             if isinstance(tensor, QuantizedTensor) and not tensor.splits_at(
@@ -275,10 +283,12 @@ class VocabParallelEmbedding(nn.Module):
         if isinstance(shard, QuantizedTensor) and rows == self.local_vocab:
             self.quantized, self.weight = shard, None
         else:
+            assert self.weight is not None, "loaded once: the plain weight is still there"
             self.weight.data[:rows].copy_(shard.dequantize() if isinstance(shard, QuantizedTensor) else shard)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:
+            assert self.weight is not None, "the plain weight is dropped only for quantized rows"
             return F.embedding(ids, self.weight)
         return self.quantized.index_rows(ids.flatten().to(torch.int64)).dequantize().to(self.dtype)
 
@@ -304,7 +314,9 @@ class ParallelLMHead(ParallelLinear):
         kernels: Kernels = TORCH_KERNELS,
         bias: bool = False,
     ) -> None:
-        weight = embedding.weight if tied else nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
+        shared = embedding.weight
+        assert shared is not None, "made before loading, while the embedding has its plain weight"
+        weight = shared if tied else nn.Parameter(torch.zeros_like(shared), requires_grad=False)
         super().__init__(weight, _frozen(embedding.local_vocab) if bias else None, kernels)
         self.embedding = embedding if tied else None
         self.tp = tp
@@ -325,8 +337,10 @@ class ParallelLMHead(ParallelLinear):
             if self.packed is not None:
                 self.weight = None
                 return
-            embedding.weight = self.weight
-            embedding.weight.data.copy_(embedding.quantized.dequantize())
+            weight = self.weight
+            assert weight is not None, "packed once, while the plain weight is there"
+            embedding.weight = weight
+            weight.data.copy_(embedding.quantized.dequantize())
             embedding.quantized = None
         super().pack()
 

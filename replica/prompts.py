@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -17,6 +18,14 @@ class ChatPrompt(list):
     def __init__(self, messages, tools: list[dict] | None = None) -> None:
         super().__init__(messages)
         self.tools = tools
+
+
+def _all_messages(items: list) -> TypeGuard[list[dict]]:
+    return all(isinstance(m, dict) for m in items)
+
+
+def _all_token_ids(items: list) -> TypeGuard[list[int]]:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
 
 
 class PromptEncoder:
@@ -45,8 +54,9 @@ class PromptEncoder:
             what = "chat messages" if items and isinstance(items[0], dict) else "tokens"
             raise ValueError(f"prompt has {len(items)} {what} but the context holds {max_tokens} tokens: shorten it")
         if items and isinstance(items[0], dict):
-            contents = [m.get("content") for m in items if isinstance(m, dict) and isinstance(m.get("content"), str)]
-            self._check_text_size(sum(map(len, contents)), lambda: sum(len(c.encode()) for c in contents), max_tokens)
+            contents = [m.get("content") for m in items if isinstance(m, dict)]
+            texts = [c for c in contents if isinstance(c, str)]
+            self._check_text_size(sum(map(len, texts)), lambda: sum(len(c.encode()) for c in texts), max_tokens)
 
     def _check_text_size(self, chars: int, utf8_bytes: Callable[[], int], max_tokens: int) -> None:
         if self.max_token_bytes is None:
@@ -73,10 +83,10 @@ class PromptEncoder:
         items = list(prompt)
         if not items:
             raise ValueError("prompt is empty: send some text, token ids or chat messages")
-        if all(isinstance(m, dict) for m in items):
+        if _all_messages(items):
             text = self.chat_text(items, getattr(prompt, "tools", None))
             return self._tokenize(text, add_special_tokens=False), text
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if not _all_token_ids(items):
             raise ValueError(
                 "prompt must be a string, a list of token ids (ints) or a list of {role, content} messages"
             )

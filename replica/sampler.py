@@ -151,13 +151,14 @@ def _constrain(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     masked = [j for j, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return
+    allowed = [a for r in rows if (a := r.allowed) is not None]  # the masked rows' bitmasks, in order
     native = _native_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if native is not None:  # xgrammar's C++ kernel: a third of the torch ops' time on a CPU
-        bits = torch.full((logits.shape[0], rows[masked[0]].allowed.shape[0]), -1, dtype=torch.int32)
-        bits[masked] = torch.stack([rows[j].allowed for j in masked])
+        bits = torch.full((logits.shape[0], allowed[0].shape[0]), -1, dtype=torch.int32)
+        bits[masked] = torch.stack(allowed)
         native(logits, bits, vocab_size=logits.shape[1], indices=masked)
         return
-    bits = torch.stack([rows[j].allowed for j in masked]).to(logits.device)  # (c, W) int32
+    bits = torch.stack(allowed).to(logits.device)  # (c, W) int32
     penalty = _byte_table(logits.device, logits.dtype)[bits.view(torch.uint8).long()].flatten(1)[:, : logits.shape[1]]
     if len(masked) == logits.shape[0]:
         logits.add_(penalty)
@@ -327,14 +328,18 @@ class _Raw:
 
 
 def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow], source: list[int]) -> _Raw | None:
-    asking = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    wanted = {i: r.logprobs for i, r in enumerate(rows) if r.logprobs is not None}  # row -> alternatives it asks
+    asking = list(wanted)
     if not asking:
         return None
     sources = list(dict.fromkeys(source[i] for i in asking))
     slot = {s: j for j, s in enumerate(sources)}
     logprobs = torch.log_softmax(_subset(logits, sources), dim=-1, dtype=torch.float32)  # (u, V)
-    ks = [min(rows[i].logprobs, logits.shape[1]) for i in asking]
-    top = tuple(logprobs.topk(max(ks), dim=-1)) if max(ks) else None  # (u, width) each
+    ks = [min(k, logits.shape[1]) for k in wanted.values()]
+    top = None
+    if max(ks):
+        values, indices = logprobs.topk(max(ks), dim=-1)  # (u, width) each
+        top = (values, indices)
     return _Raw(asking, [slot[source[i]] for i in asking], ks, logprobs, top)
 
 
@@ -342,8 +347,9 @@ def _collect(
     tokens: list[int], order: list[int], device_tokens: torch.Tensor | None, raw: _Raw | None, device: torch.device
 ) -> Sampled:
     """Fills in the tokens of rows[order] from the device, and the logprobs, in one transfer to the host."""
+    assert (device_tokens is not None) == bool(order), "device tokens exactly where rows sample on the device"
     if raw is None:
-        for i, token in zip(order, device_tokens.tolist() if order else []):
+        for i, token in zip(order, device_tokens.tolist() if device_tokens is not None else []):
             tokens[i] = token
         return Sampled(tokens, [None] * len(tokens))
     # Every row's token on the device (the host's greedy ones, the device's written over them), to gather the
@@ -351,11 +357,11 @@ def _collect(
     n, m, k = len(tokens), len(order), len(raw.rows)
     host = torch.tensor(tokens + order + raw.rows + raw.slots, dtype=torch.int64).to(device)
     every, where, asking, slots = host.split([n, m, k, k])
-    if order:
+    if device_tokens is not None:  # order
         every = every.index_put((where,), device_tokens)
     chosen = raw.logprobs[slots, every[asking]]  # (k,) the sampled tokens' raw logprobs
     # float64 holds token ids and float32 logprobs exactly, so one tensor carries all of it.
-    parts = [device_tokens.double()] if order else []
+    parts = [device_tokens.double()] if device_tokens is not None else []
     parts.append(chosen.double())
     if raw.top is not None:
         parts += [raw.top[0].double().flatten(), raw.top[1].double().flatten()]

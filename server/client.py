@@ -21,8 +21,9 @@ import contextlib
 import numbers
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -176,7 +177,7 @@ class Status:
 
 
 # ---- Conversions between Python values and the wire messages. ----
-def check_kwargs(kwargs: Mapping[str, object]) -> None:
+def check_kwargs(kwargs: Mapping[str, Any]) -> None:
     unknown = sorted(set(kwargs) - set(SAMPLING_FIELDS) - set(CALL_FIELDS))
     if unknown:
         raise TypeError(
@@ -185,12 +186,12 @@ def check_kwargs(kwargs: Mapping[str, object]) -> None:
         )
 
 
-def check_single_completion(kwargs: Mapping[str, object]) -> None:
+def check_single_completion(kwargs: Mapping[str, Any]) -> None:
     if (kwargs.get("n") or 1) > 1:
         raise TypeError("stream yields one completion's text: use stream_chunks for n > 1 (each chunk has its index)")
 
 
-def sampling_params(kwargs: Mapping[str, object]) -> fastgen_pb2.SamplingParams:
+def sampling_params(kwargs: Mapping[str, Any]) -> fastgen_pb2.SamplingParams:
     values = {k: kwargs[k] for k in SAMPLING_FIELDS if kwargs.get(k) is not None}
     stop = values.pop("stop", ())
     logit_bias = {int(t): float(b) for t, b in dict(values.pop("logit_bias", {})).items()}
@@ -211,7 +212,9 @@ def is_single_prompt(prompt: object) -> bool:
     return len(prompt) > 0 and isinstance(prompt[0], (numbers.Integral, Mapping))
 
 
-def build_request(prompt: object, request_id: str | None, kwargs: Mapping[str, object]) -> fastgen_pb2.GenerateRequest:
+def build_request(
+    prompt: str | Sequence[Any], request_id: str | None, kwargs: Mapping[str, Any]
+) -> fastgen_pb2.GenerateRequest:
     req = fastgen_pb2.GenerateRequest(request_id=request_id or "", params=sampling_params(kwargs))
     if kwargs.get("slo") is not None:
         req.slo.CopyFrom(fastgen_pb2.Slo(**kwargs["slo"]))
@@ -229,14 +232,14 @@ def build_request(prompt: object, request_id: str | None, kwargs: Mapping[str, o
     return req
 
 
-def build_stream_request(prompt: object, kwargs: Mapping[str, object]) -> fastgen_pb2.GenerateRequest:
+def build_stream_request(prompt: str | Sequence[Any], kwargs: Mapping[str, Any]) -> fastgen_pb2.GenerateRequest:
     check_kwargs(kwargs)
     if not is_single_prompt(prompt):
         raise TypeError("stream takes one prompt; call it once per prompt")
     return build_request(prompt, kwargs.get("request_id"), kwargs)
 
 
-def batch_requests(prompts: Sequence, kwargs: Mapping[str, object]) -> list[fastgen_pb2.GenerateRequest]:
+def batch_requests(prompts: Sequence, kwargs: Mapping[str, Any]) -> list[fastgen_pb2.GenerateRequest]:
     base_id = kwargs.get("request_id")
     return [build_request(p, f"{base_id}-{i}" if base_id else None, kwargs) for i, p in enumerate(prompts)]
 
@@ -386,20 +389,22 @@ class Client:
         check_single_completion(kwargs)
         return self._texts(self.stream_chunks(prompt, **kwargs))
 
-    def stream_chunks(self, prompt, **kwargs) -> Iterator[GenerationChunk]:
+    def stream_chunks(self, prompt, **kwargs) -> Generator[GenerationChunk, None, None]:
         """Yields each chunk; closing the iterator early cancels the request. Arguments are checked now, the call
         starts at the first `next`."""
         req = build_stream_request(prompt, kwargs)
         return self._stream(req, kwargs.get("timeout", self.timeout))
 
     @staticmethod
-    def _texts(chunks: Iterator[GenerationChunk]) -> Iterator[str]:
+    def _texts(chunks: Generator[GenerationChunk, None, None]) -> Iterator[str]:
         with contextlib.closing(chunks):  # closing the texts closes (cancels) the call
             for chunk in chunks:
                 if chunk.text:
                     yield chunk.text
 
-    def _stream(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> Iterator[GenerationChunk]:
+    def _stream(
+        self, req: fastgen_pb2.GenerateRequest, timeout: float | None
+    ) -> Generator[GenerationChunk, None, None]:
         call = self._stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
         try:
             for chunk in call:
@@ -503,20 +508,22 @@ class AsyncClient:
         check_single_completion(kwargs)
         return self._texts(self.stream_chunks(prompt, **kwargs))
 
-    def stream_chunks(self, prompt, **kwargs) -> AsyncIterator[GenerationChunk]:
+    def stream_chunks(self, prompt, **kwargs) -> AsyncGenerator[GenerationChunk, None]:
         """`async for chunk in client.stream_chunks(...)`; arguments are checked now, the call starts with the
         iteration."""
         req = build_stream_request(prompt, kwargs)
         return self._stream(req, kwargs.get("timeout", self.timeout))
 
     @staticmethod
-    async def _texts(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
+    async def _texts(chunks: AsyncGenerator[GenerationChunk, None]) -> AsyncIterator[str]:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if chunk.text:
                     yield chunk.text
 
-    async def _stream(self, req: fastgen_pb2.GenerateRequest, timeout: float | None) -> AsyncIterator:
+    async def _stream(
+        self, req: fastgen_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncGenerator[GenerationChunk, None]:
         call = self._stub.GenerateStream(req, timeout=timeout, metadata=self._metadata)
         try:
             async for chunk in call:

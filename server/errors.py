@@ -147,4 +147,5 @@ def add_generation_servicer(servicer, server: grpc.aio.Server) -> None:
             )
     name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    # typeshed's grpcio stubs lack Server.add_registered_method_handlers (which grpcio has).
+    server.add_registered_method_handlers(name, handlers)  # pyright: ignore[reportAttributeAccessIssue]

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import _async as health_aio  # pyright: ignore[reportAttributeAccessIssue]  # not in typeshed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -425,8 +425,9 @@ HTTP_METRICS = (HTTP_REQUESTS, HTTP_LATENCY)
 ALL_METRICS = REPLICA_METRICS + BALANCER_METRICS + HTTP_METRICS + (BUILD_INFO,)
 
 
-def register(registry: CollectorRegistry, defs: tuple[MetricDef, ...]) -> dict[MetricDef, object]:
-    """Creates each metric of `defs` on `registry`; returns them keyed by their definition."""
+def register(registry: CollectorRegistry, defs: tuple[MetricDef, ...]) -> dict[MetricDef, Any]:
+    """Creates each metric of `defs` on `registry`; returns them keyed by their definition (each of the type its
+    `kind` says, a Counter, Gauge or Histogram, hence Any)."""
     made = {}
     for d in defs:
         kwargs = {"buckets": d.buckets} if d.buckets is not None else {}

@@ -8,8 +8,10 @@ with `ca` requires client certificates signed by it (mutual TLS); a client with 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, overload
 
 import grpc
 
@@ -46,8 +48,10 @@ def read_pem(path: str | None) -> bytes | None:
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     """Serves tls.cert; with tls.ca, requires client certificates signed by it."""
+    key, cert = read_pem(tls.key), read_pem(tls.cert)
+    assert key is not None and cert is not None, "a server's TlsFiles has cert and key (TlsFiles.check)"
     return grpc.ssl_server_credentials(
-        [(read_pem(tls.key), read_pem(tls.cert))], root_certificates=read_pem(tls.ca), require_client_auth=bool(tls.ca)
+        [(key, cert)], root_certificates=read_pem(tls.ca), require_client_auth=bool(tls.ca)
     )
 
 
@@ -60,6 +64,7 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
 
 def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     """For an HTTPS server (aiohttp): serves tls.cert; with tls.ca, requires client certificates signed by it."""
+    assert tls.cert and tls.key, "a server's TlsFiles has cert and key (TlsFiles.check)"
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(str(Path(tls.cert).expanduser()), str(Path(tls.key).expanduser()))
     if tls.ca:
@@ -72,18 +77,36 @@ def client_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     """For an HTTPS client: trusts tls.ca (the system's roots without one), presents tls.cert when it has one."""
     context = ssl.create_default_context(cafile=str(Path(tls.ca).expanduser()) if tls.ca else None)
     if tls.cert:
+        assert tls.key, "cert and key go together (TlsFiles.problems)"
         context.load_cert_chain(str(Path(tls.cert).expanduser()), str(Path(tls.key).expanduser()))
     return context
 
 
-def channel_options(options: list[tuple[str, object]], server_name: str | None) -> list[tuple[str, object]]:
+def channel_options(options: Sequence[tuple[str, object]], server_name: str | None) -> Sequence[tuple[str, object]]:
     """`options` plus the name to verify the server's certificate against when the address does not carry it."""
-    return options + [("grpc.ssl_target_name_override", server_name)] if server_name else options
+    return [*options, ("grpc.ssl_target_name_override", server_name)] if server_name else options
 
 
+@overload
 def open_channel(
     address: str,
-    options: list[tuple[str, object]],
+    options: Sequence[tuple[str, object]],
+    tls: TlsFiles | None = None,
+    server_name: str | None = None,
+    aio: Literal[False] = False,
+) -> grpc.Channel: ...
+@overload
+def open_channel(
+    address: str,
+    options: Sequence[tuple[str, object]],
+    tls: TlsFiles | None = None,
+    server_name: str | None = None,
+    *,
+    aio: Literal[True],
+) -> grpc.aio.Channel: ...
+def open_channel(
+    address: str,
+    options: Sequence[tuple[str, object]],
     tls: TlsFiles | None = None,
     server_name: str | None = None,
     aio: bool = False,

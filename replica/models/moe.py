@@ -71,6 +71,7 @@ class FusedExperts(nn.Module):
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize()
         n, r = self.intermediate, self.row0
+        assert self.w13 is not None and self.w2 is not None, "loaded before packing, which may drop them"
         if proj == "down_proj":
             self.w2.data[e].copy_(tensor[:, r : r + n])
             return [3 * e + 2]
@@ -93,6 +94,7 @@ class FusedExperts(nn.Module):
         return filled
 
     def pack(self) -> None:
+        assert self.w13 is not None and self.w2 is not None, "packed once, while the plain weights are there"
         self.packed = self.kernels.pack_experts(self.w13, self.w2)
         if self.packed is not None and self.packed.holds_weight:
             self.w13 = self.w2 = None  # two copies of every expert would double the model's memory
