@@ -58,6 +58,7 @@ class BlockAllocator:
         if self._free:
             block = self._free.pop()
         else:
+            assert self.cache is not None, "num_free counts blocks beyond the free list only in the cache"
             block = self.cache.evict()
             self.num_evictions += 1
         self._refs[block] = 1
@@ -68,16 +69,30 @@ class BlockAllocator:
         blocks = len(block_table) + self.num_free
         return max(0, blocks * self.block_size - start)
 
-    def free(self, block_table: list[int]) -> None:
-        """Drops the table's hold on its blocks. Tail first: of one sequence's cached blocks the head, which more
+    def free(self, block_table: list[int], held_from: int = 0) -> None:
+        """Drops the table's hold on its blocks: those from `held_from` on (the entries before it were given back by
+        release_head and alias a held block). Tail first: of one sequence's cached blocks the head, which more
         requests share, is evicted last."""
-        for block in reversed(block_table):
-            self._refs[block] -= 1
-            if self._refs[block] < 0:
-                raise RuntimeError(f"KV block {block} freed more often than it was taken")
-            if self._refs[block] == 0 and not (self.cache and self.cache.park(block)):
-                self._free.append(block)
+        for block in reversed(block_table[held_from:]):
+            self._drop(block)
         block_table.clear()
+
+    def release_head(self, block_table: list[int], held_from: int, upto: int) -> None:
+        """Gives back the table's blocks held_from .. upto - 1, whose KV no query will read again (they lie outside
+        every layer's attention window), while the table keeps its length so that a position still finds its block
+        by index: entries 0 .. upto - 1 then alias block `upto`, one the table holds, so a kernel that reads them
+        before masking reads this sequence's own finite KV, never a block another sequence is writing."""
+        assert held_from <= upto < len(block_table), "a table keeps at least one block past those it gives back"
+        for block in reversed(block_table[held_from:upto]):
+            self._drop(block)
+        block_table[:upto] = [block_table[upto]] * upto
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] < 0:
+            raise RuntimeError(f"KV block {block} freed more often than it was taken")
+        if self._refs[block] == 0 and not (self.cache and self.cache.park(block)):
+            self._free.append(block)
 
     def shrink(self, block_table: list[int], num_tokens: int) -> None:
         """Frees the table's blocks past those holding num_tokens (a speculative decode's rejected proposals)."""
@@ -90,6 +105,7 @@ class BlockAllocator:
         """Appends blocks that other tables hold or the cache keeps, taking a reference on each."""
         for block in blocks:
             if self._refs[block] == 0:
+                assert self.cache is not None, "a block no table holds can be shared only from the cache"
                 self.cache.unpark(block)
             self._refs[block] += 1
         block_table.extend(blocks)

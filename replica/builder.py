@@ -46,14 +46,16 @@ def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
         )
     moe = model_config.moe
     routing = (moe.num_experts, moe.experts_per_token) if moe else None
-    sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len, moe_routing=routing)
+    spec = config.speculative_config
+    # A draft model reads the target's blocks through its own layers, which may attend to the whole sequence.
+    window = None if spec and spec.method == "draft_model" else model_config.kv_window
+    sched_config = dataclasses.replace(config.scheduler, max_model_len=max_len, moe_routing=routing, kv_window=window)
 
     runner, num_blocks = build_runner(config, tp, broadcast)
     allocator = BlockAllocator(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     loras = LoraPool(config.lora.max_loras) if config.lora.enable_lora else None
     scheduler = (SloScheduler if sched_config.policy == "slo" else Scheduler)(sched_config, allocator, loras=loras)
     eos = weights.eos_token_ids(folder, hf_config, tokenizer)
-    spec = config.speculative_config
     draft = build_draft_runner(config, model_config, num_blocks) if spec and spec.method == "draft_model" else None
     engine = Engine(
         runner, scheduler, tokenizer, model_config, eos, config.default_max_new_tokens, config.speculative_config, draft
@@ -68,6 +70,7 @@ def build_draft_runner(config: EngineConfig, target: ModelConfig, num_blocks: in
     blocks (the target's block ids index both caches), run op by op, without adapters. Refuses a draft whose
     vocabulary or context differs from what the target needs."""
     spec = config.speculative_config
+    assert spec is not None, "built only for speculative_config method draft_model"
     cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
     draft_config = dataclasses.replace(
         config,

@@ -93,6 +93,10 @@ class SchedulerConfig:
     # (experts, experts per token) of a mixture-of-experts model, set from the model: the slo policy's step-time
     # model then counts the experts a step reads (replica/step_model.py); None: a dense model.
     moe_routing: tuple[int, int] | None = None
+    # The longest attention window of the model's layers when every layer has one (Mistral v0.1), set from the model:
+    # KV blocks wholly behind it are given back as sequences advance, so a sequence runs past its window in bounded
+    # memory. None: some layer attends to the whole sequence (or a draft model reads every block).
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULERS:
@@ -110,6 +114,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_overtakes < 0:
             raise ValueError(f"max_overtakes must be >= 0, got {self.max_overtakes}")
+        if self.kv_window is not None and self.kv_window < 1:
+            raise ValueError(f"kv_window must be at least 1 token, got {self.kv_window}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark is a share of the KV pool in [0, 1), got {self.watermark}")
 

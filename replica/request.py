@@ -203,6 +203,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading blocks of block_table given back as the sequence moved past them (outside the model's attention
+    # window, SchedulerConfig.kv_window): their entries alias a held block and hold no reference.
+    num_released: int = 0
     num_preemptions: int = 0
     cache_salt: str = ""
     # Content hashes of token_ids' full blocks computed so far (prefix_cache); kept through preemption so that a

@@ -80,6 +80,11 @@ class Scheduler:
                 f"context of {self.config.max_model_len} tokens: shorten the prompt or lower max_new_tokens"
             )
         need = self.allocator.blocks_for(total)
+        window = self.config.kv_window
+        if window is not None and self.config.policy in ("splitfuse", "slo"):
+            # Chunked prompts: a sequence holds the blocks from the one its window starts in to its latest chunk's
+            # last, window + block_size - 1 + max_batch_tokens tokens at most, however long it runs.
+            need = min(need, self.allocator.blocks_for(window + self.config.max_batch_tokens) + 1)
         if need > self.allocator.num_blocks:
             raise ValueError(
                 f"prompt + max_new_tokens = {total} tokens needs {need} KV blocks but the whole pool has "
@@ -114,7 +119,8 @@ class Scheduler:
         a preempted sequence is. Returns how many share parent's KV."""
         num_tokens = parent.num_computed
         full = num_tokens // self.allocator.block_size
-        shared_blocks = parent.block_table[:full]
+        released = min(parent.num_released, full)  # given back outside the window: the children need them no more
+        shared_blocks = parent.block_table[released:full]
         partial = parent.block_table[full : self.allocator.blocks_for(num_tokens)]
         watermark = self._watermark_blocks
         shared = 0
@@ -124,8 +130,13 @@ class Scheduler:
             if not room:
                 break
             self._hold_adapter(child)  # the parent's, resident while the parent runs
+            child.block_table += [-1] * released  # aliases, set below once the child holds a block past them
             self.allocator.share(child.block_table, shared_blocks)
-            self._copies += zip(partial, self.allocator.allocate(child.block_table, num_tokens))
+            new_blocks = self.allocator.allocate(child.block_table, num_tokens)
+            assert new_blocks is not None, "room for the partial block's copy was checked above"
+            self._copies += zip(partial, new_blocks)
+            child.block_table[:released] = [child.block_table[released]] * released
+            child.num_released = released
             child.num_computed = num_tokens
             child.status = SeqStatus.RUNNING
             self.running.append(child)
@@ -147,6 +158,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        if self.config.kv_window is not None:
+            for seq in self.running:
+                self._release_outside_window(seq)
         batch = self._schedule()
         if self._copies and batch:
             batch, self._copies = dataclasses.replace(batch, copies=self._copies), []
@@ -313,11 +327,15 @@ class Scheduler:
 
     def _adapter_ready(self, seq: Sequence) -> bool:
         """Whether seq's LoRA adapter has (or can take) a slot now; the base model always has."""
-        return not seq.lora or self.loras.can_acquire(seq.lora)
+        if not seq.lora:
+            return True
+        assert self.loras is not None, "requests name an adapter only with --enable-lora (the engine checks)"
+        return self.loras.can_acquire(seq.lora)
 
     def _hold_adapter(self, seq: Sequence) -> None:
         """Gives a sequence that starts running its adapter's slot (loaded before the next pass where it is new)."""
         if seq.lora:
+            assert self.loras is not None, "requests name an adapter only with --enable-lora (the engine checks)"
             seq.lora_slot = self.loras.acquire(seq.lora)
 
     def _continue_prompt(self, seq: Sequence, n: int, scheduled: set[int], preempted: list[int]) -> ScheduledSeq | None:
@@ -376,10 +394,23 @@ class Scheduler:
         if self._copies:
             mine = set(seq.block_table)
             self._copies = [c for c in self._copies if c[1] not in mine]
-        self.allocator.free(seq.block_table)
+        self.allocator.free(seq.block_table, seq.num_released)
+        seq.num_released = 0
         if seq.lora_slot >= 0:  # its adapter's slot may now be evicted
+            assert self.loras is not None, "a slot is held only with --enable-lora"
             self.loras.release(seq.lora)
             seq.lora_slot = -1
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Gives back seq's blocks that its next queries cannot see: a query at position p reads keys after
+        p - kv_window, and the next is at num_computed, so a block whose last key is at most num_computed - kv_window
+        is read no more (nor is it by a recompute, which starts from the tokens)."""
+        assert self.config.kv_window is not None
+        upto = max(0, seq.num_computed - self.config.kv_window) // self.allocator.block_size
+        upto = min(upto, len(seq.block_table) - 1)  # a table keeps a block for the aliases to name
+        if upto > seq.num_released:
+            self.allocator.release_head(seq.block_table, seq.num_released, upto)
+            seq.num_released = upto
 
     def _take(self, seq: Sequence, n: int, scheduled: set[int]) -> ScheduledSeq:
         start = seq.num_computed

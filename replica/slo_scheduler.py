@@ -118,7 +118,7 @@ class SloScheduler(Scheduler):
         loras: LoraPool | None = None,
     ) -> None:
         super().__init__(config, allocator, loras)
-        self.model = model or StepModel(experts=config.moe_routing)
+        self.model = model or StepModel(experts=config.moe_routing, window=config.kv_window)
         self.clock = clock
         self.overloaded = False
         self._streams: dict[int, _Stream] = {}
@@ -197,12 +197,12 @@ class SloScheduler(Scheduler):
         PROBE_EVERY-th time, so that the acceptance rate follows the workload."""
         if not self.model.ready:
             return True
-        plain = StepShape(0, len(decodes), sum(s.start + 1 for s in decodes), 0)
+        plain = StepShape.of_decodes(decodes, self.config.kv_window)
         rest = [s for s in decodes if s.seq_id not in drafts]
-        verify = StepShape(0, len(rest), sum(s.start + 1 for s in rest), 0)
+        verify = StepShape.of_decodes(rest, self.config.kv_window)
         for s in decodes:
             if s.seq_id in drafts:
-                verify = verify.plus_chunk(s.start, 1 + len(drafts[s.seq_id]))
+                verify = verify.plus_chunk(s.start, 1 + len(drafts[s.seq_id]), self.config.kv_window)
         expected = self.acceptance.rate * sum(len(d) for d in drafts.values())
         if self.model.predict(verify) * len(decodes) <= self.model.predict(plain) * (len(decodes) + expected):
             self._declined = 0
@@ -217,9 +217,9 @@ class SloScheduler(Scheduler):
         decoding = self._decode_all(scheduled)
         decodes, verifies = self._speculate(decoding.seqs, self.config.max_batch_tokens - len(decoding.seqs))
         preempted = list(decoding.preempted)
-        shape = StepShape(0, len(decodes), sum(s.start + 1 for s in decodes), 0)
+        shape = StepShape.of_decodes(decodes, self.config.kv_window)
         for v in verifies:  # as batch_shape counts them: chunks that continue their sequences
-            shape = shape.plus_chunk(v.start, len(v.token_ids))
+            shape = shape.plus_chunk(v.start, len(v.token_ids), self.config.kv_window)
         decode_s = self.model.predict(shape)
         streams = [self._streams[s.seq_id] for s in decodes + verifies]
         budget_s, floor_s = self._time_budget(streams, decode_s, now)
@@ -282,7 +282,7 @@ class SloScheduler(Scheduler):
             chunks.append(chunk)
             plan.tokens -= len(chunk.token_ids)
             plan.fresh = min(plan.fresh - (len(chunk.token_ids) if stream.last is None else 0), plan.tokens)
-            plan.shape = plan.shape.plus_chunk(chunk.start, len(chunk.token_ids))
+            plan.shape = plan.shape.plus_chunk(chunk.start, len(chunk.token_ids), self.config.kv_window)
             plan.predicted_s = self.model.predict(plan.shape)
             if timed and chunk.sample and stream.last is None and stream not in order.hopeless:
                 # Its first token comes at the end of this step: the step must end by its deadline.
@@ -396,7 +396,8 @@ class SloScheduler(Scheduler):
             return 0.0
         step = budget_s
         if step == math.inf:
-            step = self.model.predict(decodes.plus_chunk(0, max(1, self.config.max_batch_tokens - decodes.decode_seqs)))
+            chunk = max(1, self.config.max_batch_tokens - decodes.decode_seqs)
+            step = self.model.predict(decodes.plus_chunk(0, chunk, self.config.kv_window))
         fixed = self.model.predict(decodes)
         return max(MIN_PROMPT_SHARE, 1 - fixed / step) if step > 0 else 1.0
 

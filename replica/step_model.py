@@ -40,7 +40,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +61,16 @@ DRIFT_SPAN = 16  # steps in the moving average of the fit's recent miss
 DRIFT_LIMIT = 1.5  # one step's miss counts as at most this factor either way
 
 
-def chunk_context(start: int, n: int) -> int:
-    """Key rows the attention of n prompt tokens at positions start .. start + n - 1 reads."""
-    return n * start + n * (n + 1) // 2
+def chunk_context(start: int, n: int, window: int | None = None) -> int:
+    """Key rows the attention of n prompt tokens at positions start .. start + n - 1 reads: each its sequence up to
+    itself, or only its last `window` positions when every layer attends within a window (SchedulerConfig.kv_window)."""
+    full = n if window is None else max(0, min(n, window - start))  # the tokens that still see the whole sequence
+    return full * start + full * (full + 1) // 2 + (n - full) * (window or 0)
+
+
+def decode_context(starts: Iterable[int], window: int | None = None) -> int:
+    """Key rows the decodes at these positions read."""
+    return sum(start + 1 if window is None else min(start + 1, window) for start in starts)
 
 
 @dataclass(frozen=True)
@@ -78,10 +85,14 @@ class StepShape:
     def vector(self) -> tuple[float, ...]:
         return (1.0, self.prompt_tokens, self.decode_seqs, self.decode_context, self.prompt_context)
 
-    def plus_chunk(self, start: int, n: int) -> StepShape:
-        return StepShape(
-            self.prompt_tokens + n, self.decode_seqs, self.decode_context, self.prompt_context + chunk_context(start, n)
-        )
+    @staticmethod
+    def of_decodes(decodes: Sequence, window: int | None = None) -> StepShape:
+        """A step of these decodes (ScheduledSeqs) only."""
+        return StepShape(0, len(decodes), decode_context((s.start for s in decodes), window), 0)
+
+    def plus_chunk(self, start: int, n: int, window: int | None = None) -> StepShape:
+        rows = chunk_context(start, n, window)
+        return StepShape(self.prompt_tokens + n, self.decode_seqs, self.decode_context, self.prompt_context + rows)
 
 
 def expert_share(tokens: int, experts: int, per_token: int) -> float:
@@ -90,15 +101,15 @@ def expert_share(tokens: int, experts: int, per_token: int) -> float:
     return 1.0 - (1.0 - per_token / experts) ** tokens
 
 
-def batch_shape(batch) -> StepShape:
-    """The shape of a Batch (decodes first, then prompt chunks)."""
+def batch_shape(batch, window: int | None = None) -> StepShape:
+    """The shape of a Batch (decodes first, then prompt chunks); window: SchedulerConfig.kv_window."""
     decodes = batch.seqs[: batch.num_decodes]
     chunks = batch.seqs[batch.num_decodes :]
     return StepShape(
         sum(len(s.token_ids) for s in chunks),
         len(decodes),
-        sum(s.start + 1 for s in decodes),
-        sum(chunk_context(s.start, len(s.token_ids)) for s in chunks),
+        decode_context((s.start for s in decodes), window),
+        sum(chunk_context(s.start, len(s.token_ids), window) for s in chunks),
     )
 
 
@@ -107,12 +118,18 @@ class StepModel:
 
     `coefficients` seeds the model (one per feature, seconds per unit) and makes it ready at once; `learn=False`
     keeps them fixed (scripted tests, a model measured elsewhere). `experts`: (experts, experts per token) of a
-    mixture of experts, whose model has the expert_reads feature too."""
+    mixture of experts, whose model has the expert_reads feature too. `window`: SchedulerConfig.kv_window, which
+    bounds the key rows a chunk reads (chunk_cost, chunk_fitting)."""
 
     def __init__(
-        self, coefficients: Sequence[float] | None = None, learn: bool = True, experts: tuple[int, int] | None = None
+        self,
+        coefficients: Sequence[float] | None = None,
+        learn: bool = True,
+        experts: tuple[int, int] | None = None,
+        window: int | None = None,
     ) -> None:
         self.experts = experts
+        self.window = window
         self.features = FEATURES + ((EXPERT_READS,) if experts else ())
         k = len(self.features)
         if coefficients is not None and len(coefficients) != k:
@@ -152,7 +169,8 @@ class StepModel:
 
     def _chunk_fitted(self, start: int, n: int) -> float:
         c = self.coefficients
-        cost = c[1] * n + c[4] * chunk_context(start, n)
+        assert c is not None, "asked once the model is ready (chunk_cost, chunk_fitting)"
+        cost = c[1] * n + c[4] * chunk_context(start, n, self.window)
         # The experts n tokens read on their own: at most what they add to a step that already reads some (the
         # share is concave in tokens), so a plan on it errs on the short side.
         return cost + (c[5] * expert_share(n, *self.experts) if self.experts else 0.0)
@@ -171,22 +189,32 @@ class StepModel:
             return 0
         seconds /= self.drift
         per_token, per_row = self.coefficients[1], self.coefficients[4]
-        # cost(n) = per_token * n + per_row * (n * start + n * (n + 1) / 2) <= seconds
-        a, b = per_row / 2, per_token + per_row * (start + 0.5)
-        if a > 0:
-            n = (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
-        elif b > 0:
-            n = seconds / b
+        if self.window is not None and start + 1 >= self.window:  # every token reads `window` rows
+            per = per_token + per_row * self.window
+            n = seconds / per if per > 0 else math.inf
+            hi = int(min(n, 1 << 30))
         else:
-            return 1 << 30
-        n = int(min(n, 1 << 30))
-        if self.experts and self.coefficients[5] > 0:  # the experts' share too: the largest n whose cost fits
-            lo, hi = 0, n
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self._chunk_fitted(start, mid) <= seconds else (lo, mid - 1)
-            n = lo
-        return n
+            # cost(n) = per_token * n + per_row * (n * start + n * (n + 1) / 2) <= seconds
+            a, b = per_row / 2, per_token + per_row * (start + 0.5)
+            if a > 0:
+                n = (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
+            elif b > 0:
+                n = seconds / b
+            else:
+                return 1 << 30
+            hi = int(min(n, 1 << 30))
+            if self.window is not None and start + hi > self.window:
+                # Past the window a token reads window rows, not more: the quadratic under-counts what fits. Each
+                # token costs at least per_token + per_row (one row), which bounds the search.
+                per = per_token + per_row
+                hi = int(min(seconds / per if per > 0 else math.inf, 1 << 30))
+        if not (self.experts and self.coefficients[5] > 0) and (self.window is None or start + 1 >= self.window):
+            return hi
+        lo = 0  # the experts' share, or a window reached part-way: the largest n whose cost fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._chunk_fitted(start, mid) <= seconds else (lo, mid - 1)
+        return lo
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Takes a step's measured seconds; returns what the model predicted for it (nan before it was ready)."""

@@ -7,9 +7,9 @@ how its checkpoint names tensors. Every linear layer is tensor-parallel (one ran
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 
 from ...kernels import AttentionMetadata, Kernels, rope_cos_sin, rope_inv_freq
 from ...kernels.decode_layer import DecodeLayerParts
+from ...kernels.quant import QuantizedTensor
 from ..parallel import (
     ColumnParallelLinear,
     GateUpParallelLinear,
@@ -106,6 +107,13 @@ class ModelConfig:
         """Layer's attention window in tokens (0: the whole sequence)."""
         return (self.sliding_window or 0) if self.sliding_layers and self.sliding_layers[layer] else 0
 
+    @property
+    def kv_window(self) -> int | None:
+        """The longest window of any layer when every layer has one (keys further back are never read again);
+        None where some layer attends to the whole sequence."""
+        slides = self.sliding_layers
+        return self.sliding_window if slides and len(slides) == self.num_layers and all(slides) else None
+
 
 def hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[float, float, float, int] | None]:
     """(rope base, llama3 scaling or None) from a config.json (transformers 4.x and 5.x spellings)."""
@@ -113,8 +121,8 @@ def hf_rope(hf: dict[str, Any]) -> tuple[float, tuple[float, float, float, int] 
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor")
-        return theta, (*(float(rope[k]) for k in keys), int(rope["original_max_position_embeddings"]))
+        factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        return theta, (factor, low, high, int(rope["original_max_position_embeddings"]))
     if rope_type not in ("default", None):
         raise ValueError(f"unsupported rope scaling {rope_type!r}: FastGen supports default and llama3")
     return theta, None
@@ -341,6 +349,7 @@ class DecoderLayer(nn.Module):
         )
         self.fused = None
         if plain:
+            assert isinstance(mlp, MLP)  # as plain says (this narrows mlp's type)
             parts = DecodeLayerParts(
                 self.input_layernorm.weight,
                 self.post_attention_layernorm.weight,
@@ -402,6 +411,18 @@ class SandwichDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(x))[0], residual
 
 
+if TYPE_CHECKING:
+
+    class DecoderLayers(nn.ModuleList):
+        """The model's layers as type checkers see them: torch's ModuleList does not say what it holds."""
+
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
+        def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+else:
+    DecoderLayers = nn.ModuleList
+
+
 class DecoderModel(nn.Module):
     """expert_parallel: a mixture of experts' layers split by whole experts over the ranks, not by each expert's
     intermediate rows (replica/models/moe.py)."""
@@ -427,7 +448,7 @@ class DecoderModel(nn.Module):
             if cfg.post_norm
             else DecoderLayer
         )
-        self.layers = nn.ModuleList(layer_cls(cfg, i, tp, kernels, expert_parallel) for i in range(cfg.num_layers))
+        self.layers = DecoderLayers(layer_cls(cfg, i, tp, kernels, expert_parallel) for i in range(cfg.num_layers))
         self.norm = None if cfg.post_norm else make_norm(cfg, cfg.hidden_size, kernels)
         self.lm_head = ParallelLMHead(self.embed_tokens, cfg.tie_word_embeddings, tp, kernels, cfg.lm_head_bias)
         self.register_buffer("cos_sin", rope_table(cfg, cfg.rope_theta), persistent=False)
@@ -461,8 +482,8 @@ class DecoderModel(nn.Module):
         """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any), then
         offers each layer whole to the kernels (DecoderLayer.fuse)."""
         for module in self.modules():
-            if hasattr(module, "pack"):
-                module.pack()
+            if (pack := getattr(module, "pack", None)) is not None:
+                pack()
         for layer in self.layers:
             if isinstance(layer, DecoderLayer):
                 layer.fuse()
@@ -502,10 +523,10 @@ class DecoderModel(nn.Module):
         interleaved = tensor.unflatten(0, (cfg.num_heads, 3, d))  # (heads, q k v, head_dim, ...)
         return [interleaved[:, i].flatten(0, 1) for i in range(3)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
         fused = FUSED
-        modules = dict(self.named_modules())
+        modules: dict[str, Any] = dict(self.named_modules())  # called by what each one is: load, parts, ...
         seen = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -528,6 +549,7 @@ class DecoderModel(nn.Module):
                 leaf, part = fused[leaf]
                 module_name, parts = f"{prefix}.{leaf}", [(part, tensor)]
             elif leaf in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint too (Phi-3, Falcon): split by part
+                assert isinstance(tensor, torch.Tensor), "only safetensors fuse them (iter_gguf names llama's parts)"
                 parts = list(enumerate(self.fused_parts(leaf, tensor, modules[module_name].parts)))
             if module_name not in modules:
                 raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
