@@ -68,7 +68,7 @@ class Replica:
     spec: ReplicaSpec
     position: int  # index in the pool: the rotation order of the routing policies
     channel: grpc.aio.Channel
-    stub: fastgen_pb2_grpc.GenerationStub  # sends the internal token (an AuthorizedStub) where there is one
+    stub: AuthorizedStub  # a GenerationStub that sends the internal token where there is one
     health_stub: health_pb2_grpc.HealthStub
     checked: bool = False  # False until the first health check answered or failed
     healthy: bool = False
@@ -116,7 +116,7 @@ class Replica:
             lora_resident=bool(lora) and lora in self.status.resident_lora_adapters,
         )
 
-    def health_enum(self) -> int:
+    def health_enum(self) -> fastgen_pb2.Health:
         if not self.checked:
             return fastgen_pb2.HEALTH_UNKNOWN
         return fastgen_pb2.HEALTH_SERVING if self.healthy else fastgen_pb2.HEALTH_NOT_SERVING
@@ -285,7 +285,9 @@ class ReplicaPool:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            resp = await replica.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout)
+            # typeshed's HealthStub omits the methods the generated __init__ sets
+            check = replica.health_stub.Check  # pyright: ignore[reportAttributeAccessIssue]
+            resp = await check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout)
         except grpc.aio.AioRpcError as e:
             await self._on_check_error(replica, e)
             return

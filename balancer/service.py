@@ -32,7 +32,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -172,7 +172,7 @@ class Balancer:
 
     async def stream(
         self, request: fastgen_pb2.GenerateRequest, deadline: float | None = None, caller: str | None = None
-    ) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
+    ) -> AsyncGenerator[fastgen_pb2.GenerateChunk, None]:
         request = with_seed(self._admit(request, caller))  # so that another replica can continue the stream
         journal = journal_for(request, self.migration)
         attempts = Attempts(self._max_retries, request=request)
@@ -245,9 +245,11 @@ class Balancer:
         if not replicas:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self.pool.unavailable_message())
         results = await asyncio.gather(*(self._change_lora_on(r, name, path) for r in replicas), return_exceptions=True)
-        failed = [(r, e) for r, e in zip(replicas, results, strict=True) if isinstance(e, BaseException)]
-        for _, e in failed:
-            if not isinstance(e, grpc.aio.AioRpcError):
+        failed: list[tuple[Replica, grpc.aio.AioRpcError]] = []
+        for r, e in zip(replicas, results, strict=True):
+            if isinstance(e, grpc.aio.AioRpcError):
+                failed.append((r, e))
+            elif isinstance(e, BaseException):
                 raise e
         if failed:
             details = "; ".join(f"{r.id}: {e.details()}" for r, e in failed)
@@ -280,7 +282,7 @@ class Balancer:
 
     async def _stream_from(
         self, route: Route, request, deadline: float | None, may_move: Callable[[], bool]
-    ) -> AsyncIterator[fastgen_pb2.GenerateChunk]:
+    ) -> AsyncGenerator[fastgen_pb2.GenerateChunk, None]:
         replica = route.replica
         call = replica.stub.GenerateStream(request, timeout=time_left(deadline))
         async with self.pool.lease(replica, route.uncached_tokens):
@@ -315,7 +317,9 @@ class Balancer:
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             # The call's own cancellation surfaces as CancelledError (or CANCELLED); a real one of ours does not
             # count as lost.
-            if lost and not asyncio.current_task().cancelling():
+            task = asyncio.current_task()
+            assert task is not None, "a call is served in a task of the event loop"
+            if lost and not task.cancelling():
                 raise ReplicaLost() from None
             raise
         finally:
@@ -368,8 +372,10 @@ class Balancer:
 
     def _pick(self, attempts: Attempts) -> Route:
         """Where the request's next attempt goes; RequestFailed when no replica may take it."""
+        request = attempts.request
+        assert request is not None, "generate and stream build their Attempts with the request"
         key = self._prefix_key(attempts)
-        lora = attempts.request.lora_name
+        lora = request.lora_name
         loads = self.pool.candidates(exclude=attempts.tried, key=key, lora=lora)
         position = self._router.pick(loads)
         if position is None and lora and self.pool.candidates(exclude=attempts.tried):
@@ -380,9 +386,10 @@ class Balancer:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, self._no_replica_message(attempts))
         attempts.tried.add(position)
         replica = self.pool.at(position)
+        assert replica is not None, "the router picked among current members, with no await since"
         self._metrics.on_route(self._router.policy, replica.id)
         if key is None:
-            return Route(replica, estimate_prompt_tokens(attempts.request))
+            return Route(replica, estimate_prompt_tokens(request))
         cached = loads[position].cached_tokens
         self.pool.note_routed(replica, key)
         self._metrics.on_prefix_route(replica.id, key.tokens, cached)

@@ -144,7 +144,11 @@ class Engine:
         if speculative_config is not None:
             config = speculative_config
             ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            self._proposer = DraftProposer(draft) if config.method == "draft_model" else ngram
+            if config.method == "draft_model":
+                assert draft is not None, "build_engine builds a draft runner for method draft_model"
+                self._proposer = DraftProposer(draft)
+            else:
+                self._proposer = ngram
             scheduler.speculation = Speculation(config, self._propose)
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -250,6 +254,7 @@ class Engine:
             raise ValueError(f"cannot load LoRA adapter {name!r}: LoRA is off, start with --enable-lora")
         if name in self.loras.names():
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded: unload it first or pick another name")
+        assert self.runner.lora is not None, "build_engine gives the runner LoRA slots iff it makes a LoraPool"
         self.runner.lora.read(path)
         self.loras.add(name, str(path))
 
@@ -290,8 +295,9 @@ class Engine:
         character or a stop string split across the seam comes out whole; the characters the client has are marked
         sent, so the hold-back for stop strings continues from the same place."""
         c.output_ids.extend(resume.token_ids)
-        for token in resume.token_ids if c.matcher is not None else ():  # the grammar state is rebuilt from them
-            c.matcher.accept(token)  # add_request checked that the grammar takes them
+        if c.matcher is not None:  # the grammar state is rebuilt from them
+            for token in resume.token_ids:
+                c.matcher.accept(token)  # add_request checked that the grammar takes them
         for token in resume.token_ids:
             c.text += c.detok.add(token)
         c.emitted = min(resume.text_chars, len(c.text))
@@ -420,6 +426,7 @@ class Engine:
         """logits (n, V) of positions start .. start + n - 1, which predict the tokens after each: float32
         log-softmax, as transformers' reference computes it."""
         lps, seq, k = c.req.prompt_logprobs, c.seq, c.req.params.prompt_logprobs
+        assert lps is not None, "only chunks of requests that ask for prompt logprobs are marked all_logits"
         first = len(lps) - start  # the first row whose target (the token after it) is not recorded yet
         last = min(logits.shape[0], seq.num_prompt_tokens - 1 - start)  # targets beyond the prompt are not its
         if last <= first:

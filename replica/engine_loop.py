@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..server.errors import QueueFullError
 from .cache_feed import CacheFeed, PrefillRate
@@ -68,7 +69,7 @@ class Watchdog:
 DEVICE_ERROR_MARKS = ("CUDA error", "CUDA driver error", "Triton Error [CUDA]")
 
 
-def is_device_error(exc: BaseException) -> bool:
+def is_device_error(exc: BaseException | None) -> bool:
     """A CUDA error (an illegal address, a device-side assert) poisons the context: every later step fails too, and
     only a new process recovers. An out-of-memory error does not ("CUDA out of memory")."""
     seen = set()
@@ -292,7 +293,7 @@ class _EngineThread:
         self.handle = handle
         self.loop = handle.loop
         self.inbox = handle.inbox
-        self.engine: Engine | None = None
+        self.engine: Engine  # built by run() before anything else here reads it
         self.streams: dict[str, _Stream] = {}
         self.failed_steps = 0  # consecutive
         self._build = build
@@ -398,7 +399,9 @@ class _EngineThread:
             self.loop.call_soon_threadsafe(command.result.set_exception, exc)
             return
         self._publish_load()  # GetStatus lists the adapters at once
-        self.loop.call_soon_threadsafe(command.result.set_result, self.engine.loras.names())
+        loras = self.engine.loras
+        assert loras is not None, "add_lora and remove_lora raise when LoRA is off"
+        self.loop.call_soon_threadsafe(command.result.set_result, loras.names())
 
     def _add(self, command: Add) -> None:
         limits, metrics = self.handle.limits, self.handle.metrics
@@ -417,7 +420,7 @@ class _EngineThread:
                     f"{load.refuse_for_s:.1f} s",
                     round(load.refuse_for_s * 1000),
                 )
-            extra = {} if command.resume is None else {"resume": command.resume}
+            extra: dict[str, Any] = {} if command.resume is None else {"resume": command.resume}
             extra |= {} if command.slo is None else {"slo": command.slo}
             extra |= {"lora": command.lora} if command.lora else {}
             self.engine.add_request(command.request_id, command.prompt, command.params, **extra)

@@ -9,6 +9,7 @@ import json
 import logging
 import uuid
 from pathlib import Path
+from typing import Any, NoReturn
 
 import grpc
 
@@ -50,10 +51,12 @@ async def watch_engine(service: ReplicaService, health, interval_s: float = 1.0)
     """Keeps grpc health in step with the engine (EngineLoop.healthy): NOT_SERVING while it is stalled or gone, so
     the balancer sends it nothing new and moves its streams; SERVING again once its steps complete. Cancelled
     before draining, which owns health from then on."""
+    engine_loop = service.engine_loop
+    assert engine_loop is not None, "started once the engine loop is set"
     serving = True
     while True:
         await asyncio.sleep(interval_s)
-        healthy = service.engine_loop.healthy()
+        healthy = engine_loop.healthy()
         if healthy != serving and not service.draining:
             serving = healthy
             if healthy:
@@ -99,7 +102,7 @@ def prompt_from_proto(request: pb.GenerateRequest, max_tokens: int) -> Prompt:
 def _message(m: pb.ChatMessage) -> dict:
     """A chat message as chat templates take it: an assistant's tool calls with their arguments as objects (the
     templates of Qwen, Llama 3 and Hermes render them with tojson), a tool's answer with its call id."""
-    message = {"role": m.role, "content": m.content}
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls_json:
         try:
             calls = json.loads(m.tool_calls_json)
@@ -236,6 +239,11 @@ def logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
     ]
 
 
+def finish_reason_to_proto(out: RequestOutput) -> pb.FinishReason:
+    assert out.finish_reason is not None, "asked of finished outputs only"
+    return FINISH_REASONS[out.finish_reason]
+
+
 def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> pb.GenerateResponse:
     """The answer to Generate from the final output of every completion, in index order: the top-level fields are
     completion 0's, and choices lists all of them when there are several."""
@@ -244,7 +252,7 @@ def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> p
         request_id=request_id,
         text=first.text,
         token_ids=first.token_ids,
-        finish_reason=FINISH_REASONS[first.finish_reason],
+        finish_reason=finish_reason_to_proto(first),
         prompt_tokens=first.prompt_tokens,
         cached_prompt_tokens=first.cached_prompt_tokens,
         generated_tokens=first.generated_tokens,
@@ -259,7 +267,7 @@ def response_from(request_id: str, outs: list[RequestOutput], replica: str) -> p
                 index=o.index,
                 text=o.text,
                 token_ids=o.token_ids,
-                finish_reason=FINISH_REASONS[o.finish_reason],
+                finish_reason=finish_reason_to_proto(o),
                 generated_tokens=o.generated_tokens,
                 logprobs=logprobs_to_proto(o.logprobs),
             )
@@ -281,7 +289,7 @@ def chunk_from(request_id: str, out: RequestOutput, replica: str, first: bool) -
         prompt_logprobs=logprobs_to_proto(out.prompt_logprobs) if first else [],
     )
     if out.finished:
-        chunk.finish_reason = FINISH_REASONS[out.finish_reason]
+        chunk.finish_reason = finish_reason_to_proto(out)
         chunk.prompt_tokens = out.prompt_tokens
         chunk.cached_prompt_tokens = out.cached_prompt_tokens
         chunk.generated_tokens = out.generated_tokens
@@ -314,6 +322,7 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters")
             engine = self.engine_loop.engine
+            assert engine is not None, "the engine loop is set once started, which it is once the engine is built"
             prompt = prompt_from_proto(request, engine.max_model_len)
             params = params_from_proto(request.params)
             engine.prompts.check_size(prompt, engine.max_model_len)
@@ -351,7 +360,14 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
                 self.engine_loop.abort(key)
                 self.metrics.on_rpc(method, grpc.StatusCode.CANCELLED)
 
-    async def _fail(self, context, method: str, code: grpc.StatusCode, message: str, retry_ms: int = RETRY_AFTER_MS):
+    async def _fail(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        code: grpc.StatusCode,
+        message: str,
+        retry_ms: int = RETRY_AFTER_MS,
+    ) -> NoReturn:
         self.metrics.on_rpc(method, code)
         await context.abort(code, message, trailing_metadata(code, retry_ms))
 
@@ -373,8 +389,8 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             first = False
 
     async def GetStatus(self, request, context):
-        loading = self.engine_loop is None
-        load = EngineLoad() if loading else self.engine_loop.load
+        engine_loop = self.engine_loop
+        load = EngineLoad() if engine_loop is None else engine_loop.load
         status = pb.ReplicaStatus(
             replica=self.replica_id,
             health=pb.HEALTH_SERVING if self.serving else pb.HEALTH_NOT_SERVING,
@@ -382,19 +398,21 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
             running_requests=load.running,
             kv_blocks_used=load.kv_blocks_used,
             kv_blocks_total=load.kv_blocks_total,
-            tokens_generated=0 if loading else self.engine_loop.tokens_generated,
+            tokens_generated=0 if engine_loop is None else engine_loop.tokens_generated,
             pending_prompt_tokens=load.pending_prompt_tokens,
-            in_flight=0 if loading else self.engine_loop.in_flight,
+            in_flight=0 if engine_loop is None else engine_loop.in_flight,
             lora_adapters=load.loras,
             resident_lora_adapters=load.resident_loras,
         )
-        if not loading:
-            pool = self.engine_loop.engine.cache_info()
+        if engine_loop is not None:
+            engine = engine_loop.engine
+            assert engine is not None, "the engine loop is set once started, which it is once the engine is built"
+            pool = engine.cache_info()
             status.kv_block_size = pool.block_size
             status.prefix_caching = pool.prefix_caching
-            status.prefill_tokens_per_second = self.engine_loop.prefill_rate.tokens_per_second
+            status.prefill_tokens_per_second = engine_loop.prefill_rate.tokens_per_second
             if self._tokenizer_path is None:  # looked up once: it is on every status poll
-                self._tokenizer_path = tokenizer_path(self.engine_loop.engine.tokenizer)
+                self._tokenizer_path = tokenizer_path(engine.tokenizer)
             status.tokenizer_path = self._tokenizer_path
         return pb.StatusResponse(model=self.model_name, role="replica", replicas=[status])
 
@@ -419,10 +437,12 @@ class ReplicaService(fastgen_pb2_grpc.GenerationServicer):
         self.metrics.on_rpc(method, grpc.StatusCode.OK)
         return pb.LoraAdaptersResponse(lora_adapters=names)
 
-    async def WatchCache(self, request, context):
+    async def WatchCache(self, request, context: grpc.aio.ServicerContext):
         if self.engine_loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "replica is still loading: retry shortly")
-        if not self.engine_loop.engine.cache_info().prefix_caching:
+        engine = self.engine_loop.engine
+        assert engine is not None, "the engine loop is set once started, which it is once the engine is built"
+        if not engine.cache_info().prefix_caching:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "prefix caching is off on this replica (--no-prefix-caching): it has no cached blocks to watch",
