@@ -137,3 +137,21 @@ def test_cli_passes_the_sla_through():
 def test_tp_ranks_are_not_targets():
     c = DeployConfig(name="tp", replicas=2, tp=2, metrics_port=9100)
     assert prometheus.targets(c)[0]["targets"] == ["127.0.0.1:9100", "127.0.0.1:9101", "127.0.0.1:9102"]
+
+
+def test_the_panel_pictures_cover_every_graph_and_fill_every_variable():
+    """benchmarks/dashboard.py draws docs/metrics.md's pictures from Prometheus: each graph panel in a row it draws,
+    each query sent with every dashboard variable filled in, and each row's picture linked from the page."""
+    from fastgen.benchmarks import dashboard as pictures
+
+    board = dashboard()
+    drawn = [p["title"] for _, panels in pictures.rows(board) for p in panels]
+    graphs = [p["title"] for p in board["panels"] if p["type"] in ("stat", "timeseries")]
+    assert drawn == graphs
+    variables = {"deployment": "d", "replica": ".*", "token_rate": "2", "__rate_interval": pictures.RATE_WINDOW}
+    for title, expr in queries(board):
+        assert "$" not in pictures.filled(expr, variables), (title, expr)
+    page = (DASHBOARD_JSON.parents[2] / "docs" / "metrics.md").read_text()
+    for title, _ in pictures.rows(board):
+        assert f"img/dashboard-{pictures.slug(title)}.png" in page, title
+    assert pictures.legend("{{replica}} hit", {"replica": "r0"}) == "r0 hit"
