@@ -118,6 +118,29 @@ class BlockAllocator:
         """The cached blocks of the longest chain of hashes (none without prefix caching)."""
         return self.cache.lookup(hashes) if self.cache else []
 
+    def lookup_window(self, hashes: Sequence[bytes], window: int) -> tuple[int, list[int]]:
+        """(skipped, blocks): the longest prefix of `hashes` (k blocks) that a sequence can start after when a query
+        at position p reads only keys p - window + 1 .. p: the blocks that the query at k * block_size can still
+        read, those from the one holding key k * block_size - window + 1 to block k - 1 (at least block k - 1), are
+        all cached. `blocks` are those, `skipped` the k - len(blocks) before them, which need not be cached: a later
+        block's hash chains over their tokens, not over their blocks. (0, []) when no k qualifies, or without prefix
+        caching. Each hash is probed at most once, from the last: a miss bounds the next k to try."""
+        if self.cache is None:
+            return 0, []
+        k = len(hashes)
+        while k > 0:  # from the longest: a miss at block j rules out every k past j, whose window reaches it
+            first = min(max(0, k * self.block_size - window + 1) // self.block_size, k - 1)
+            blocks: list[int] = []
+            for j in range(k - 1, first - 1, -1):
+                block = self.cache.find(hashes[j])
+                if block is None:
+                    k = j
+                    break
+                blocks.append(block)
+            else:
+                return first, blocks[::-1]
+        return 0, []
+
     def publish(self, block: int, block_hash: bytes) -> None:
         """Registers a block whose KV is complete, for later requests to share."""
         if self.cache:

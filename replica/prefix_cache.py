@@ -72,6 +72,10 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
+    def find(self, h: bytes) -> int | None:
+        """The block cached under hash h, whatever is cached before it in its chain; None if none is."""
+        return self._block.get(h)
+
     def register(self, block: int, h: bytes) -> None:
         """Publishes a block whose KV is now complete. A hash already cached in another block keeps that block:
         this one stays private and is freed as uncached."""

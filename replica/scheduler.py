@@ -11,8 +11,13 @@ pass.
 
 With prefix caching a sequence admitted from the queue first takes the longest chain of cached blocks of its tokens
 and computes only the rest, at least its last token (so there are logits to sample from); that cached prefix costs no
-token budget. A block is published as soon as the batch that fills it is built, so a request admitted later in the
-same batch can share it: every layer writes the batch's KV before its attention reads the cache.
+token budget. Where every layer has a sliding window (`kv_window`) it need not start from block 0: a sequence can start
+after any full block whose blocks its next query can still see are cached, however many before them were evicted; its
+table names the blocks before those as entries that alias its first shared one and hold nothing, as blocks released
+outside the window do (`num_released`). A block is published as soon as the batch that fills it is built, so a
+request admitted later in the same batch can share it: every layer writes the batch's KV before its attention reads
+the cache. A block's hash chains over the tokens before it, not over cached blocks, so a sequence that skipped blocks
+publishes the ones it computes under the same hashes as one that computed them all.
 
 With speculative decoding (`speculation`, set by the engine) a decode may carry tokens proposed for it, to be verified
 in the same pass, while the budget lasts after every decode has its token and before prompt chunks get theirs. The
@@ -25,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .batch import Batch, ScheduledSeq
 from .block_allocator import BlockAllocator
@@ -41,8 +46,23 @@ class PrefixStats:
     """Prefix-cache activity since the last `Scheduler.prefix_stats()`."""
 
     queries: int = 0  # tokens of sequences admitted from the queue, looked up in the cache
-    hits: int = 0  # of those, tokens found cached
+    hits: int = 0  # of those, tokens found cached (with kv_window, those before the blocks found too: not computed)
     evictions: int = 0  # cached blocks handed out again
+
+
+@dataclass
+class CachedPrefix:
+    """The cached blocks a waiting sequence can start from: its blocks skipped .. skipped + len(blocks) - 1 are
+    `blocks`, shared; the `skipped` before them (only with kv_window) hold keys that no query from there on can see,
+    and need not be cached: the table names them as aliases of blocks[0] holding no reference (num_released)."""
+
+    skipped: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        """Table entries the prefix covers: its tokens are num_blocks * block_size."""
+        return self.skipped + len(self.blocks)
 
 
 class Scheduler:
@@ -291,15 +311,15 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_seqs:
             seq = self.waiting[i]
             hits = self._cached_prefix(seq)
-            cached = len(hits) * self.allocator.block_size
+            cached = hits.num_blocks * self.allocator.block_size
             n = seq.num_tokens - cached if whole_prompts else min(seq.num_tokens - cached, budget)
             if whole_prompts and n > budget and admitted:
                 break  # whole prompts only; the first one may exceed the budget so it can run at all
-            need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else cached + n) - len(hits)
-            if self._room_for(claimed + need, hits) and self._adapter_ready(seq):
+            need = self.allocator.blocks_for(seq.max_tokens if reserve_lifetime else cached + n) - hits.num_blocks
+            if self._room_for(claimed + need, hits.blocks) and self._adapter_ready(seq):
                 admitted.append(self._start(i, hits, n, scheduled))
                 budget -= n
-                claimed += need - (len(seq.block_table) - len(hits))
+                claimed += need - (len(seq.block_table) - hits.num_blocks)
                 self._overtakes = 0 if i == 0 else self._overtakes + 1
             elif i == 0 and self._overtakes >= self.config.max_overtakes:
                 break
@@ -315,7 +335,7 @@ class Scheduler:
         watermark = self._watermark_blocks if self.running else 0
         return blocks + self.allocator.reclaimed(hits) + watermark <= self.allocator.num_free
 
-    def _start(self, i: int, hits: list[int], n: int, scheduled: set[int]) -> ScheduledSeq:
+    def _start(self, i: int, hits: CachedPrefix, n: int, scheduled: set[int]) -> ScheduledSeq:
         """Moves waiting sequence i to running on its cached prefix `hits` and schedules its first n tokens."""
         seq = self.waiting[i]
         del self.waiting[i]
@@ -345,21 +365,30 @@ class Scheduler:
         n = min(n, self.allocator.tokens_fitting(seq.block_table, seq.num_computed))
         return self._take(seq, n, scheduled) if n else None
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
         """The cached blocks seq can start from. At least its last token stays to compute, for logits to sample from;
-        when that token ends a block, the block is recomputed into a fresh one rather than written while shared."""
+        when that token ends a block, the block is recomputed into a fresh one rather than written while shared.
+        Without a window they are the longest chain of cached blocks from block 0; with one (kv_window), the blocks
+        that the query after the longest such prefix can still see (BlockAllocator.lookup_window)."""
         if self.allocator.cache is None:
-            return []
+            return CachedPrefix()
         usable = (seq.num_tokens - 1) // self.allocator.block_size
         extend_hashes(seq.block_hashes, seq.token_ids, self.allocator.block_size, seq.cache_salt, usable)
-        return self.allocator.lookup(seq.block_hashes[:usable])
+        if self.config.kv_window is None:
+            return CachedPrefix(0, self.allocator.lookup(seq.block_hashes[:usable]))
+        return CachedPrefix(*self.allocator.lookup_window(seq.block_hashes[:usable], self.config.kv_window))
 
-    def _reuse(self, seq: Sequence, hits: list[int]) -> None:
-        """Starts an admitted seq on its cached prefix."""
+    def _reuse(self, seq: Sequence, hits: CachedPrefix) -> None:
+        """Starts an admitted seq on its cached prefix: the blocks it shares, after the entries it skips (aliases of
+        the first shared block, as release_head leaves a table)."""
         if self.allocator.cache is None:
             return
-        self.allocator.share(seq.block_table, hits)
-        seq.num_computed = len(hits) * self.allocator.block_size
+        self.allocator.share(seq.block_table, hits.blocks)
+        if hits.skipped:
+            assert len(seq.block_table) == len(hits.blocks) and not seq.num_released, "a waiting seq holds no blocks"
+            seq.block_table[:0] = [hits.blocks[0]] * hits.skipped
+            seq.num_released = hits.skipped
+        seq.num_computed = hits.num_blocks * self.allocator.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(seq.num_computed, seq.num_prompt_tokens)
         self._prefix.queries += seq.num_tokens

@@ -318,7 +318,7 @@ class SloScheduler(Scheduler):
         if seq.status is not SeqStatus.WAITING:
             return seq.num_computed
         if stream.cached_seen != self.allocator.num_evictions:
-            stream.cached = len(self._cached_prefix(seq)) * self.allocator.block_size
+            stream.cached = self._cached_prefix(seq).num_blocks * self.allocator.block_size
             stream.cached_seen = self.allocator.num_evictions
         return stream.cached
 
@@ -335,9 +335,9 @@ class SloScheduler(Scheduler):
             return None
         seq = stream.seq
         hits = self._cached_prefix(seq)
-        cached = len(hits) * self.allocator.block_size
+        cached = hits.num_blocks * self.allocator.block_size
         n = self._fit(seq, cached, time_left, tokens_left)
-        room = self._room_for(self.allocator.blocks_for(cached + n) - len(hits), hits)
+        room = self._room_for(self.allocator.blocks_for(cached + n) - hits.num_blocks, hits.blocks)
         if n <= 0 or not room or not self._adapter_ready(seq):
             return None
         return self._start(self.waiting.index(seq), hits, n, scheduled)
