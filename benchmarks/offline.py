@@ -156,6 +156,12 @@ def main() -> None:
         help="FastGen's KV pool in GiB: the same as the peer's (benchmarks/out/vllm_start.sh gives vLLM "
         "VLLM_CPU_KVCACHE_SPACE=2); a smaller pool preempts and recomputes sequences W1's 64 cannot all fit",
     )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="FastGen's weights: auto serves the GGUF's own blocks, none dequantizes to --dtype (default: auto)",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--scale", type=float, default=1.0, help="shrink request counts (smoke runs)")
     p.add_argument("--vllm-url", default=None, help="also time a running vLLM OpenAI server on the same prompts")
@@ -171,6 +177,7 @@ def main() -> None:
         dtype=args.dtype,
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_memory=int(args.kv_cache_gib * 2**30),
+        quantization=args.quantization,
         progress=False,
     )
     pipe([[1, 2, 3]], max_new_tokens=2)  # warm-up
@@ -243,6 +250,7 @@ def main() -> None:
         threads=args.threads,
         kv_cache_gib=args.kv_cache_gib,
         max_batch_tokens=args.max_batch_tokens,
+        quantization=args.quantization,
         load_before=load,
         load_after=os.getloadavg(),
     )
