@@ -118,6 +118,7 @@ ROTARY_WRITE_KV = dict(
     heads=INT,
     kv_heads=INT,
     head_dim=INT,
+    rotary_dim=INT,
     threads=INT,
 )
 
@@ -177,6 +178,7 @@ class CLibrary:
         head_dim=INT,
         block_size=INT,
         scale=FLOAT,
+        window=INT,
         threads=INT,
     )
     prefill_attention_avx512_bf16: Callable[..., int] = entry(

@@ -177,13 +177,13 @@ def paged_attention_cpu(
     """Same contract as attention.paged_attention. Decodes in one call of the C decode kernel; prompt chunks on the
     AMX kernel (bfloat16 on CPUs with AMX), else on the AVX-512 prompt kernel, else each of their rows as a decode in
     that same decode call; where the decode kernel does not apply, torch for the whole batch. A sliding window's
-    prompt chunks take the AVX-512 prompt kernel too (not the AMX one); soft-capping sends every row through the decode
-    kernel, which alone takes it."""
+    prompt chunks take the same prompt kernels, each row within its window; soft-capping sends every row through the
+    decode kernel, which alone takes it."""
     if softcap:
         return _attention_as_decodes(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     has_prompts = meta.num_decodes < len(meta.seq_lens_host)
-    prompts_on_amx = has_prompts and not window and _amx_prefill_applies(q, k_cache, v_cache, out)
+    prompts_on_amx = has_prompts and _amx_prefill_applies(q, k_cache, v_cache, out)
     prompts_done = prompts_on_amx or (
         has_prompts and _prefill_attention_avx512(q, k_cache, v_cache, meta, scale, out, window)
     )
@@ -201,8 +201,8 @@ def paged_attention_cpu(
     if rows and decode_attention(q[:rows], k_cache, v_cache, tables, lens, scale, out[:rows], starts) is None:
         declined("decode attention", attention_shape(q, k_cache))
         return paged_attention(q, k_cache, v_cache, meta, scale, window)
-    if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out):
-        prefill_attention(q, k_cache, v_cache, meta, scale, out)  # shapes the AMX kernel does not take
+    if prompts_on_amx and not _prefill_attention_amx(q, k_cache, v_cache, meta, scale, out, window):
+        prefill_attention(q, k_cache, v_cache, meta, scale, out, window)  # shapes the AMX kernel does not take
     return out
 
 
@@ -273,8 +273,8 @@ def _prefill_attention_avx512(
 
 
 def _amx_prefill_applies(q, k_cache, v_cache, out) -> bool:
-    """Whether the AMX kernel takes the step's prompt chunks; the AVX-512 one serves the rest (head sizes that are not
-    a multiple of 64, as the AMX kernel's tiles need: Phi-2's 80, tiny test models' 32)."""
+    """Whether the AMX kernel takes the step's prompt chunks, sliding window or not; the AVX-512 one serves the rest
+    (head sizes that are not a multiple of 64, as the AMX kernel's tiles need: Phi-2's 80, tiny test models' 32)."""
     head_dim = q.shape[2]
     return (
         _amx() is not None
@@ -289,8 +289,12 @@ def _amx_prefill_applies(q, k_cache, v_cache, out) -> bool:
     )
 
 
-def _prefill_attention_amx(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
-    """The prompt chunks of the batch on the AMX kernel, a sequence per call, into out; False where it declines."""
+def _prefill_attention_amx(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor, window: int = 0
+) -> bool:
+    """The prompt chunks of the batch on the AMX kernel, a sequence per call, each row within its sliding window where
+    window > 0 (no key before a chunk's first window is read: table entries there may name blocks given back), into
+    out; False where it declines."""
     library = _amx()
     assert library is not None, "called where _amx_prefill_applies"
     heads, head_dim = q.shape[1:]
@@ -315,6 +319,7 @@ def _prefill_attention_amx(q, k_cache, v_cache, meta: AttentionMetadata, scale: 
             head_dim,
             block_size,
             scale,
+            window,
             threads,
         )
         if status != 0:
@@ -458,8 +463,10 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or cos_sin.dtype != torch.float32
         or not cos_sin.is_contiguous()
-        or cos_sin.shape[1] != head_dim  # partial rotary: torch
-        or head_dim % 2
+        # rotary_dim, the table's width: the first dims of each head rotate (partial rotary: Phi; 0: none, OPT) and
+        # the rest pass; an odd width is no rotate-half table
+        or cos_sin.shape[1] % 2
+        or cos_sin.shape[1] > head_dim
     ):
         return rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
     positions = positions.to(torch.int64).contiguous()
@@ -480,6 +487,7 @@ def rotary_write_kv_cpu(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapp
         heads,
         kv_heads,
         head_dim,
+        cos_sin.shape[1],
         torch.get_num_threads(),
     )
     return q_out

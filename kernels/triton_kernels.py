@@ -4,8 +4,10 @@ Same call signatures and results as the torch references in this package:
 - `paged_attention`: one launch for a whole ragged batch (decodes and prompt chunks together). The grid is
   (query tiles, kv heads); a tile holds consecutive new tokens of one sequence times all query heads of one
   kv head, so each cached block is read once per tile whatever the GQA ratio.
-- `rotary_write_kv`: rotates q and k and scatters rotated k and plain v into their cache slots, one pass.
-- `rms_norm` / `add_rms_norm`: one program per row, float32 statistics.
+- `rotary_write_kv`: rotates q and k (all of each head, or its first rotary_dim dims) and scatters rotated k and
+  plain v into their cache slots, one pass.
+- `rms_norm` / `add_rms_norm`, `layer_norm` / `add_layer_norm`: one program per row, float32 statistics.
+- `gelu_tanh_mul`: GeGLU's GELU(gate) * up, one pass, float32 inside.
 - `fused_moe`: grouped GEMMs over the tokens sorted by expert, in kernels/triton_moe.py.
 - `lora_sgmv`: the LoRA delta of every adapter in the step in two launches, in kernels/triton_lora.py.
 """
@@ -79,50 +81,70 @@ def _rotary_write_kv_kernel(
     block_size,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
+    HALF: tl.constexpr,  # rotary_dim / 2: dims [0, HALF) and [HALF, 2 HALF) of each head rotate together
+    PASS: tl.constexpr,  # head_dim - rotary_dim: the dims after the rotated ones, copied unrotated (partial rotary)
     HEADS_PAD: tl.constexpr,
     KV_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)  # one token per program: all its q, k and v heads
     dtype = q_out_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    i = tl.arange(0, HALF_PAD)
-    i_ok = i < HALF
-    # torch casts the float32 table to the activation dtype before multiplying
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
-
     h = tl.arange(0, HEADS_PAD)[:, None]
-    q_ok = (h < HEADS) & i_ok[None, :]
-    q_row = q_ptr + t * stride_qt + h * stride_qh + i[None, :]  # (heads, half)
-    q1 = tl.load(q_row, mask=q_ok, other=0.0).to(tl.float32)
-    q2 = tl.load(q_row + HALF, mask=q_ok, other=0.0).to(tl.float32)
-    o1, o2 = _rotate_half(q1, q2, cos, sin, dtype)
-    o_row = q_out_ptr + t * stride_ot + h * stride_oh + i[None, :]
-    tl.store(o_row, o1, mask=q_ok)
-    tl.store(o_row + HALF, o2, mask=q_ok)
-
     slot = tl.load(slots_ptr + t).to(tl.int64)
     block = slot // block_size
     offset = slot % block_size
     kh = tl.arange(0, KV_HEADS_PAD)[:, None]
     # Negative slots (padding tokens) are skipped instead of writing out of bounds. The test is folded into the
     # head bound because the interpreter turns `block & scalar` masks into int32.
-    kv_ok = (kh < tl.where(slot >= 0, KV_HEADS, 0)) & i_ok[None, :]
-    k_row = k_ptr + t * stride_kt + kh * stride_kh + i[None, :]  # (kv_heads, half)
-    k1 = tl.load(k_row, mask=kv_ok, other=0.0).to(tl.float32)
-    k2 = tl.load(k_row + HALF, mask=kv_ok, other=0.0).to(tl.float32)
-    r1, r2 = _rotate_half(k1, k2, cos, sin, k_ptr.dtype.element_ty)
-    kc_row = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kh * stride_kch + i[None, :]
-    tl.store(kc_row, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(kc_row + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    kv_heads_ok = kh < tl.where(slot >= 0, KV_HEADS, 0)
 
-    # v is copied in two halves too, so one padded width serves every tile
-    v_row = v_ptr + t * stride_vt + kh * stride_vh + i[None, :]
-    vc_row = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kh * stride_vch + i[None, :]
-    tl.store(vc_row, tl.load(v_row, mask=kv_ok).to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(vc_row + HALF, tl.load(v_row + HALF, mask=kv_ok).to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+    if HALF > 0:  # an empty table (no rotary: OPT) rotates no dim, and everything goes through the copy below
+        pos = tl.load(positions_ptr + t).to(tl.int64)
+        i = tl.arange(0, HALF_PAD)
+        i_ok = i < HALF
+        # torch casts the float32 table to the activation dtype before multiplying
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0)
+        sin = sin.to(dtype).to(tl.float32)[None, :]
+
+        q_ok = (h < HEADS) & i_ok[None, :]
+        q_row = q_ptr + t * stride_qt + h * stride_qh + i[None, :]  # (heads, half)
+        q1 = tl.load(q_row, mask=q_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(q_row + HALF, mask=q_ok, other=0.0).to(tl.float32)
+        o1, o2 = _rotate_half(q1, q2, cos, sin, dtype)
+        o_row = q_out_ptr + t * stride_ot + h * stride_oh + i[None, :]
+        tl.store(o_row, o1, mask=q_ok)
+        tl.store(o_row + HALF, o2, mask=q_ok)
+
+        kv_ok = kv_heads_ok & i_ok[None, :]
+        k_row = k_ptr + t * stride_kt + kh * stride_kh + i[None, :]  # (kv_heads, half)
+        k1 = tl.load(k_row, mask=kv_ok, other=0.0).to(tl.float32)
+        k2 = tl.load(k_row + HALF, mask=kv_ok, other=0.0).to(tl.float32)
+        r1, r2 = _rotate_half(k1, k2, cos, sin, k_ptr.dtype.element_ty)
+        kc_row = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kh * stride_kch + i[None, :]
+        tl.store(kc_row, r1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(kc_row + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+        # v is copied in the same pieces as q and k (two halves, then the unrotated rest), so no other width is padded
+        v_row = v_ptr + t * stride_vt + kh * stride_vh + i[None, :]
+        vc_row = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kh * stride_vch + i[None, :]
+        tl.store(vc_row, tl.load(v_row, mask=kv_ok).to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(vc_row + HALF, tl.load(v_row + HALF, mask=kv_ok).to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+    if PASS > 0:  # partial rotary (Phi, Falcon): dims from 2 HALF on pass as they are, as in torch's cat
+        j = 2 * HALF + tl.arange(0, PASS_PAD)[None, :]
+        j_ok = j < 2 * HALF + PASS
+        q_pass = (h < HEADS) & j_ok
+        q_rest = tl.load(q_ptr + t * stride_qt + h * stride_qh + j, mask=q_pass)
+        tl.store(q_out_ptr + t * stride_ot + h * stride_oh + j, q_rest.to(dtype), mask=q_pass)
+        kv_pass = kv_heads_ok & j_ok
+        k_rest = tl.load(k_ptr + t * stride_kt + kh * stride_kh + j, mask=kv_pass)
+        kc_rest = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kh * stride_kch + j
+        tl.store(kc_rest, k_rest.to(k_cache_ptr.dtype.element_ty), mask=kv_pass)
+        v_rest = tl.load(v_ptr + t * stride_vt + kh * stride_vh + j, mask=kv_pass)
+        vc_rest = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kh * stride_vch + j
+        tl.store(vc_rest, v_rest.to(v_cache_ptr.dtype.element_ty), mask=kv_pass)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -140,17 +162,19 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Rotates q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) by position, writes rotated k and v
-    into the cache; returns the rotated q (a new tensor: q itself is left as it was, like the torch version)."""
-    if cos_sin.shape[-1] != q.shape[-1]:  # partial rotary (Phi, Falcon): torch's ops, still graph-safe
-        return TORCH_KERNELS.rotary_write_kv(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
+    into the cache; returns the rotated q (a new tensor: q itself is left as it was, like the torch version). A
+    table narrower than head_dim (rotary_dim columns: partial rotary, Phi and Falcon) rotates the first rotary_dim
+    dims of each head, the rest are copied as they are; an empty one (no rotary: OPT) rotates none."""
     q, k, v, cos_sin = (_last_dim_contiguous(x) for x in (q, k, v, cos_sin))
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    assert head_dim % 2 == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    rotary_dim = cos_sin.shape[-1]
+    assert rotary_dim % 2 == 0 and 0 <= rotary_dim <= head_dim, (rotary_dim, head_dim)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
-    half = head_dim // 2
+    half, rest = rotary_dim // 2, head_dim - rotary_dim
     _rotary_write_kv_kernel[(tokens,)](
         q,
         k,
@@ -180,9 +204,11 @@ def rotary_write_kv(
         HEADS=heads,
         KV_HEADS=kv_heads,
         HALF=half,
+        PASS=rest,
         HEADS_PAD=triton.next_power_of_2(heads),
         KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
-        HALF_PAD=triton.next_power_of_2(half),
+        HALF_PAD=triton.next_power_of_2(max(half, 1)),
+        PASS_PAD=triton.next_power_of_2(max(rest, 1)),
         num_warps=4,
         enable_fp_fusion=False,  # no fused multiply-adds, so the rounding is torch's
     )
@@ -646,6 +672,150 @@ def add_rms_norm(
     return _launch_rms_norm(x, residual, weight, eps)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# LayerNorm (Phi-2, OPT, Falcon)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        # rounded to the input dtype before normalising, exactly as torch's `x + residual`
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=ok)
+    # Mean, then the variance of the centred row (two passes over registers: no cancellation), in float32 as torch
+    x32 = x.to(tl.float32)
+    mean = tl.reduce(x32, 0, _sum_combine) / hidden
+    centred = tl.where(ok, x32 - mean, 0.0)
+    rstd = tl.math.rsqrt(tl.reduce(centred * centred, 0, _sum_combine) / hidden + eps)
+    y = centred * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    # one rounding to the output dtype, as torch's kernels (float32 inside, for half-precision inputs too)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_layer_norm(x, residual, weight, bias, eps):
+    hidden = x.shape[-1]
+    x2 = _last_dim_contiguous(x.reshape(-1, hidden))  # (rows, hidden)
+    if residual is None:
+        r2 = res_out = x2  # unused: HAS_RESIDUAL is off
+        in_dtype = x.dtype
+    else:
+        r2 = _last_dim_contiguous(residual.reshape(-1, hidden))
+        in_dtype = torch.promote_types(x.dtype, residual.dtype)  # the dtype of `x + residual`
+        res_out = torch.empty(x2.shape, dtype=in_dtype, device=x.device)
+    # F.layer_norm returns its input's dtype, whatever the dtype of its weight and bias
+    out = torch.empty(x2.shape, dtype=in_dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden)
+        _layer_norm_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            x2 if weight is None else weight.contiguous(),  # unused when absent: HAS_WEIGHT / HAS_BIAS are off
+            x2 if bias is None else bias.contiguous(),
+            out,
+            res_out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+            enable_fp_fusion=False,
+        )
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim (Phi-2, Falcon, OPT), as torch.nn.LayerNorm computes it."""
+    return _launch_layer_norm(x, None, weight, bias, eps)[0]
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (layer_norm(x + residual), x + residual), add_rms_norm's contract."""
+    return _launch_layer_norm(x, residual, weight, bias, eps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GeGLU (Gemma)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * stride_in + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    # GELU's tanh form, x/2 (1 + tanh(y)) with y = sqrt(2/pi) (x + 0.044715 x^3), written as x sigmoid(2y): the same
+    # function with no 1 + tanh cancellation for negative x, and no tanh (the interpreter has none). From
+    # e = exp(-2|y|), which cannot overflow: sigmoid(2y) = 1 / (1 + e) for y >= 0, e / (1 + e) below; e underflows
+    # to 0 for large negative x, giving -0.0 as torch's 0.5 x (1 - 1) does.
+    y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    e = tl.exp(-2.0 * tl.abs(y))
+    act = g * tl.where(y >= 0, 1.0, e) / (1.0 + e)
+    # torch rounds the activation to the input dtype before `* up`, then rounds the product
+    act = act.to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * u).to(dtype), mask=ok)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up (GeGLU, Gemma's gelu_pytorch_tanh) for gate_up (tokens, 2 * intermediate),
+    gate in the first half: (tokens, intermediate), within a few ulp of torch's."""
+    width = gate_up.shape[-1]
+    assert width % 2 == 0, width
+    inter = width // 2
+    x2 = _last_dim_contiguous(gate_up.reshape(-1, width))
+    out = torch.empty((x2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if x2.shape[0] and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _gelu_tanh_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            inter,
+            BLOCK=block,
+            num_warps=min(8, max(1, block // 256)),
+            enable_fp_fusion=False,
+        )
+    return out.view(*gate_up.shape[:-1], inter)
+
+
 # Linear layers (the gate/up one's SiLU * up too) and the argmax are torch's (cuBLAS and a max over the logits
 # serve on CUDA).
 TRITON_KERNELS = Kernels(
@@ -655,9 +825,9 @@ TRITON_KERNELS = Kernels(
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     silu_mul=silu_mul,
-    gelu_tanh_mul=TORCH_KERNELS.gelu_tanh_mul,
-    layer_norm=TORCH_KERNELS.layer_norm,
-    add_layer_norm=TORCH_KERNELS.add_layer_norm,
+    gelu_tanh_mul=gelu_tanh_mul,
+    layer_norm=layer_norm,
+    add_layer_norm=add_layer_norm,
     pack_linear=TORCH_KERNELS.pack_linear,
     linear=TORCH_KERNELS.linear,
     pack_gate_up=TORCH_KERNELS.pack_gate_up,

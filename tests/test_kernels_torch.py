@@ -378,6 +378,58 @@ def test_cpu_elementwise_f32_kernels_match_torch(hidden, forbid):
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(80, 32), (64, 32), (16, 12), (40, 40), (32, 0)])
+def test_cpu_partial_rotary_matches_torch(dtype, head_dim, rotary_dim, forbid):
+    """Partial rotary (Phi-2: 32 of 80 dims; Phi-4-mini: 12 of 16) in the C kernels: the first rotary_dim dims of each
+    q and k head rotate as the full-rotary kernels do (float32: torch's bits; bfloat16: within one bf16 step of exact),
+    the rest are copied bit for bit, into the cache slots torch writes and nowhere else; several threads give one
+    thread's results bit for bit. An empty table (no rotary: OPT) rotates nothing; one of odd width is still declined
+    (torch serves)."""
+    from fastgen.kernels import cpu
+    from fastgen.kernels.rotary import apply_rotary
+
+    if cpu._elementwise_for(dtype) is None:
+        pytest.skip("no C compiler, or a CPU without the elementwise kernels: the torch kernels serve there")
+    torch.manual_seed(head_dim + rotary_dim)
+    forbid(cpu, "rotary_write_kv")  # the reference, rotary_write_kv imported here, is not the one forbidden
+    heads, kv_heads = 4, 2
+    cos_sin = rope_cos_sin(rope_inv_freq(rotary_dim, 10000.0), 4096)  # (positions, rotary_dim)
+    results = []
+    for tokens, threads in ((600, 1), (600, THREADS), (1, 1)):  # one token: torch's views report other strides
+        torch.manual_seed(tokens)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+        positions, slots = torch.randint(0, 4096, (tokens,)), torch.randperm(64 * 16)[:tokens]
+        caches = [torch.zeros(64, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+        q_out = in_threads(threads, cpu.rotary_write_kv_cpu, q, k, v, cos_sin, positions, caches[0], caches[1], slots)
+        q_ref = rotary_write_kv(q, k, v, cos_sin, positions, caches[2], caches[3], slots)
+        k_slots = caches[0].view(-1, kv_heads, head_dim)[slots]
+        assert torch.equal(caches[1], caches[3])  # v copied as is, to the same slots as torch writes it
+        assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])  # the unrotated dims, bit for bit
+        assert torch.equal(k_slots[..., rotary_dim:], k[..., rotary_dim:])
+        if dtype == torch.float32:
+            assert torch.equal(q_out, q_ref) and torch.equal(caches[0], caches[2])
+        else:
+            rows = cos_sin.double()[positions]
+            for got, x in ((q_out, q), (k_slots, k)):
+                exact = apply_rotary(x.double(), rows)
+                # one bf16 step of the value's binade, 2^-10's below 2^-10 (where x1 cos - x2 sin nearly cancel)
+                step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=2**-10))) - 7)
+                assert ((got.double() - exact).abs() <= step).all()
+        untouched = torch.ones(64 * 16, dtype=torch.bool)
+        untouched[slots] = False
+        assert not caches[0].view(-1, kv_heads, head_dim)[untouched].any()  # nothing written outside the slots
+        results.append((q_out, caches[0], caches[1]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))  # THREADS threads: one thread's bits
+
+    # a table of odd width: declined, so the (forbidden) torch kernel is called
+    odd = torch.zeros(8, max(rotary_dim, 2) - 1)
+    with pytest.raises(AssertionError, match="fell back"):
+        cpu.rotary_write_kv_cpu(q, k, v, odd, torch.zeros(1, dtype=torch.long), *caches[:2], slots)
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("kv_heads, head_dim", [(1, 64), (3, 64), (2, 128)])
 def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim, forbid):

@@ -105,9 +105,11 @@ def test_c_decode_kernel_windows_and_soft_caps(window, softcap, dtype, block_siz
 def test_c_prompt_kernel_windows_over_long_chunks(window, dtype, cpu_kernels, monkeypatch):
     """Long prompt chunks after long histories take the AVX-512 prompt kernel with the window (its first key tile
     after the first row's window start, rows whose window starts past a tile skipped, keys before each row's window
-    masked), decode rows the decode kernel's: against dense attention, on one thread and on several."""
+    masked), decode rows the decode kernel's: against dense attention, on one thread and on several. The AMX kernel,
+    which takes bfloat16 chunks where it runs, is kept out (tests/test_amx_prefill_window.py covers it)."""
     from fastgen.kernels import clib
 
+    monkeypatch.setattr(cpu_kernels, "_amx_prefill_applies", lambda *a, **k: False)
     calls = []
     prompt_kernel = cpu_kernels._prefill_attention_avx512
     monkeypatch.setattr(

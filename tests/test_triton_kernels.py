@@ -256,9 +256,23 @@ def test_split_kv_decode_matches_the_reference(
     assert rel_err(out, ref) < TOLERANCE[dtype], f"seed={seed} seq_lens={seq_lens}"
 
 
+# (kv_heads, heads, head_dim, rotary_dim, block_size); rotary_dim < head_dim: partial rotary, the first rotary_dim dims
+# of each head rotate and the rest pass (Phi-2: 32 of 80; 12 of 16, a half that is not a power of two: Phi-4-mini's);
+# 0: an empty table, no dim rotates (OPT), k and v are only written to the cache
+ROTARY_CASES = [
+    (2, 4, 64, 64, 16),
+    (3, 9, 80, 80, 32),
+    (1, 8, 128, 128, 16),
+    (2, 4, 64, 32, 16),
+    (3, 9, 80, 32, 32),
+    (2, 6, 16, 12, 8),
+    (1, 3, 32, 0, 16),
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("kv_heads,heads,head_dim,block_size", [(2, 4, 64, 16), (3, 9, 80, 32), (1, 8, 128, 16)])
-def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poisoned_empty):
+@pytest.mark.parametrize("kv_heads,heads,head_dim,rotary_dim,block_size", ROTARY_CASES)
+def test_rotary_write_kv(kv_heads, heads, head_dim, rotary_dim, block_size, dtype, seed, poisoned_empty):
     q_lens, seq_lens = draw_lengths("mixed", block_size)
     b = make_paged_batch(
         q_lens,
@@ -273,7 +287,7 @@ def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poi
     q, k_cache, v_cache, meta = b.q, b.k_cache, b.v_cache, b.meta
     tokens = q.shape[0]
     k, v = (torch.randn(tokens, kv_heads, head_dim).to(dtype) for _ in "kv")
-    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 512)
+    cos_sin = rope_cos_sin(rope_inv_freq(rotary_dim, 10000.0), 512)  # (positions, rotary_dim)
     positions = torch.cat([torch.arange(s - n, s) for n, s in zip(q_lens, seq_lens)])
     k_cache, v_cache = k_cache.nan_to_num(-7.0), v_cache.nan_to_num(-7.0)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -294,11 +308,12 @@ def test_rotary_write_kv(kv_heads, heads, head_dim, block_size, dtype, seed, poi
         assert torch.equal(cache[~written], before[~written]), f"unwritten slots changed: {context}"
 
 
-def test_rotary_write_kv_strided_inputs(seed):
+@pytest.mark.parametrize("rotary_dim", [96, 32])
+def test_rotary_write_kv_strided_inputs(rotary_dim, seed):
     tokens, heads, kv_heads, head_dim = 9, 4, 2, 96
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     q, k, v = qkv.view(tokens, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)  # views, token stride 768
-    cos_sin = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 64)
+    cos_sin = rope_cos_sin(rope_inv_freq(rotary_dim, 10000.0), 64)
     positions = torch.randint(0, 64, (tokens,))
     slots = torch.randperm(4 * 16)[:tokens]
     caches = [(torch.zeros(4, 16, kv_heads, head_dim), torch.zeros(4, 16, kv_heads, head_dim)) for _ in range(2)]
@@ -308,9 +323,10 @@ def test_rotary_write_kv_strided_inputs(seed):
     assert torch.equal(caches[0][1], caches[1][1]), f"seed={seed}"
 
 
-def test_rotary_write_kv_skips_negative_slots(seed):
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_rotary_write_kv_skips_negative_slots(rotary_dim, seed):
     q, k, v = torch.randn(3, 2, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64)
-    cos_sin = rope_cos_sin(rope_inv_freq(64, 10000.0), 16)
+    cos_sin = rope_cos_sin(rope_inv_freq(rotary_dim, 10000.0), 16)
     k_cache, v_cache = torch.zeros(2, 16, 1, 64), torch.zeros(2, 16, 1, 64)
     tk.rotary_write_kv(q, k, v, cos_sin, torch.tensor([0, 1, 2]), k_cache, v_cache, torch.tensor([5, -1, 17]))
     assert torch.count_nonzero(k_cache.flatten(0, 1).abs().sum(-1)) == 2
@@ -349,13 +365,87 @@ def test_add_rms_norm(hidden, dtype, weight_dtype, seed, poisoned_empty):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# LayerNorm (Phi-2, OPT, Falcon) and GeGLU (Gemma)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [64, 80, 1000])
+def test_layer_norm(hidden, dtype, with_bias, seed, poisoned_empty):
+    x = (torch.randn(7, hidden) * 3 + 2).to(dtype)  # off-centre rows: the mean must come out before the variance
+    weight = torch.randn(hidden).to(dtype)
+    bias = torch.randn(hidden).to(dtype) if with_bias else None
+    out = poisoned_empty(tk.layer_norm, x, weight, bias, 1e-5)
+    ref = REF.layer_norm(x, weight, bias, 1e-5)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), f"seed={seed}"
+    assert rel_err(out, ref) < NORM_TOLERANCE[dtype], f"seed={seed}"
+    # Element by element: float32 within a few of its steps of the terms torch adds up, x rstd w and mean rstd w (x -
+    # mean may cancel, and the bias may cancel the rest); float16 one rounding apart (both compute in float32 and
+    # round once), down to float16's smallest step.
+    xd = x.double()
+    scale = torch.rsqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-5) * weight.double().abs()
+    terms = (xd.abs() + xd.mean(-1, True).abs()) * scale
+    eps = torch.finfo(dtype).eps
+    bound = 8 * eps * (ref.double().abs() + terms) if dtype == torch.float32 else eps * ref.double().abs()
+    bound = bound + (0.0 if dtype == torch.float32 else 2.0**-24)
+    assert ((out.double() - ref.double()).abs() <= bound).all(), f"seed={seed}"
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_add_layer_norm(hidden, dtype, with_bias, seed, poisoned_empty):
+    x, residual = ((torch.randn(5, hidden) + 1).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden).to(dtype)
+    bias = torch.randn(hidden).to(dtype) if with_bias else None
+    out, new_residual = poisoned_empty(tk.add_layer_norm, x, residual, weight, bias, 1e-5)
+    ref, ref_residual = REF.add_layer_norm(x, residual, weight, bias, 1e-5)
+    assert out.dtype == ref.dtype and new_residual.dtype == ref_residual.dtype
+    assert torch.equal(new_residual, ref_residual), f"seed={seed}"
+    assert rel_err(out, ref) < NORM_TOLERANCE[dtype], f"seed={seed}"
+
+
+def test_layer_norm_of_strided_rows_and_3d_input(seed):
+    """Rows with a stride of their own (a view into a wider tensor) and a (batch, tokens, hidden) input, as
+    F.layer_norm takes them."""
+    wide = torch.randn(2, 3, 150)
+    x = wide[..., :72]  # rows of 72 with a stride of 150
+    weight, bias = torch.randn(72), torch.randn(72)
+    out = tk.layer_norm(x, weight, bias, 1e-6)
+    assert out.shape == x.shape and rel_err(out, REF.layer_norm(x, weight, bias, 1e-6)) < 1e-6, f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("inter", [24, 100, 1100])  # 100: a masked tail; 1100: two column blocks, the second partial
+def test_gelu_tanh_mul(inter, dtype, seed, poisoned_empty):
+    gate_up = (torch.randn(5, 2 * inter + 8) * 3).to(dtype)[:, : 2 * inter]  # rows with a stride of their own
+    gate_up[0, :6] = torch.tensor([-30.0, -10.0, -3.0, 0.0, 10.0, 30.0])  # saturated tails and zero
+    out = poisoned_empty(tk.gelu_tanh_mul, gate_up)
+    ref = REF.gelu_tanh_mul(gate_up)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), f"seed={seed}"
+    gate, up = (half.double() for half in gate_up.chunk(2, dim=-1))
+    # A few steps of the output's size; and for negative gates torch's own 1 + tanh(y) loses up to half a float32
+    # step of 1 (ours, x sigmoid(2y), does not cancel): 2^-24 |gate * up|. Float16: one rounding of the activation
+    # (its float32 values may straddle a float16 boundary) and one of the product, each down to float16's smallest
+    # step, 2^-24 (subnormal).
+    eps = torch.finfo(dtype).eps
+    tiny = 0.0 if dtype == torch.float32 else 2.0**-24 * (up.abs() + 1)
+    bound = (4 if dtype == torch.float32 else 2) * eps * ref.double().abs() + 2.0**-24 * (gate * up).abs() + tiny
+    assert ((out.double() - ref.double()).abs() <= bound).all(), f"seed={seed}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Interface
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def test_same_signatures_as_torch():
     assert tk.TRITON_KERNELS.name == "triton"
-    for name in ("rotary_write_kv", "paged_attention", "rms_norm", "add_rms_norm"):
+    names = ("rotary_write_kv", "paged_attention", "rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
+    for name in (*names, "gelu_tanh_mul"):
         ours, theirs = getattr(tk.TRITON_KERNELS, name), getattr(REF, name)
         assert inspect.signature(ours) == inspect.signature(theirs), name
 
@@ -465,7 +555,14 @@ def test_kernels_compile_for_gpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = importlib.import_module(MODULE)
     recorders = {}
-    kernels = ("_paged_attention_kernel", "_decode_split_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel")
+    kernels = (
+        "_paged_attention_kernel",
+        "_decode_split_kernel",
+        "_rotary_write_kv_kernel",
+        "_rms_norm_kernel",
+        "_layer_norm_kernel",
+        "_gelu_tanh_mul_kernel",
+    )
     for name in kernels:
         recorders[name] = _Recorder(getattr(compiled, name))
         monkeypatch.setattr(compiled, name, recorders[name])
@@ -492,9 +589,15 @@ def test_kernels_compile_for_gpu(monkeypatch):
             v_cache,
             meta.slot_mapping,
         )
+        compiled.rotary_write_kv(  # partial rotary: the first 32 dims of each head (Phi-2's share of 80)
+            q, k, k, torch.zeros(64, 32), torch.zeros(q.shape[0], dtype=torch.long), k_cache, v_cache, meta.slot_mapping
+        )
         x = torch.zeros(4, 4096, dtype=dtype)
         compiled.rms_norm(x, x[0], 1e-6)
         compiled.add_rms_norm(x, x, x[0], 1e-6)
+        compiled.layer_norm(x[:, :2560], x[0, :2560], x[0, :2560], 1e-5)  # Phi-2's hidden size, with a bias
+        compiled.add_layer_norm(x, x, x[0], None, 1e-5)
+        compiled.gelu_tanh_mul(torch.zeros(4, 2 * 3000, dtype=dtype))
 
     for name, recorder in recorders.items():
         assert recorder.launches, name

@@ -51,7 +51,7 @@ int decode_layer_q8_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *
     status = status ? status
                     : rotary_write_kv_bf16(qkv_out, qkv_out + q_width, qkv_out + q_width + kv_heads * head_dim,
                                            m > 1 ? qkv_width : 0, cos_sin, positions, slots, q_rot, k_cache, v_cache,
-                                           m, heads, kv_heads, head_dim, threads);
+                                           m, heads, kv_heads, head_dim, head_dim, threads);
     status = status ? status
                     : decode_attention_bf16(q_rot, k_cache, v_cache, tables, seq_lens, 0, attn, m, heads, kv_heads,
                                             head_dim, block_size, table_width, scale, 0.f, threads);

@@ -1,8 +1,8 @@
 /* The elementwise work between the matrix multiplies, fused, for bfloat16 activations on CPUs with AVX-512
- * (and its bfloat16 conversions): residual add + RMSNorm, SiLU(gate) * up, and rotary embedding with the KV
- * cache write. Torch runs each of these as several passes over memory, with a conversion to float32 and back in
- * each; here every element is read once, computed in float32, and rounded to bfloat16 where torch rounds, so
- * results match the torch kernels to within a bfloat16 rounding step.
+ * (and its bfloat16 conversions): residual add + RMSNorm, SiLU(gate) * up, and rotary embedding (full or
+ * partial) with the KV cache write. Torch runs each of these as several passes over memory, with a conversion to
+ * float32 and back in each; here every element is read once, computed in float32, and rounded to bfloat16 where
+ * torch rounds, so results match the torch kernels to within a bfloat16 rounding step.
  *
  * Built with decode_attention.c by kernels/cpu.py; where the CPU lacks the instructions, elementwise_available()
  * returns 0 and torch serves.
@@ -98,8 +98,9 @@ DEFINE_GATED(silu_mul_bf16, silu_ps)
 DEFINE_GATED(gelu_tanh_mul_bf16, gelu_tanh_ps)
 
 /* One head of one token rotated (rotate-half layout): out[i] = x1 cos - x2 sin, out[i + half] = x2 cos + x1 sin
- * for i < half, with cos_sin = (cos[half], sin[half]) in float32. */
-static inline void rotate(const uint16_t *x, const float *cos_sin, int half, uint16_t *out) {
+ * for i < half, with cos_sin = (cos[half], sin[half]) in float32; dims from 2 half to head_dim (partial rotary) are
+ * copied as they are. */
+static inline void rotate(const uint16_t *x, const float *cos_sin, int half, int head_dim, uint16_t *out) {
     for (int i = 0; i < half; i += 16) {
         int n = half - i;
         __m512 c = _mm512_maskz_loadu_ps(first(n), cos_sin + i), s = _mm512_maskz_loadu_ps(first(n), cos_sin + half + i);
@@ -107,25 +108,29 @@ static inline void rotate(const uint16_t *x, const float *cos_sin, int half, uin
         store_bf16(out + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), n);
         store_bf16(out + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), n);
     }
+    for (int d = 2 * half; d < head_dim; d++) out[d] = x[d];
 }
 
 /* q (tokens, heads, head_dim) and k, v (tokens, kv_heads, head_dim), each with rows of row_stride elements
- * (views into the fused qkv projection), heads contiguous within a row. Rotated q goes to q_out (contiguous);
- * rotated k and v go to their cache slots, caches (slots, kv_heads, head_dim). */
+ * (views into the fused qkv projection), heads contiguous within a row. The first rotary_dim dims of each q and k
+ * head rotate by cos_sin (positions, rotary_dim), the rest pass unrotated (partial rotary: Phi; rotary_dim =
+ * head_dim: all rotate; 0, an empty table: none, OPT). Rotated q goes to q_out (contiguous); rotated k and v go to
+ * their cache slots, caches (slots, kv_heads, head_dim). */
 int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
                          const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
                          uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim,
-                         int threads) {
-    const int half = head_dim / 2;
-    if (head_dim % 2) return -1;
+                         int rotary_dim, int threads) {
+    const int half = rotary_dim / 2;
+    if (rotary_dim % 2 || rotary_dim < 0 || rotary_dim > head_dim) return -1;
     threads = threads_for(threads, (int64_t)tokens * (heads + 2 * kv_heads) * head_dim, MIN_ELEMENTS_PER_THREAD);
     ROWS_IN_PARALLEL
     for (int t = 0; t < tokens; t++) {
-        const float *cs = cos_sin + positions[t] * head_dim;
+        const float *cs = rotary_dim ? cos_sin + positions[t] * rotary_dim : cos_sin; /* never read when empty */
         for (int h = 0; h < heads; h++)
-            rotate(q + t * row_stride + h * head_dim, cs, half, q_out + ((int64_t)t * heads + h) * head_dim);
+            rotate(q + t * row_stride + h * head_dim, cs, half, head_dim, q_out + ((int64_t)t * heads + h) * head_dim);
         uint16_t *kc = k_cache + slots[t] * kv_heads * head_dim, *vc = v_cache + slots[t] * kv_heads * head_dim;
-        for (int h = 0; h < kv_heads; h++) rotate(k + t * row_stride + h * head_dim, cs, half, kc + h * head_dim);
+        for (int h = 0; h < kv_heads; h++)
+            rotate(k + t * row_stride + h * head_dim, cs, half, head_dim, kc + h * head_dim);
         for (int d = 0; d < kv_heads * head_dim; d++) vc[d] = v[t * row_stride + d];
     }
     return 0;
@@ -177,9 +182,10 @@ int gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int int
 int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
                          const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
                          uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim,
-                         int threads) {
+                         int rotary_dim, int threads) {
     (void)q, (void)k, (void)v, (void)row_stride, (void)cos_sin, (void)positions, (void)slots, (void)q_out;
-    (void)k_cache, (void)v_cache, (void)tokens, (void)heads, (void)kv_heads, (void)head_dim, (void)threads;
+    (void)k_cache, (void)v_cache, (void)tokens, (void)heads, (void)kv_heads, (void)head_dim, (void)rotary_dim;
+    (void)threads;
     return -1;
 }
 int argmax_bf16(const uint16_t *x, int rows, int vocab, int64_t stride, int64_t *out, int threads) {

@@ -1,7 +1,7 @@
 /* The elementwise work between the matrix multiplies, fused, for float32 activations on CPUs with AVX-512F: residual
- * add + RMSNorm, SiLU(gate) * up, and rotary embedding with the KV cache write. Torch runs each as several passes
- * over memory with a temporary per step; here every element is read once. Each row is computed by one thread in one
- * order, so results depend neither on the batch nor on the thread count.
+ * add + RMSNorm, SiLU(gate) * up, and rotary embedding (full or partial) with the KV cache write. Torch runs each as
+ * several passes over memory with a temporary per step; here every element is read once. Each row is computed by one
+ * thread in one order, so results depend neither on the batch nor on the thread count.
  *
  * Rotary embedding does torch's arithmetic exactly (x1 cos - x2 sin with both products rounded), so it matches the
  * torch kernel, and Hugging Face, bit for bit. The norm sums its squares in an order of its own and SiLU's exponential
@@ -87,8 +87,9 @@ DEFINE_GATED(silu_mul_f32, silu_ps)
 DEFINE_GATED(gelu_tanh_mul_f32, gelu_tanh_ps)
 
 /* One head of one token rotated (rotate-half layout) as torch does it: out[i] = x1 cos - x2 sin, out[i + half] =
- * x2 cos + x1 sin for i < half, every product rounded, with cos_sin = (cos[half], sin[half]). */
-static inline void rotate(const float *x, const float *cos_sin, int half, float *out) {
+ * x2 cos + x1 sin for i < half, every product rounded, with cos_sin = (cos[half], sin[half]); dims from 2 half to
+ * head_dim (partial rotary) are copied as they are. */
+static inline void rotate(const float *x, const float *cos_sin, int half, int head_dim, float *out) {
     for (int i = 0; i < half; i += 16) {
         int n = half - i;
         __m512 c = load(cos_sin + i, n), s = load(cos_sin + half + i, n);
@@ -98,24 +99,28 @@ static inline void rotate(const float *x, const float *cos_sin, int half, float 
         store(out + half + i,
               _mm512_add_round_ps(_mm512_mul_round_ps(x2, c, EXACT), _mm512_mul_round_ps(x1, s, EXACT), EXACT), n);
     }
+    if (head_dim > 2 * half) memcpy(out + 2 * half, x + 2 * half, sizeof(float) * (head_dim - 2 * half));
 }
 
 /* q (tokens, heads, head_dim) and k, v (tokens, kv_heads, head_dim), each with rows of row_stride elements (views into
- * the fused qkv projection), heads contiguous within a row. Rotated q goes to q_out (contiguous); rotated k and v go
- * to their cache slots, caches (slots, kv_heads, head_dim). */
+ * the fused qkv projection), heads contiguous within a row. The first rotary_dim dims of each q and k head rotate by
+ * cos_sin (positions, rotary_dim), the rest pass unrotated (partial rotary: Phi; rotary_dim = head_dim: all rotate;
+ * 0, an empty table: none, OPT).
+ * Rotated q goes to q_out (contiguous); rotated k and v go to their cache slots, caches (slots, kv_heads, head_dim). */
 int rotary_write_kv_f32(const float *q, const float *k, const float *v, int64_t row_stride, const float *cos_sin,
                         const int64_t *positions, const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
-                        int tokens, int heads, int kv_heads, int head_dim, int threads) {
-    const int half = head_dim / 2;
-    if (head_dim % 2) return -1;
+                        int tokens, int heads, int kv_heads, int head_dim, int rotary_dim, int threads) {
+    const int half = rotary_dim / 2;
+    if (rotary_dim % 2 || rotary_dim < 0 || rotary_dim > head_dim) return -1;
     threads = threads_for(threads, (int64_t)tokens * (heads + 2 * kv_heads) * head_dim, MIN_ELEMENTS_PER_THREAD);
     ROWS_IN_PARALLEL
     for (int t = 0; t < tokens; t++) {
-        const float *cs = cos_sin + positions[t] * head_dim;
+        const float *cs = rotary_dim ? cos_sin + positions[t] * rotary_dim : cos_sin; /* never read when empty */
         for (int h = 0; h < heads; h++)
-            rotate(q + t * row_stride + h * head_dim, cs, half, q_out + ((int64_t)t * heads + h) * head_dim);
+            rotate(q + t * row_stride + h * head_dim, cs, half, head_dim, q_out + ((int64_t)t * heads + h) * head_dim);
         float *kc = k_cache + slots[t] * kv_heads * head_dim, *vc = v_cache + slots[t] * kv_heads * head_dim;
-        for (int h = 0; h < kv_heads; h++) rotate(k + t * row_stride + h * head_dim, cs, half, kc + h * head_dim);
+        for (int h = 0; h < kv_heads; h++)
+            rotate(k + t * row_stride + h * head_dim, cs, half, head_dim, kc + h * head_dim);
         memcpy(vc, v + t * row_stride, sizeof(float) * kv_heads * head_dim);
     }
     return 0;
@@ -140,9 +145,10 @@ int gelu_tanh_mul_f32(const float *gate_up, float *out, int rows, int inter, int
 }
 int rotary_write_kv_f32(const float *q, const float *k, const float *v, int64_t row_stride, const float *cos_sin,
                         const int64_t *positions, const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
-                        int tokens, int heads, int kv_heads, int head_dim, int threads) {
+                        int tokens, int heads, int kv_heads, int head_dim, int rotary_dim, int threads) {
     (void)q, (void)k, (void)v, (void)row_stride, (void)cos_sin, (void)positions, (void)slots, (void)q_out;
-    (void)k_cache, (void)v_cache, (void)tokens, (void)heads, (void)kv_heads, (void)head_dim, (void)threads;
+    (void)k_cache, (void)v_cache, (void)tokens, (void)heads, (void)kv_heads, (void)head_dim, (void)rotary_dim;
+    (void)threads;
     return -1;
 }
 #endif

@@ -9,7 +9,7 @@ int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int inter, i
 int rotary_write_kv_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t row_stride,
                          const float *cos_sin, const int64_t *positions, const int64_t *slots, uint16_t *q_out,
                          uint16_t *k_cache, uint16_t *v_cache, int tokens, int heads, int kv_heads, int head_dim,
-                         int threads);
+                         int rotary_dim, int threads);
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
                           const int32_t *seq_lens, const int32_t *starts, uint16_t *out, int seqs, int heads,
                           int kv_heads, int head_dim, int block_size, int table_width, float scale, float softcap,
