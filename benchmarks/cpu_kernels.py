@@ -8,9 +8,11 @@
 2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
    turn, the C kernel against the torch reference; bytes of K/V read per second.
 3. Prompt attention, float32 and bfloat16: one prompt chunk over its cached history (also under a sliding window), as
-   the CPU kernels attend it (the AMX prompt kernel for bfloat16 where there is AMX and no window, else the AVX-512
-   prompt kernel, kernels/csrc/prefill_attention_avx512.c) against every row through the C decode kernel (the
-   fallback; paired, order alternating) and torch's CPU attention, whose results depend on the thread count.
+   the CPU kernels attend it (the AMX prompt kernel, kernels/csrc/prefill_attention.c, for bfloat16 where there is
+   AMX, else the AVX-512 prompt kernel, kernels/csrc/prefill_attention_avx512.c) against every row through the C
+   decode kernel (the fallback; paired, order alternating) and torch's CPU attention, whose results depend on the
+   thread count. Where AMX runs, the windowed bfloat16 chunk also on the AVX-512 prompt kernel, which took it before
+   the AMX kernel had a window.
 4. Linear layers, float32: every linear layer of SmolLM2-135M at 1 to 2048 rows (the LM head up to 64, the most rows
    a step samples), the batch-invariant AVX-512/AVX2 kernel on its packed weights (kernels/csrc/linear_f32.c) against
    torch's F.linear (MKL's sgemm) on the plain ones, weights not in cache; also the FLOP/s at each size. The
@@ -23,6 +25,8 @@
    against the host's read bandwidth (a float32 sum over 1 GiB); decode rows also in bfloat16, which take the
    int8-activation kernel (kernels/csrc/linear_q8.c) where the CPU has AVX-512 VNNI, and a bfloat16 prompt, which
    takes one bfloat16 GEMM on the weights dequantized for the call where the CPU has AMX or AVX-512 BF16.
+   Then the bfloat16 rows' crossover: the file's layers (LM head aside) at 1 to 128 rows through each path: the
+   exact kernel, int8 activations, dequantized per call then a bfloat16 GEMM, and bfloat16 weights held (none).
 7. One stream's decode through the whole engine (--quant-only): tokens/s of the embedded model served quantized
    (quantization auto, bfloat16 and float32) against dequantized to bfloat16 (none), the same prompt, greedy, EOS
    ignored.
@@ -211,6 +215,18 @@ def prompt_attention_table(repeats: int) -> list[str]:
                 f"| {name} | {chunk} / {length} | {window or '–'} | {ours_s * 1e3:.2f} | {decodes_s * 1e3:.2f} "
                 f"| {theirs_s * 1e3:.2f} | {ours_s / decodes_s:.2f} | {ours_s / theirs_s:.2f} |"
             )
+            if window and dtype == torch.bfloat16 and cpu._amx_prefill_applies(b.q, b.k_cache, b.v_cache, b.q):
+
+                def avx512(b=b, window=window):
+                    out = torch.empty_like(b.q)
+                    assert cpu._prefill_attention_avx512(b.q, b.k_cache, b.v_cache, b.meta, 0.125, out, window)
+
+                avx_s, decodes_s = paired_s(avx512, as_decodes, repeats)[:2]
+                rows.append(
+                    f"| {name}, AVX-512 prompt kernel | {chunk} / {length} | {window} | {avx_s * 1e3:.2f} "
+                    f"| {decodes_s * 1e3:.2f} | {theirs_s * 1e3:.2f} | {avx_s / decodes_s:.2f} "
+                    f"| {avx_s / theirs_s:.2f} |"
+                )
     return rows
 
 
@@ -316,6 +332,77 @@ def quant_table(repeats: int) -> list[str]:
     return rows
 
 
+QUANT_ROWS = (1, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def quant_rows_table(repeats: int) -> list[str]:
+    """Where a bfloat16 batch should leave the quantized kernels for one bfloat16 GEMM on the layer dequantized for
+    the call (kernels/quant.py bf16_gemm_rows): the embedded model's quantized layers but the LM head, ms per pass over
+    all of them at each row count, every path timed in turn (the order rotating) within each repeat; medians."""
+    import torch.nn.functional as F
+
+    from fastgen.kernels import quant
+    from fastgen.replica import pipeline
+    from fastgen.replica.parallel import ParallelLinear
+
+    model = pipeline("smollm2-135m", dtype="bfloat16", quantization="auto", progress=False).engine.runner.model
+    layers = [
+        m.packed
+        for m in model.modules()
+        if isinstance(m, ParallelLinear) and isinstance(m.packed, quant.QuantLinear) and m.packed.out_features < 10000
+    ]
+    if not layers or quant.bf16_gemm_rows() is None:
+        return ["(no bfloat16 GEMM on dequantized layers on this machine)"]
+    held = [p.dequantized_bf16() for p in layers]
+    threads, weights = torch.get_num_threads(), sum(p.out_features * p.in_features for p in layers)
+
+    def int8(x, p):  # quant_linear's int8 branch at any number of rows (it takes it up to INT8_MAX_ROWS)
+        y = torch.empty((x.shape[0], p.out_features), dtype=torch.bfloat16)
+        for c in p.calls:
+            args = (c.weight, c.weight_stride, None, y.data_ptr() + 2 * c.start, p.out_features, x.shape[0], c.rows)
+            assert c.run_int8(x.data_ptr(), x.stride(0), *args, p.in_features, c.qtype, threads) == 0
+
+    paths = {
+        "exact float32 kernel": lambda xs, x32: [quant.quant_linear(x32[p.in_features], p, None) for p in layers],
+        "int8 activations": lambda xs, x32: [int8(xs[p.in_features], p) for p in layers],
+        "dequantized per call, bf16 GEMM": lambda xs, x32: [
+            F.linear(xs[p.in_features], p.dequantized_bf16()) for p in layers
+        ],
+        "bf16 weights held": lambda xs, x32: [F.linear(xs[p.in_features], w) for p, w in zip(layers, held)],
+        "dequantize alone": lambda xs, x32: [p.dequantized_bf16().data_ptr() for p in layers],  # each freed at once
+    }
+    if not all(p.int8 for p in layers):
+        del paths["int8 activations"]
+    inputs = {}
+    for m in QUANT_ROWS:
+        xs = {k: torch.randn(m, k).bfloat16() for k in {p.in_features for p in layers}}
+        inputs[m] = xs, {k: x.float() for k, x in xs.items()}
+    times: dict[tuple[int, str], list[float]] = {(m, name): [] for m in QUANT_ROWS for name in paths}
+    for r in range(repeats + 1):  # the first round warms up
+        for m in QUANT_ROWS:
+            names = list(paths)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                start = time.perf_counter()
+                paths[name](*inputs[m])
+                if r:
+                    times[m, name].append(time.perf_counter() - start)
+    ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    dequantize = statistics.median(ms[m, "dequantize alone"] for m in QUANT_ROWS)
+    shown = [name for name in paths if name != "dequantize alone"]
+    rows = [
+        f"{len(layers)} quantized layers, {weights / 1e6:.0f}M weights, {threads} threads: dequantize_rows_bf16 "
+        f"{dequantize:.1f} ms ({weights / dequantize / 1e6:.1f} G weights/s); bf16_gemm_rows() = "
+        f"{quant.bf16_gemm_rows()}",
+        "",
+        "| rows | " + " | ".join(f"{name}, ms" for name in shown) + " | fastest from the blocks |",
+        "|---|" + "---|" * (len(shown) + 1),
+    ]
+    for m in QUANT_ROWS:
+        fastest = min((name for name in shown if name != "bf16 weights held"), key=lambda name: ms[m, name])
+        rows.append(f"| {m} | " + " | ".join(f"{ms[m, name]:.1f}" for name in shown) + f" | {fastest} |")
+    return rows
+
+
 def decode_table(repeats: int) -> list[str]:
     from fastgen.replica import pipeline
 
@@ -355,7 +442,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.quant_only:
-        tables = [quant_table, decode_table]
+        tables = [quant_table, quant_rows_table, decode_table]
     elif args.prompt_only:
         tables = [prompt_attention_table]
     elif args.linear_f32_only:
@@ -368,6 +455,7 @@ def main() -> None:
             linear_f32_table,
             gate_up_f32_table,
             quant_table,
+            quant_rows_table,
         ]
     print("\n\n".join("\n".join(table(args.repeats)) for table in tables))
 

@@ -15,7 +15,9 @@ A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc
 AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
 with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
 more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
-Prompts keep the exact path (their cost is not the weights' reads)."""
+A bfloat16 batch of `bf16_gemm_rows()` rows or more (16 with AMX, 80 with AVX-512 BF16 alone) takes one bfloat16 GEMM
+on the layer dequantized for that call instead: past those rows the exact kernels are bound by arithmetic, not by the
+weights' reads."""
 
 from __future__ import annotations
 
@@ -44,9 +46,17 @@ ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 # Types csrc/linear_q8.c reads, and the most rows of x it is handed (a decode batch).
 INT8_TYPES = frozenset(GGML_TYPES[name][0] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 INT8_MAX_ROWS = 8
-# Where a bfloat16 prompt's rows make dequantizing the layer to bfloat16 and one oneDNN GEMM (AMX or AVX-512 BF16)
-# cheaper than the exact kernels (the crossover measured on a Xeon with AMX: benchmarks/RESULTS.md section 12).
-BF16_GEMM_ROWS = 80
+# The fewest bfloat16 rows that take one oneDNN GEMM on the layer dequantized to bfloat16 for the call
+# (csrc/linear_quant.c dequantize_rows_bf16) instead of the exact kernels, by the bfloat16 dot products the CPU has
+# (the first of these flags it has), from the crossover of benchmarks/cpu_kernels.py --quant-only --threads 2
+# (quant_rows_table: SmolLM2-135M's layers but the LM head, 106M weights):
+#   amx_bf16: Intel Xeon with AMX, 2026-12-06, with the vectorized dequantizer: the GEMM matched the exact kernel
+#     at 12 to 24 rows across the block types (Q4_0, Q4_1, Q4_K at the low end, Q5_1, Q6_K, Q8_0 at the high end;
+#     CPU time of 1 and 2 threads on a shared host, runs 15% apart). At 16 the slower choice costs at most ~15% in
+#     most runs; at 64 rows the GEMM takes half the exact kernel's time.
+#   avx512_bf16 without AMX: not measured; 80, the figure the AMX Xeon gave with the scalar dequantizer (2026-12-05),
+#     keeps the exact kernels on every batch they served before.
+BF16_GEMM_ROWS = {"amx_bf16": 16, "avx512_bf16": 80}
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -271,9 +281,8 @@ def bf16_gemm_rows() -> int | None:
     """The fewest bfloat16 rows that take a dequantized bfloat16 GEMM, on CPUs whose bfloat16 dot products
     (AMX, AVX-512 BF16) oneDNN uses; None elsewhere (the exact kernels serve every row count)."""
     flags = set(clib.cpu_identity()[1])
-    if not ({"amx_bf16", "avx512_bf16"} & flags and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return None
-    return BF16_GEMM_ROWS
+    rows = next((rows for flag, rows in BF16_GEMM_ROWS.items() if flag in flags), None)
+    return rows if rows is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
 def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:

@@ -293,15 +293,21 @@ def test_bfloat16_weights_are_the_dequantized_ones_rounded(name):
 
 
 def test_bfloat16_prompts_take_one_gemm_on_the_rounded_weights():
-    """Where the CPU has bfloat16 dot products, a bfloat16 prompt (at least BF16_GEMM_ROWS rows) is one GEMM on the
-    weights rounded to bfloat16 (quantization none's numerics); float32 prompts stay exact."""
-    if quant.bf16_gemm_rows() is None:
+    """Where the CPU has bfloat16 dot products, a bfloat16 batch of at least bf16_gemm_rows() rows is one GEMM on
+    the weights rounded to bfloat16 (quantization none's numerics), one row fewer the exact kernel; float32 prompts
+    stay exact."""
+    threshold = quant.bf16_gemm_rows()
+    if threshold is None:
         pytest.skip("this CPU has neither AMX nor AVX-512 BF16")
+    assert threshold == next(rows for flag, rows in quant.BF16_GEMM_ROWS.items() if flag in cpu_flags())
     w = random_blocks("Q4_1", 64, 256)
     packed = quant.pack_quantized([(0, w)], 64)
-    x = torch.randn(quant.BF16_GEMM_ROWS, 256).bfloat16()
+    x = torch.randn(threshold, 256).bfloat16()
     weight = torch.from_numpy(reference(w))
     y = quant.quant_linear(x, packed, None)
     assert torch.equal(y, torch.nn.functional.linear(x, weight.bfloat16()))
+    if threshold - 1 > quant.INT8_MAX_ROWS:
+        below = quant.quant_linear(x[1:], packed, None)
+        assert torch.equal(below, quant.quant_linear(x[1:].float(), packed, None).bfloat16())
     exact = quant.quant_linear(x.float(), packed, None).double()
     assert ((exact - x.double() @ weight.double().T).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T)).all()

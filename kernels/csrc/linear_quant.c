@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "parallel.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -511,37 +512,187 @@ int linear_quant_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t
     return failed ? -1 : 0;
 }
 
+/* ---- float32 to bfloat16 for dequantize_rows_bf16: bf16.h's f32_to_bf16 in every build, round to nearest even (a
+ * NaN stays a NaN, its sign and top payload bits kept, quieted: | 0x40) ----
+ *
+ * AVX-512 BF16's vcvtne2ps2bf16 rounds the same way and quiets a NaN the same way (Intel's pseudocode: dest = src >>
+ * 16, dest[6] = 1), but flushes float32 subnormals to a signed zero where the integer rule keeps a bfloat16 subnormal.
+ * No weight is a float32 subnormal: every block's scales and offsets are float16 values times integers (6-bit scales,
+ * quants), so integer multiples of 2^-24, and q d + m is one too, 0 or at least 2^-24 in magnitude, far above 2^-126.
+ * So both give the same bits for every weight; tests/test_dequantize_bf16.py checks it on every float16 scale. */
+#if SIMD && defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+/* 32 weights (a, then b) as 32 bfloat16, in order. */
+static inline __m512i bf16_round32(v16 a, v16 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+#else
+/* AVX-512F only: the rounding bias added in the integers, NaN lanes |= the quiet bit, the top halves narrowed. */
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __m512i bf16_round32(v16 a, v16 b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_round16(a)), bf16_round16(b), 1);
+}
+#endif
+static inline void bf16_store32(uint16_t *o, v16 a, v16 b) { _mm512_storeu_si512((void *)o, bf16_round32(a, b)); }
+#elif SIMD
+/* AVX2: 8 lanes rounded as AVX-512F's path does, each lane's bfloat16 in its low 16 bits. */
+static inline __m256i bf16_round8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(r, quiet, nan), 16);
+}
+static inline __m256i bf16_round16(v16 v) { /* packus interleaves the 128-bit lanes; the permute puts them back */
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round8(v.lo), bf16_round8(v.hi)), 0xD8);
+}
+static inline void bf16_store32(uint16_t *o, v16 a, v16 b) {
+    _mm256_storeu_si256((__m256i *)o, bf16_round16(a));
+    _mm256_storeu_si256((__m256i *)(o + 16), bf16_round16(b));
+}
+#else
+static inline void bf16_store32(uint16_t *o, v16 a, v16 b) {
+    for (int i = 0; i < 16; i++) o[i] = f32_to_bf16(a.l[i]), o[16 + i] = f32_to_bf16(b.l[i]);
+}
+#endif
+
+/* The 4- and 5-bit types, on AVX-512 with BW: 32 weights (groups g, g + 1, one scale and offset) as one lookup. The
+ * 16 or 32 values q d + m their quants can take, the same fused multiply-add as dequant16 (so the same floats),
+ * rounded once into a table of bfloat16, then vpermw picks each weight's entry by its quant: per 32 weights one
+ * multiply-add, one rounding and one permute instead of widening, a multiply-add and a rounding per 16. */
+#ifndef DEQUANT_TABLES
+#define DEQUANT_TABLES 1
+#endif
+#if DEQUANT_TABLES && SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
+#define BF16_TABLES 1
+static inline int table_entries(int type) {
+    switch (type) {
+    case Q4_0: case Q4_1: case Q4_K: return 16;
+    case Q5_0: case Q5_1: case Q5_K: return 32;
+    default: return 0;
+    }
+}
+static inline __attribute__((always_inline)) void bf16_lookup32(int type, const uint8_t *b, int g, uint16_t *o) {
+    float d, m;
+    group_affine(type, b, g, &d, &m);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lo = _mm512_fmadd_ps(q, _mm512_set1_ps(d), _mm512_set1_ps(m));
+    const __m512 hi = table_entries(type) > 16
+                          ? _mm512_fmadd_ps(_mm512_add_ps(q, _mm512_set1_ps(16)), _mm512_set1_ps(d), _mm512_set1_ps(m))
+                          : lo;
+    /* The 32 quants' low 4 bits (a byte each, in order), then the fifth bits as a mask, bit j weight j's. */
+    __m256i low;
+    __mmask32 fifth = 0;
+    if (type == Q4_K || type == Q5_K) { /* sub-block g / 2: 32 bytes, low nibbles for even ones, high for odd */
+        const int sub = g >> 1;
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + (type == Q4_K ? 16 : 48) + 32 * (sub >> 1)));
+        low = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+        if (type == Q5_K) /* bit `sub` of qh[j] */
+            fifth = _mm512_test_epi16_mask(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16))),
+                                           _mm512_set1_epi16((short)(1 << sub)));
+    } else { /* weights 0-15 in the low nibbles of the block's 16 bytes, 16-31 in the high ones; qh just before */
+        const int at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + at));
+        low = _mm256_inserti128_si256(_mm256_castsi128_si256(nibbles(qs, 0)), nibbles(qs, 1), 1);
+        if (type == Q5_0 || type == Q5_1) {
+            uint32_t qh;
+            memcpy(&qh, b + at - 4, 4);
+            fifth = qh;
+        }
+    }
+    __m512i quants = _mm512_cvtepu8_epi16(low);
+    if (table_entries(type) > 16) quants = _mm512_mask_add_epi16(quants, fifth, quants, _mm512_set1_epi16(16));
+    _mm512_storeu_si512((void *)o, _mm512_permutexvar_epi16(quants, bf16_round32(lo, hi)));
+}
+#else
+#define BF16_TABLES 0
+#endif
+
+/* Rows [lo, hi) of n weight rows dequantized: float32 (out32) or bfloat16 (out16, each block's groups in pairs,
+ * rounded in registers and stored once). Inlined per type (below), so each type's unpacking is its own loop. */
+static inline __attribute__((always_inline)) void dequant_rows(int type, const uint8_t *w, int64_t w_stride,
+                                                               float *out32, uint16_t *out16, int k, int lo, int hi) {
+    const int qk = block_weights(type), bb = block_bytes(type);
+    for (int j = lo; j < hi; j++) {
+        const uint8_t *row = w + j * w_stride;
+        for (int blk = 0; blk < k / qk; blk++) {
+            const uint8_t *b = row + (int64_t)blk * bb;
+            const int64_t at = (int64_t)j * k + (int64_t)blk * qk;
+            for (int g = 0; g < qk / 16; g += 2) {
+#if BF16_TABLES
+                if (out16 && table_entries(type)) {
+                    bf16_lookup32(type, b, g, out16 + at + 16 * g);
+                    continue;
+                }
+#endif
+                const v16 lo16 = dequant16(type, b, g), hi16 = dequant16(type, b, g + 1);
+                if (out16) {
+                    bf16_store32(out16 + at + 16 * g, lo16, hi16);
+                } else {
+                    v16_store(out32 + at + 16 * g, lo16);
+                    v16_store(out32 + at + 16 * g + 16, hi16);
+                }
+            }
+        }
+    }
+}
+
+#define DEQUANT_KERNEL(T)                                                                                              \
+    static void dequant_rows_##T(const uint8_t *w, int64_t w_stride, float *out32, uint16_t *out16, int k, int lo,   \
+                                 int hi) {                                                                             \
+        dequant_rows(T, w, w_stride, out32, out16, k, lo, hi);                                                         \
+    }
+DEQUANT_KERNEL(Q4_0)
+DEQUANT_KERNEL(Q4_1)
+DEQUANT_KERNEL(Q5_0)
+DEQUANT_KERNEL(Q5_1)
+DEQUANT_KERNEL(Q8_0)
+DEQUANT_KERNEL(Q4_K)
+DEQUANT_KERNEL(Q5_K)
+DEQUANT_KERNEL(Q6_K)
+
+typedef void (*dequant_fn)(const uint8_t *, int64_t, float *, uint16_t *, int, int, int);
+static dequant_fn dequant_for(int type) {
+    switch (type) {
+    case Q4_0: return dequant_rows_Q4_0;
+    case Q4_1: return dequant_rows_Q4_1;
+    case Q5_0: return dequant_rows_Q5_0;
+    case Q5_1: return dequant_rows_Q5_1;
+    case Q8_0: return dequant_rows_Q8_0;
+    case Q4_K: return dequant_rows_Q4_K;
+    case Q5_K: return dequant_rows_Q5_K;
+    case Q6_K: return dequant_rows_Q6_K;
+    default: return 0;
+    }
+}
+
 /* The float32 values of n weight rows (dequantized exactly as the kernel reads them), out (n, k). */
 int dequantize_rows_f32(const uint8_t *w, int64_t w_stride, float *out, int n, int k, int type) {
-    const int qk = block_weights(type), bb = block_bytes(type);
-    if (!linear_quant_row_bytes(type, k) || n < 0) return -1;
-    for (int j = 0; j < n; j++)
-        for (int blk = 0; blk < k / qk; blk++)
-            for (int g = 0; g < qk / 16; g++)
-                v16_store(out + (int64_t)j * k + blk * qk + 16 * g, dequant16(type, w + j * w_stride + (int64_t)blk * bb, g));
+    const dequant_fn rows = dequant_for(type);
+    if (!rows || !linear_quant_row_bytes(type, k) || n < 0) return -1;
+    rows(w, w_stride, out, 0, k, 0, n);
     return 0;
 }
 
+/* Weights per extra thread below which dequantize_rows_bf16 keeps one thread (a few microseconds of work). */
+#define MIN_DEQUANT_PER_THREAD (1 << 16)
+
 /* The bfloat16 values (float32's rounded to nearest even, as torch rounds) of n weight rows, out (n, k): a bfloat16
- * prompt's GEMM operand, made for one call (kernels/quant.py). Rows are split over the threads. */
+ * prompt's GEMM operand, made for one call (kernels/quant.py). Rows are split over the threads in equal shares. */
 int dequantize_rows_bf16(const uint8_t *w, int64_t w_stride, uint16_t *out, int n, int k, int type, int threads) {
-    const int qk = block_weights(type), bb = block_bytes(type);
-    if (!linear_quant_row_bytes(type, k) || n < 0) return -1;
-    threads = threads_for(threads, (int64_t)n * k, MIN_WORK_PER_THREAD);
-#pragma omp parallel for num_threads(threads) if (threads > 1)
-    for (int j = 0; j < n; j++) {
-        float values[16];
-        for (int blk = 0; blk < k / qk; blk++)
-            for (int g = 0; g < qk / 16; g++) {
-                v16_store(values, dequant16(type, w + j * w_stride + (int64_t)blk * bb, g));
-                uint16_t *o = out + (int64_t)j * k + blk * qk + 16 * g;
-                for (int i = 0; i < 16; i++) {
-                    uint32_t u;
-                    memcpy(&u, values + i, 4);
-                    o[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)(u >> 16 | 0x40)
-                                                           : (uint16_t)((u + 0x7FFFu + (u >> 16 & 1)) >> 16);
-                }
-            }
+    const dequant_fn rows = dequant_for(type);
+    if (!rows || !linear_quant_row_bytes(type, k) || n < 0) return -1;
+    threads = threads_for(threads, (int64_t)n * k, MIN_DEQUANT_PER_THREAD);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int lo, hi;
+        share(n, thread_index(), thread_count(), &lo, &hi);
+        rows(w, w_stride, 0, out, k, lo, hi);
     }
     return 0;
 }
