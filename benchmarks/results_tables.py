@@ -595,7 +595,7 @@ def speculative() -> str:
 
 
 # ---- 15. multi-LoRA ----
-LORA = ["lora/smollm2_spr.json"]
+LORA = ["lora/smollm2_amx_tiles_nopc.json", "lora/smollm2_amx_tiles.json"]
 
 
 def lora() -> str:
@@ -603,13 +603,15 @@ def lora() -> str:
     for rel in LORA:
         d = load(rel)
         seconds, tokens = d["seconds"], d["tokens_per_s_median"]
+        cache = "off" if d["settings"].get("no_prefix_caching") else "on"
         for name in seconds:
             per = [div(b, a) for a, b in zip(seconds[name], seconds["base"])]  # throughput against the base's
             loss = "" if name == "base" else f"{per_repeat(per)}; **{num(100 * (1 - median(per)), 0)}%**"
             k = name.removeprefix("lora-")
             mix = name if name == "base" else f"{k} adapter{'' if k == '1' else 's'}"
-            body.append([mix, str(len(seconds[name])), f"{num(tokens[name], 1)} tok/s", loss])
-    return rows(["mix", "repeats", "generated tok/s (median)", "÷ base per repeat; throughput lost"], body)
+            body.append([cache, mix, str(len(seconds[name])), f"{num(tokens[name], 1)} tok/s", loss])
+    head = ["prefix cache", "mix", "repeats", "generated tok/s (median)", "÷ base per repeat; throughput lost"]
+    return rows(head, body)
 
 
 # ---- 16. structured output ----

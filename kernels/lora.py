@@ -8,7 +8,7 @@ of matrix multiplies per adapter present in the step, never one per request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class LoraSegments:
     segments: list[tuple[int, int, int]]
     table: torch.Tensor  # (3, segments) int64 on the device: `segments` as slots, starts, ends (a kernel's grid)
     max_rows: int  # rows of the longest segment
+    # What a backend's kernel reads of this step, worked out on its first call and kept for every layer's (the CPU
+    # backend: the row list's and table's addresses and sizes); None until then.
+    kernel_args: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
 
 def lora_sgmv(

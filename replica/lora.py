@@ -178,9 +178,10 @@ class LoraLayer:
         seg = self.step.segments
         if seg is None:
             return y
+        whole = len(self.slices) == 1  # the delta covers y's columns: no view to make
         for s in self.slices:
             if any(s.ranks[slot] for slot, _, _ in seg.segments):
-                out = y.narrow(1, s.offset, s.b.shape[1])
+                out = y if whole else y.narrow(1, s.offset, s.b.shape[1])
                 self.layer.kernels.lora_sgmv(out, x, s.a, s.b, seg, s.ranks)
         return y
 
