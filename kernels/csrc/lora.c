@@ -77,6 +77,7 @@ ROW_KERNEL(row_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #include <immintrin.h>
 
 #include "amx.h"
+#include "vector_math.h"
 
 /* Output column tiles (16 columns each) per unit of the expand: one accumulator tile each. */
 #define UNIT_TILES 4
@@ -89,30 +90,12 @@ typedef struct {
     int segment, first, count;
 } Block;
 
-/* r[i] (row i of a 16 x 16 block of 32-bit lanes) -> r[i] = column i. */
+/* v[i] (row i of a 16 x 16 block of 32-bit lanes) -> v[i] = column i. */
 static inline void transpose16(__m512i v[16]) {
-    __m512 r[16], t[16];
+    __m512 r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(v[i]);
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        v[i] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
-        v[i + 8] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd));
-    }
+    transpose16_ps(r);
+    for (int i = 0; i < 16; i++) v[i] = _mm512_castps_si512(r[i]);
 }
 
 static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }

@@ -60,31 +60,6 @@ static inline void store16_bf16(uint16_t *p, __m512 x) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
 }
 
-/* r[i] (row i of a 16 x 16 block) -> r[i] = column i. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-
 /* Scratch of one thread. */
 typedef struct {
     float *q;     /* (nq, head_dim): the unit's query vectors, scaled, vector v = row * group + head in group */
@@ -210,7 +185,7 @@ static inline void softmax_row(float *s, int lo, int valid, float *m, float *l, 
                         k[j] = at[j] < 0 ? _mm512_setzero_ps() : load16_##NAME(k_cache + at[j] + d0);             \
                         _mm512_store_ps(x->v + (j0 + j) * head_dim + d0, vv);                                     \
                     }                                                                                             \
-                    transpose16(k);                                                                               \
+                    transpose16_ps(k);                                                                            \
                     for (int d = 0; d < 16; d++) _mm512_store_ps(x->kt + (d0 + d) * PF_KEYS + j0, k[d]);          \
                 }                                                                                                 \
             }                                                                                                     \
