@@ -8,7 +8,6 @@ must not let any of those keys count (it does not read them at all), so the outp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 
@@ -18,17 +17,8 @@ import torch
 from fastgen.kernels import TORCH_KERNELS
 from fastgen.testing import make_paged_batch
 
+from .test_kernels_torch import torch_threads
 from .test_sliding_window import dense
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture
