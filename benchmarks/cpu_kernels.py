@@ -1,10 +1,11 @@
 """CPU kernel benchmark, bfloat16: the two kernels a decode step spends its time in.
 
-    python -m fastgen.benchmarks.cpu_kernels [--repeats 5] [--threads 1]
+    python -m fastgen.benchmarks.cpu_kernels [--repeats 5] [--threads 1] [--linear-only | --prompt-only | ...]
 
-1. Linear layers: every linear layer of SmolLM2-135M (the LM head included) at 1 to 512 rows, the AMX kernel
-   (kernels/csrc/linear.c) against oneDNN with its weight packed once, both reading weights that are not in cache
-   (the whole model per pass, as a forward pass does). Also the weight bytes per second at each size.
+1. Linear layers: every linear layer of SmolLM2-135M (the LM head included) at 1 to 512 rows, the packed bfloat16
+   kernel this CPU runs (kernels/csrc/linear.c on AMX, else kernels/csrc/linear_dpbf16.c on AVX-512 BF16) against
+   oneDNN with its weight packed once, both reading weights that are not in cache (the whole model per pass, as a
+   forward pass does), paired; the weight bytes per second at each size against the host's read bandwidth.
 2. Decode attention: 64 sequences x 400 cached tokens (SmolLM2's 9 query / 3 KV heads of 64), 30 layers' caches in
    turn, the C kernel against the torch reference; bytes of K/V read per second.
 3. Prompt attention, float32 and bfloat16: one prompt chunk over its cached history (also under a sliding window), as
@@ -70,28 +71,39 @@ def paired_s(first, second, repeats: int) -> tuple[float, float, float]:
 def linear_table(repeats: int) -> list[str]:
     from fastgen.replica import pipeline
 
-    if cpu._amx() is None:
-        return ["(the AMX linear kernel does not run on this machine)"]
+    if cpu._packed_bf16_kernel() is None:
+        return ["(no packed bfloat16 linear kernel runs on this machine: neither AMX nor AVX-512 BF16)"]
+    name = "AMX" if cpu._amx() is not None else "vdpbf16ps"
     model = pipeline("smollm2-135m", dtype="bfloat16", quantization="none", progress=False).engine.runner.model
-    # The layers hold only their AMX tiles: the plain weights again, for oneDNN's own packing
-    weights = [m.packed.amx.unpacked() for m in model.modules() if getattr(m, "packed", None) is not None]
-    amx_packed = [cpu.pack_linear(w) for w in weights]
+    # The layers hold only their packed tiles: the plain weights again, for oneDNN's own packing
+    weights = [m.packed.bf16.unpacked() for m in model.modules() if getattr(m, "packed", None) is not None]
+    tiles = [cpu.pack_linear(w) for w in weights]
     onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 512) for w in weights]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    rows = ["| rows | oneDNN ms | AMX kernel ms | AMX / oneDNN speed | AMX weight GB/s |", "|---|---|---|---|---|"]
-    for m in (1, 8, 64, 128, 256, 512):
+    bandwidth = read_bandwidth_gbs(repeats)
+    rows = [
+        f"Packed kernel: {name}; host read bandwidth (float32 sum over 1 GiB): {bandwidth:.1f} GB/s",
+        "",
+        f"| rows | oneDNN ms | {name} ms | {name} / oneDNN speed (median of pairs) | oneDNN weight GB/s "
+        f"| {name} weight GB/s | {name} % of bandwidth |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in (1, 2, 4, 8, 16, 64, 128, 512):
         xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=torch.bfloat16) for w in weights}
 
         def onednn(xs=xs):
             for w, p in zip(weights, onednn_packed):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
-        def amx(xs=xs):
-            for w, p in zip(weights, amx_packed):
-                cpu.linear_amx(xs[w.shape[1]], p, None)
+        def packed(xs=xs):
+            for w, p in zip(weights, tiles):
+                cpu.linear_packed_bf16(xs[w.shape[1]], p, None)
 
-        a, b = median_s(onednn, repeats), median_s(amx, repeats)
-        rows.append(f"| {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x | {weight_bytes / b / 1e9:.1f} |")
+        a, b, ratio = paired_s(onednn, packed, repeats)
+        rows.append(
+            f"| {m} | {a * 1e3:.2f} | {b * 1e3:.2f} | {ratio:.2f}x | {weight_bytes / a / 1e9:.1f} "
+            f"| {weight_bytes / b / 1e9:.1f} | {100 * weight_bytes / b / 1e9 / bandwidth:.0f}% |"
+        )
     return rows
 
 
@@ -436,6 +448,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--linear-only", action="store_true", help="only the packed bfloat16 linear table")
     p.add_argument("--prompt-only", action="store_true", help="only the prompt-attention table")
     p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear tables")
     p.add_argument("--quant-only", action="store_true", help="only the quantized linear and decode tables")
@@ -443,6 +456,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.quant_only:
         tables = [quant_table, quant_rows_table, decode_table]
+    elif args.linear_only:
+        tables = [linear_table]
     elif args.prompt_only:
         tables = [prompt_attention_table]
     elif args.linear_f32_only:

@@ -47,6 +47,7 @@ SOURCES = [
         "prefill_attention_avx512.c",
         "elementwise.c",
         "linear.c",
+        "linear_dpbf16.c",
         "linear_f32.c",
         "elementwise_f32.c",
         "linear_quant.c",
@@ -224,6 +225,19 @@ class CLibrary:
     rotary_write_kv_bf16: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     argmax_bf16: Callable[..., int] = entry(x=POINTER, rows=INT, vocab=INT, stride=INT64, out=POINTER, threads=INT)
     linear_bf16: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        packed=POINTER,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        threads=INT,
+    )
+    linear_dpbf16_available: Callable[[], int] = entry()
+    linear_dpbf16: Callable[..., int] = entry(
         x=POINTER,
         x_stride=INT64,
         packed=POINTER,

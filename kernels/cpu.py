@@ -94,6 +94,13 @@ def _amx() -> clib.CLibrary | None:
     return library if library is not None and library.prefill_attention_available() else None
 
 
+@functools.cache
+def _dpbf16() -> clib.CLibrary | None:
+    """The library where its AVX-512 BF16 linear kernel (csrc/linear_dpbf16.c) runs on this CPU, else None."""
+    library = _get_library()
+    return library if library is not None and library.linear_dpbf16_available() else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------------------------
@@ -513,8 +520,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A bfloat16 weight (out_features, in_features) in csrc/linear.c's tile order, packed once at load:
-    tile (nb, kb), row r, dword c, half i = w[16 nb + c][32 kb + 2 r + i], out_features padded to 16 with zero rows."""
+    """A bfloat16 weight (out_features, in_features) in the order the packed bfloat16 kernels read it (csrc/linear.c on
+    AMX, csrc/linear_dpbf16.c by vdpbf16ps), packed once at load: tile (nb, kb), row r, dword c, half i =
+    w[16 nb + c][32 kb + 2 r + i], out_features padded to 16 with zero rows."""
 
     tiles: torch.Tensor  # (out_features / 16, in_features / 32, 16, 16, 2)
     out_features: int
@@ -532,24 +540,36 @@ class PackedLinear:
         return self.tiles.permute(0, 3, 1, 2, 4).reshape(-1, self.in_features)[: self.out_features]
 
 
+def _packed_bf16_kernel() -> Callable[..., int] | None:
+    """The packed bfloat16 linear kernel this CPU runs: AMX's tiles where it has them (faster at prompt sizes), else
+    AVX-512 BF16 dot products; None where neither runs."""
+    amx, dpbf16 = _amx(), _dpbf16()
+    return amx.linear_bf16 if amx is not None else dpbf16.linear_dpbf16 if dpbf16 is not None else None
+
+
 def pack_linear(weight: torch.Tensor) -> PackedLinear | None:
-    """The weight in the AMX linear kernel's order, or None where that kernel does not run (no AMX, not bfloat16,
-    in_features not a multiple of 32)."""
-    if _amx() is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 32:
+    """The weight in the packed bfloat16 kernels' order, or None where neither runs (no AMX nor AVX-512 BF16, not
+    bfloat16, in_features not a multiple of 32)."""
+    if (
+        _packed_bf16_kernel() is None
+        or weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or weight.shape[1] % 32
+    ):
         return None
     return PackedLinear.of(weight)
 
 
-def linear_amx(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x (rows, in_features) W^T + bias on the matrix engine, or None where the kernel does not take x."""
+def linear_packed_bf16(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x (rows, in_features) W^T + bias through the packed bfloat16 kernel, or None where it does not take x."""
     if not _rows(x) or x.shape[1] != packed.in_features or (bias is not None and bias.dtype != torch.bfloat16):
         return None
     rows = x.shape[0]
     y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
     bias = None if bias is None else bias.contiguous()
-    library = _amx()
-    assert library is not None, "a PackedLinear is made only where AMX runs (pack_linear)"
-    status = library.linear_bf16(
+    kernel = _packed_bf16_kernel()
+    assert kernel is not None, "a PackedLinear is made only where a packed kernel runs (pack_linear)"
+    status = kernel(
         x.data_ptr(),
         x.stride(0),
         packed.tiles.data_ptr(),
@@ -676,15 +696,17 @@ def linear_f32(x: torch.Tensor, packed: PackedF32, bias: torch.Tensor | None) ->
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A CPU weight packed once at load, for exactly one kernel: in bfloat16 the AMX linear kernel (csrc/linear.c)
-    where it runs, else oneDNN; in float32 the batch-invariant kernel (csrc/linear_f32.c)."""
+    """A CPU weight packed once at load, for exactly one kernel: in bfloat16 the packed kernel (csrc/linear.c on AMX,
+    csrc/linear_dpbf16.c on AVX-512 BF16) where one runs, else oneDNN; in float32 the batch-invariant kernel
+    (csrc/linear_f32.c)."""
 
-    amx: PackedLinear | None = None
+    bf16: PackedLinear | None = None
     onednn: torch.Tensor | None = None
     f32: PackedF32 | None = None
 
     # The packed form alone computes the layer, so the layer drops its plain weight, which would double the model's
-    # memory: oneDNN takes every input; an input the float32 or AMX kernel declines goes to torch with it unpacked.
+    # memory: oneDNN takes every input; an input the float32 or packed bfloat16 kernel declines goes to torch with it
+    # unpacked.
     holds_weight = True
 
 
@@ -696,9 +718,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     weight it streams once for all rows (python -m fastgen.benchmarks.cpu_kernels --linear-f32-only).
 
     F.linear reorders a bf16 weight into oneDNN's blocked layout on every call; packed once, that work is gone. The
-    AMX kernel, where it runs, streams the weight faster than oneDNN at decode sizes and keeps up with it at prompt
-    sizes on several threads (python -m fastgen.benchmarks.cpu_kernels --threads N; benchmarks/RESULTS.md). Both
-    split their work over the torch threads."""
+    packed bfloat16 kernels (AMX tiles, else AVX-512 BF16 dot products), where they run, stream the weight faster than
+    oneDNN at decode sizes and keep up with it at prompt sizes on several threads (python -m
+    fastgen.benchmarks.cpu_kernels --threads N; benchmarks/RESULTS.md). All split their work over the torch threads."""
     f32 = pack_f32(weight)
     if f32 is not None:
         return PackedWeight(f32=f32)
@@ -708,9 +730,9 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
         or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     ):
         return None
-    amx = pack_linear(weight)
-    if amx is not None:
-        return PackedWeight(amx=amx)
+    tiles = pack_linear(weight)
+    if tiles is not None:
+        return PackedWeight(bf16=tiles)
     # 512 rows is the size hint oneDNN tunes the layout for: a full SplitFuse budget.
     return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 512))
 
@@ -726,11 +748,11 @@ def linear(
         if y is not None:
             return y
         return F.linear(x, packed.f32.unpacked() if weight is None else weight, bias)
-    if packed is not None and packed.amx is not None:
-        y = linear_amx(x, packed.amx, bias)
+    if packed is not None and packed.bf16 is not None:
+        y = linear_packed_bf16(x, packed.bf16, bias)
         if y is not None:
             return y
-        return F.linear(x, packed.amx.unpacked() if weight is None else weight, bias)
+        return F.linear(x, packed.bf16.unpacked() if weight is None else weight, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     assert weight is not None, "weight is None only beside a packed weight that holds it"

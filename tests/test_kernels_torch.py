@@ -466,31 +466,38 @@ def test_cpu_prefill_attention_amx_matches_dense(block_size, kv_heads, head_dim,
         assert torch.equal(in_threads(THREADS, cpu.paged_attention_cpu, *args), out)
 
 
-@pytest.mark.parametrize("out_features, in_features", [(40, 64), (48, 96), (600, 576)])  # 40, 600: a partial tile
+@pytest.mark.parametrize("kernel", ["amx", "dpbf16"])
+@pytest.mark.parametrize("out_features, in_features", [(40, 64), (48, 96), (80, 32), (600, 576)])  # 40, 600: partial
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_cpu_linear_amx_matches_float32(out_features, in_features, with_bias):
-    """The AMX linear kernel against a float32 matmul, over row counts around its 16- and 32-row tiles and past one
-    pass over x (CHUNK), on rows that are a view into wider ones, on one thread and several; and through the layers'
-    packed-weight path, AMX and oneDNN."""
+def test_cpu_packed_bf16_linear_matches_float32(kernel, out_features, in_features, with_bias, monkeypatch):
+    """Each packed bfloat16 linear kernel (AMX tiles; AVX-512 BF16 dot products, whose blocks are 6 rows x 4 column
+    tiles) against a float32 matmul, over row counts around their blocks and past one pass over x, on rows that are a
+    view into wider ones, on one thread and several; and through the layers' packed-weight path, and oneDNN's."""
     from fastgen.kernels import cpu
 
+    library = cpu._amx() if kernel == "amx" else cpu._dpbf16()
+    if library is None:
+        pytest.skip(f"no C compiler, or a CPU without {kernel}: another bfloat16 kernel serves there")
+    entry_point = library.linear_bf16 if kernel == "amx" else library.linear_dpbf16
+    monkeypatch.setattr(cpu, "_packed_bf16_kernel", lambda: entry_point)  # on an AMX host, AMX's would serve
     torch.manual_seed(out_features + in_features)
     w = torch.randn(out_features, in_features, dtype=torch.bfloat16) / in_features**0.5
     bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
     packed = cpu.pack_linear(w)
-    if packed is None:
-        pytest.skip("no C compiler, or a CPU without AMX: oneDNN serves there")
+    assert packed is not None
     layer_weight = cpu.pack_weight(w)
-    assert layer_weight.amx is not None  # the layers take the AMX kernel wherever it runs
-    for rows in (1, 15, 16, 17, 32, 33, 64, 100, 300):
+    assert layer_weight.bf16 is not None  # the layers take a packed kernel wherever one runs
+    for rows in (1, 2, 5, 6, 7, 13, 15, 16, 17, 32, 33, 64, 100, 300):
         x = torch.randn(rows, in_features + 32, dtype=torch.bfloat16)[:, 16 : 16 + in_features]
         ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
-        got = in_threads(1, cpu.linear_amx, x, packed, bias)
+        got = in_threads(1, cpu.linear_packed_bf16, x, packed, bias)
         assert got is not None and got.shape == (rows, out_features)
         assert torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2), (rows, (got.float() - ref).abs().max())
-        assert torch.equal(in_threads(THREADS, cpu.linear_amx, x, packed, bias), got), rows
+        assert torch.equal(in_threads(THREADS, cpu.linear_packed_bf16, x, packed, bias), got), rows
+        if kernel == "dpbf16":  # a row's result does not depend on the rows beside it
+            assert torch.equal(cpu.linear_packed_bf16(x[-1:], packed, bias), got[-1:]), rows
         assert torch.equal(cpu.linear(x, w, bias, layer_weight), got)
-        onednn = cpu.PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w, 512))  # where AMX does not run
+        onednn = cpu.PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(w, 512))  # where neither runs
         assert torch.allclose(cpu.linear(x, w, bias, onednn).float(), ref, rtol=1e-2, atol=1e-2), rows
 
 
