@@ -365,7 +365,8 @@ def quant_rows_table(repeats: int) -> list[str]:
     ]
     if not layers or quant.bf16_gemm_rows() is None:
         return ["(no bfloat16 GEMM on dequantized layers on this machine)"]
-    held = [p.dequantized_bf16() for p in layers]
+    # as quantization none holds them: packed once for the bfloat16 kernel this CPU runs (or oneDNN)
+    held = [cpu.pack_weight(p.dequantized_bf16()) for p in layers]
     threads, weights = torch.get_num_threads(), sum(p.out_features * p.in_features for p in layers)
 
     def int8(x, p):  # quant_linear's int8 branch at any number of rows (it takes it up to INT8_MAX_ROWS)
@@ -380,11 +381,18 @@ def quant_rows_table(repeats: int) -> list[str]:
         "dequantized per call, bf16 GEMM": lambda xs, x32: [
             F.linear(xs[p.in_features], p.dequantized_bf16()) for p in layers
         ],
-        "bf16 weights held": lambda xs, x32: [F.linear(xs[p.in_features], w) for p, w in zip(layers, held)],
+        "dequantized in panels, vdpbf16ps": lambda xs, x32: [
+            quant.fused_bf16_linear(xs[p.in_features], p, None) for p in layers
+        ],
+        "bf16 weights held": lambda xs, x32: [
+            cpu.linear(xs[p.in_features], None, None, w) for p, w in zip(layers, held)
+        ],
         "dequantize alone": lambda xs, x32: [p.dequantized_bf16().data_ptr() for p in layers],  # each freed at once
     }
     if not all(p.int8 for p in layers):
         del paths["int8 activations"]
+    if quant.fused_bf16_kernel() is None:
+        del paths["dequantized in panels, vdpbf16ps"]
     inputs = {}
     for m in QUANT_ROWS:
         xs = {k: torch.randn(m, k).bfloat16() for k in {p.in_features for p in layers}}

@@ -287,6 +287,20 @@ class CLibrary:
     dequantize_rows_bf16: Callable[..., int] = entry(
         w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT, threads=INT
     )
+    linear_quant_dpbf16: Callable[..., int] = entry(
+        x=POINTER,
+        x_stride=INT64,
+        w=POINTER,
+        w_stride=INT64,
+        bias=POINTER,
+        y=POINTER,
+        y_stride=INT64,
+        m=INT,
+        n=INT,
+        k=INT,
+        type=INT,
+        threads=INT,
+    )
     linear_q8_available: Callable[[], int] = entry()
     linear_q8_f32: Callable[..., int] = entry(
         x=POINTER,

@@ -15,9 +15,11 @@ A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc
 AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
 with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
 more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
-A bfloat16 batch of `bf16_gemm_rows()` rows or more (16 with AMX, 80 with AVX-512 BF16 alone) takes one bfloat16 GEMM
-on the layer dequantized for that call instead: past those rows the exact kernels are bound by arithmetic, not by the
-weights' reads."""
+A bfloat16 batch of `bf16_gemm_rows()` rows or more (16 with AMX, 9 with AVX-512 BF16 alone) takes one bfloat16 GEMM
+on the layer's values rounded to bfloat16 instead: past those rows the exact kernels are bound by arithmetic, not by
+the weights' reads. With AMX that is oneDNN's GEMM on the layer dequantized for the call; with AVX-512 BF16 alone,
+csrc/linear_quant.c's fused path (`fused_bf16_linear`), which dequantizes 64 rows at a time into the vdpbf16ps
+kernel's tiles and never writes the layer out whole."""
 
 from __future__ import annotations
 
@@ -46,17 +48,19 @@ ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 # Types csrc/linear_q8.c reads, and the most rows of x it is handed (a decode batch).
 INT8_TYPES = frozenset(GGML_TYPES[name][0] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 INT8_MAX_ROWS = 8
-# The fewest bfloat16 rows that take one oneDNN GEMM on the layer dequantized to bfloat16 for the call
-# (csrc/linear_quant.c dequantize_rows_bf16) instead of the exact kernels, by the bfloat16 dot products the CPU has
-# (the first of these flags it has), from the crossover of benchmarks/cpu_kernels.py --quant-only --threads 2
+# The fewest bfloat16 rows that take one GEMM on the layer's values rounded to bfloat16 (oneDNN's on the layer
+# dequantized for the call, or the fused vdpbf16ps one) instead of the exact kernels, by the bfloat16 dot products the
+# CPU has (the first of these flags it has), from the crossover of benchmarks/cpu_kernels.py --quant-only --threads 2
 # (quant_rows_table: SmolLM2-135M's layers but the LM head, 106M weights):
 #   amx_bf16: Intel Xeon with AMX, 2026-12-06, with the vectorized dequantizer: the GEMM matched the exact kernel
 #     at 12 to 24 rows across the block types (Q4_0, Q4_1, Q4_K at the low end, Q5_1, Q6_K, Q8_0 at the high end;
 #     CPU time of 1 and 2 threads on a shared host, runs 15% apart). At 16 the slower choice costs at most ~15% in
 #     most runs; at 64 rows the GEMM takes half the exact kernel's time.
-#   avx512_bf16 without AMX: not measured; 80, the figure the AMX Xeon gave with the scalar dequantizer (2026-12-05),
-#     keeps the exact kernels on every batch they served before.
-BF16_GEMM_ROWS = {"amx_bf16": 16, "avx512_bf16": 80}
+#   avx512_bf16 without AMX: AMD EPYC Zen 4, 2026-12-06, where the GEMM is csrc/linear_quant.c's fused one (panels
+#     dequantized into vdpbf16ps tiles, fused_bf16_linear): it tied the exact kernel and int8 activations at 8 rows
+#     on the embedded Q4_1 layers (13.0 against 13.3 and 13.2 ms) and took 0.54x the exact kernel's time at 16,
+#     0.40x at 64; so from the first row count int8 activations do not take. Zen 5 (the same kernels) not measured.
+BF16_GEMM_ROWS = {"amx_bf16": 16, "avx512_bf16": INT8_MAX_ROWS + 1}
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -278,11 +282,51 @@ def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) 
 
 @functools.cache
 def bf16_gemm_rows() -> int | None:
-    """The fewest bfloat16 rows that take a dequantized bfloat16 GEMM, on CPUs whose bfloat16 dot products
-    (AMX, AVX-512 BF16) oneDNN uses; None elsewhere (the exact kernels serve every row count)."""
+    """The fewest bfloat16 rows that take a bfloat16 GEMM on the rounded weights, on CPUs with bfloat16 dot products
+    (AMX, AVX-512 BF16); None elsewhere (the exact kernels serve every row count)."""
     flags = set(clib.cpu_identity()[1])
     rows = next((rows for flag, rows in BF16_GEMM_ROWS.items() if flag in flags), None)
     return rows if rows is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
+@functools.cache
+def fused_bf16_kernel() -> Callable[..., int] | None:
+    """csrc/linear_quant.c linear_quant_dpbf16 where it serves bfloat16 prompts: AVX-512 BF16 without AMX (with AMX,
+    oneDNN's GEMM on the dequantized layer runs on the tiles, measured faster there); None elsewhere."""
+    library = clib.get_library()
+    if library is None or not library.linear_dpbf16_available() or library.prefill_attention_available():
+        return None
+    return library.linear_quant_dpbf16
+
+
+def fused_bf16_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + bias, bfloat16, each slab's blocks dequantized a panel at a time into the vdpbf16ps kernel's tiles (the
+    values dequantized_bf16 gives, never the whole layer at once); None where that kernel does not run here."""
+    kernel = fused_bf16_kernel()
+    if kernel is None or x.stride(-1) != 1:
+        return None
+    rows = x.shape[0]
+    y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
+    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    threads = torch.get_num_threads()
+    for call in packed.calls:
+        status = kernel(
+            x.data_ptr(),
+            x.stride(0),
+            call.weight,
+            call.weight_stride,
+            None if bias is None else bias.data_ptr() + 2 * call.start,
+            y.data_ptr() + 2 * call.start,
+            packed.out_features,
+            rows,
+            call.rows,
+            packed.in_features,
+            call.qtype,
+            threads,
+        )
+        if status != 0:
+            return None
+    return y
 
 
 def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
@@ -291,6 +335,9 @@ def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None
     dtype = x.dtype
     rows = x.shape[0]
     if dtype == torch.bfloat16 and (threshold := bf16_gemm_rows()) is not None and rows >= threshold:
+        y = fused_bf16_linear(x, packed, bias)
+        if y is not None:
+            return y
         # the weights' bfloat16 values (quantization none's) for this call only: the layer keeps its blocks
         return F.linear(x, packed.dequantized_bf16(), None if bias is None else bias.to(dtype))
     int8 = dtype == torch.bfloat16 and 0 < rows <= INT8_MAX_ROWS and packed.int8

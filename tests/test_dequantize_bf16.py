@@ -64,7 +64,16 @@ def build(request, tmp_path_factory):
         pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
     out = tmp_path_factory.mktemp(request.param) / "linear_quant.so"
     flags = [f for f in clib.FLAGS if not f.startswith("-march")] + march
-    command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_quant.c"), "-lm"]
+    command = [
+        compiler,
+        *flags,
+        *clib.OPENMP,
+        "-o",
+        str(out),
+        str(clib.CSRC / "linear_quant.c"),
+        str(clib.CSRC / "linear_dpbf16.c"),
+        "-lm",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode and request.param == "portable":
         pytest.skip(f"this compiler does not target x86-64: {result.stderr[-300:]}")

@@ -85,7 +85,16 @@ def build(request, tmp_path_factory):
         pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
     out = tmp_path_factory.mktemp(request.param) / "linear_quant.so"
     flags = [f for f in clib.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-    command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_quant.c"), "-lm"]
+    command = [
+        compiler,
+        *flags,
+        *clib.OPENMP,
+        "-o",
+        str(out),
+        str(clib.CSRC / "linear_quant.c"),
+        str(clib.CSRC / "linear_dpbf16.c"),
+        "-lm",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode and march == "x86-64":
         pytest.skip(f"this compiler does not target x86-64: {result.stderr[-300:]}")
@@ -138,7 +147,16 @@ def test_every_build_gives_the_same_bits(tmp_path_factory):
             continue
         out = tmp_path_factory.mktemp(f"same-{name}") / "linear_quant.so"
         flags = [f for f in clib.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-        command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_quant.c"), "-lm"]
+        command = [
+            compiler,
+            *flags,
+            *clib.OPENMP,
+            "-o",
+            str(out),
+            str(clib.CSRC / "linear_quant.c"),
+            str(clib.CSRC / "linear_dpbf16.c"),
+            "-lm",
+        ]
         if subprocess.run(command, capture_output=True).returncode == 0:
             builds.append(Build(out))
     w = random_blocks("Q4_K", 19, 512)
@@ -265,7 +283,7 @@ def test_int8_path_declines_what_it_does_not_read():
 
 def test_only_bfloat16_decode_rows_take_int8_activations():
     """float32 activations stay exact (the dequantized model's results); bfloat16 ones take the int8 path for a
-    decode batch and the exact path for prompt rows."""
+    decode batch and the exact path for prompt rows below bf16_gemm_rows()."""
     library = int8_library()
     w = random_blocks("Q4_1", 64, 256)
     packed = quant.pack_quantized([(0, w)], 64)
@@ -276,7 +294,8 @@ def test_only_bfloat16_decode_rows_take_int8_activations():
     decode = quant.quant_linear(x[:8].bfloat16(), packed, None)
     assert torch.equal(decode, int8_linear(library, x[:8], w).bfloat16())
     assert not torch.equal(decode, exact[:8].bfloat16())
-    assert torch.equal(quant.quant_linear(x.bfloat16(), packed, None), exact.bfloat16())  # 12 rows: a prompt
+    if (quant.bf16_gemm_rows() or 13) > 12:  # 12 rows, a prompt, below the GEMM's rows where it has them (AMX)
+        assert torch.equal(quant.quant_linear(x.bfloat16(), packed, None), exact.bfloat16())
     wide = torch.cat([x[:5], torch.randn(5, 256)], dim=1).bfloat16()  # rows of a wider tensor, as split() makes
     assert torch.equal(quant.quant_linear(wide[:, :256], packed, None), decode[:5])
 
@@ -305,9 +324,42 @@ def test_bfloat16_prompts_take_one_gemm_on_the_rounded_weights():
     x = torch.randn(threshold, 256).bfloat16()
     weight = torch.from_numpy(reference(w))
     y = quant.quant_linear(x, packed, None)
-    assert torch.equal(y, torch.nn.functional.linear(x, weight.bfloat16()))
+    if quant.fused_bf16_kernel() is not None:  # the vdpbf16ps kernel, as quantization none's layers run it here
+        from fastgen.kernels import cpu
+
+        assert torch.equal(y, cpu.linear_packed_bf16(x, cpu.PackedLinear.of(weight.bfloat16()), None))
+    else:
+        assert torch.equal(y, torch.nn.functional.linear(x, weight.bfloat16()))
     if threshold - 1 > quant.INT8_MAX_ROWS:
         below = quant.quant_linear(x[1:], packed, None)
         assert torch.equal(below, quant.quant_linear(x[1:].float(), packed, None).bfloat16())
     exact = quant.quant_linear(x.float(), packed, None).double()
     assert ((exact - x.double() @ weight.double().T).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T)).all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_panels_dequantized_into_dpbf16_tiles_give_the_rounded_weights_product(name, monkeypatch):
+    """The fused bfloat16 prompt path (csrc/linear_quant.c linear_quant_dpbf16) equals the vdpbf16ps kernel on the
+    layer dequantized to bfloat16 and packed whole, bit for bit: two slabs (the second starting mid-panel), a last
+    panel and block short of full, with and without bias, row counts around the kernel's 6-row blocks, on one thread
+    and three."""
+    from fastgen.kernels import cpu
+
+    from .test_kernels_torch import in_threads
+
+    library = clib.get_library()
+    if library is None or not library.linear_dpbf16_available():
+        pytest.skip("no C compiler, or a CPU without AVX-512 BF16")
+    monkeypatch.setattr(quant, "fused_bf16_kernel", lambda: library.linear_quant_dpbf16)  # also where AMX serves
+    monkeypatch.setattr(cpu, "_packed_bf16_kernel", lambda: library.linear_dpbf16)
+    parts = [(0, random_blocks(name, 70, 512, 3)), (70, random_blocks("Q8_0", 30, 512, 4))]
+    packed = quant.pack_quantized(parts, 100)
+    tiles = cpu.PackedLinear.of(packed.dequantized_bf16())
+    bias = torch.randn(100).bfloat16()
+    for rows in (1, 6, 7, 13, 70):
+        x = torch.randn(rows, 544).bfloat16()[:, 16:528]  # rows of a wider tensor
+        for b in (None, bias):
+            expected = cpu.linear_packed_bf16(x, tiles, b)
+            for threads in (1, 3):
+                got = in_threads(threads, quant.fused_bf16_linear, x, packed, b)
+                assert got is not None and torch.equal(got, expected), (rows, b is None, threads)

@@ -18,3 +18,9 @@ int linear_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_
                    uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads);
 int elementwise_available(void);
 int linear_q8_available(void);
+/* The vdpbf16ps linear kernel's parts (linear_dpbf16.c), for the quantized layers' fused prompt path
+ * (linear_quant.c): a column group of at most 4 packed 16-column blocks against m rows, and rows packed into tiles. */
+void dpbf16_column_group(const uint16_t *x, int64_t x_stride, const uint16_t *tiles, int kblocks, const uint16_t *bias,
+                         uint16_t *y, int64_t y_stride, int m, int cols, int valid);
+void dpbf16_pack_rows(const uint16_t *w, int64_t stride, int n, int k, uint16_t *tiles);
+int linear_dpbf16_available(void);

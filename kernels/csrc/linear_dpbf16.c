@@ -19,7 +19,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#include "entry_points.h"
 #include "parallel.h"
+#include "vector_math.h"
 
 #define ROWS 6
 #define COLS 4
@@ -77,6 +79,31 @@ BLOCKS_OF(6)
 #define ROW_OF(R) {block_##R##_1, block_##R##_2, block_##R##_3, block_##R##_4}
 static const BlockFn BLOCKS[ROWS][COLS] = {ROW_OF(1), ROW_OF(2), ROW_OF(3), ROW_OF(4), ROW_OF(5), ROW_OF(6)};
 
+/* Rows [0, m) of y for one column group: cols (at most COLS) 16-column blocks of packed tiles, `valid` columns. */
+void dpbf16_column_group(const uint16_t *x, int64_t x_stride, const uint16_t *tiles, int kblocks, const uint16_t *bias,
+                         uint16_t *y, int64_t y_stride, int m, int cols, int valid) {
+    for (int r0 = 0; r0 < m; r0 += ROWS) {
+        const int rows = m - r0 < ROWS ? m - r0 : ROWS;
+        BLOCKS[rows - 1][cols - 1](x + (int64_t)r0 * x_stride, x_stride, tiles, (int64_t)kblocks * 512, kblocks, bias,
+                                   y + (int64_t)r0 * y_stride, y_stride, valid);
+    }
+}
+
+/* n (at most 16 COLS) weight rows (bfloat16, row stride `stride`, k a multiple of 32) -> their packed tiles, rows
+ * past n zero: one 16 x 16 transpose of dwords (weight pairs) per tile. */
+void dpbf16_pack_rows(const uint16_t *w, int64_t stride, int n, int k, uint16_t *tiles) {
+    const int kblocks = k / 32;
+    for (int nb = 0; 16 * nb < n; nb++)
+        for (int kb = 0; kb < kblocks; kb++) {
+            __m512 r[16];
+            for (int c = 0; c < 16; c++)
+                r[c] = 16 * nb + c < n ? _mm512_loadu_ps(w + (16 * nb + c) * stride + 32 * kb) : _mm512_setzero_ps();
+            transpose16_ps(r);
+            for (int row = 0; row < 16; row++)
+                _mm512_store_ps(tiles + ((int64_t)nb * kblocks + kb) * 512 + 32 * row, r[row]);
+        }
+}
+
 /* Column groups per extra thread below which one thread does the whole layer. */
 #define MIN_GROUPS_PER_THREAD 2
 
@@ -93,19 +120,25 @@ int linear_dpbf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, c
         int lo, hi;
         share(groups, thread_index(), thread_count(), &lo, &hi);
         for (int g = lo; g < hi; g++) {
-            const int nb = COLS * g, cols = nblocks - nb < COLS ? nblocks - nb : COLS, valid = n - 16 * nb;
-            for (int r0 = 0; r0 < m; r0 += ROWS) {
-                const int rows = m - r0 < ROWS ? m - r0 : ROWS;
-                BLOCKS[rows - 1][cols - 1](x + (int64_t)r0 * x_stride, x_stride, packed + nb * column_elems,
-                                           column_elems, kblocks, bias ? bias + 16 * nb : NULL,
-                                           y + (int64_t)r0 * y_stride + 16 * nb, y_stride, valid);
-            }
+            const int nb = COLS * g, cols = nblocks - nb < COLS ? nblocks - nb : COLS;
+            dpbf16_column_group(x, x_stride, packed + nb * column_elems, kblocks, bias ? bias + 16 * nb : NULL,
+                                y + 16 * nb, y_stride, m, cols, n - 16 * nb);
         }
     }
     return 0;
 }
 
 #else
+void dpbf16_column_group(const uint16_t *x, int64_t x_stride, const uint16_t *tiles, int kblocks, const uint16_t *bias,
+                         uint16_t *y, int64_t y_stride, int m, int cols, int valid) {
+    (void)x, (void)x_stride, (void)tiles, (void)kblocks, (void)bias, (void)y, (void)y_stride, (void)m, (void)cols,
+        (void)valid;
+}
+
+void dpbf16_pack_rows(const uint16_t *w, int64_t stride, int n, int k, uint16_t *tiles) {
+    (void)w, (void)stride, (void)n, (void)k, (void)tiles;
+}
+
 int linear_dpbf16_available(void) { return 0; }
 
 int linear_dpbf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "entry_points.h"
 #include "parallel.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -694,5 +695,41 @@ int dequantize_rows_bf16(const uint8_t *w, int64_t w_stride, uint16_t *out, int 
         share(n, thread_index(), thread_count(), &lo, &hi);
         rows(w, w_stride, 0, out, k, lo, hi);
     }
+    return 0;
+}
+
+/* Weight rows per panel of the fused bfloat16 prompt path: one column group of the vdpbf16ps kernel (4 x 16). */
+#define FUSED_ROWS 64
+
+/* y (m, n) = x (m, k) w^T (+ bias), x, y and bias bfloat16, for a bfloat16 prompt on a CPU with AVX-512 BF16: per
+ * 64 weight rows, a thread dequantizes them to bfloat16 (dequantize_rows_bf16's values), packs them into the
+ * vdpbf16ps kernel's tiles (csrc/linear_dpbf16.c) and runs every row of x through them while they sit in L2. The
+ * layer is read once as blocks and never written out whole, as dequantizing it for a oneDNN GEMM did. Threads split
+ * the panels; each output is the dpbf16 kernel's fixed chain, whatever the thread count. -1 where the CPU lacks the
+ * kernel (the caller dequantizes instead). */
+int linear_quant_dpbf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
+                        uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
+    const dequant_fn rows = dequant_for(type);
+    if (!rows || !linear_quant_row_bytes(type, k) || k % 32 || m <= 0 || n <= 0 || !linear_dpbf16_available())
+        return -1;
+    const int panels = (n + FUSED_ROWS - 1) / FUSED_ROWS;
+    const int64_t panel = (int64_t)FUSED_ROWS * k;
+    threads = threads_for(threads, panels, 2);
+    uint16_t *scratch = aligned_alloc(64, sizeof(uint16_t) * 2 * panel * threads);
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        uint16_t *plain = scratch + 2 * panel * thread_index(), *tiles = plain + panel;
+        int lo, hi;
+        share(panels, thread_index(), thread_count(), &lo, &hi);
+        for (int p = lo; p < hi; p++) {
+            const int r0 = FUSED_ROWS * p, nr = n - r0 < FUSED_ROWS ? n - r0 : FUSED_ROWS;
+            rows(w + (int64_t)r0 * w_stride, w_stride, 0, plain, k, 0, nr);
+            dpbf16_pack_rows(plain, k, nr, k, tiles);
+            dpbf16_column_group(x, x_stride, tiles, k / 32, bias ? bias + r0 : NULL, y + r0, y_stride, m,
+                                (nr + 15) / 16, nr);
+        }
+    }
+    free(scratch);
     return 0;
 }
