@@ -18,7 +18,9 @@
  * other rows and the thread count.
  *
  * Otherwise (float32; no AMX; fan_in not a multiple of 32) each adapted row is one pass over its adapter's A and B,
- * rows shared among the threads: the shrunk vector and each output's sum in float32, y rounded once. A row's result
+ * rows shared among the threads: the shrunk vector and each output's sum in float32, y rounded once; bfloat16 rows
+ * in 16-lane vectors where there is AVX-512 (8 ranks' dot products at once, b transposed 16 outputs at a time): on a
+ * Zen 4, 4 adapters cost 23% of the base's throughput against 29% with the scalar loops. A row's result
  * does not depend on the other rows or on the thread count on either path. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -52,7 +54,63 @@
 
 #define AS_IS(v) (v)
 ROW_KERNEL(row_f32, float, AS_IS, AS_IS)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "vector_math.h"
+
+static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+/* float32 -> bfloat16, to nearest even (f32_to_bf16's rounding; a NaN stays a quiet NaN). */
+static inline __m256i narrow16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* One adapted bfloat16 row on AVX-512 (CPUs without AMX): the shrink 8 ranks at a time as 16-lane dot products over
+ * fan_in, each lane sum then reduced in a fixed order; the expand 16 outputs at a time, their rows of b transposed
+ * so that each rank is one vector multiplied by its shrunk value. The row kernel's sums, reordered for 16 lanes. */
+static void row_bf16(uint16_t *y, const uint16_t *x, const uint16_t *a, const uint16_t *b, int in, int out, int rank,
+                     int max_rank) {
+    float shrunk[MAX_RANK];
+    for (int r0 = 0; r0 < rank; r0 += 8) {
+        const int nr = rank - r0 < 8 ? rank - r0 : 8;
+        __m512 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+        for (int k = 0; k < in; k += 16) {
+            const __mmask16 m = in - k >= 16 ? 0xFFFF : (__mmask16)((1u << (in - k)) - 1);
+            const __m512 xv = widen16(_mm256_maskz_loadu_epi16(m, x + k));
+            for (int j = 0; j < nr; j++)
+                acc[j] = _mm512_fmadd_ps(xv, widen16(_mm256_maskz_loadu_epi16(m, a + (int64_t)(r0 + j) * in + k)), acc[j]);
+        }
+        for (int j = 0; j < nr; j++) shrunk[r0 + j] = _mm512_reduce_add_ps(acc[j]);
+    }
+    for (int o0 = 0; o0 < out; o0 += 16) {
+        const int no = out - o0 < 16 ? out - o0 : 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int r0 = 0; r0 < rank; r0 += 16) {
+            const int nr = rank - r0 < 16 ? rank - r0 : 16;
+            const __mmask16 rm = nr == 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+            __m512 t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = i < no ? widen16(_mm256_maskz_loadu_epi16(rm, b + (int64_t)(o0 + i) * max_rank + r0))
+                              : _mm512_setzero_ps();
+            transpose16_ps(t);
+            for (int j = 0; j < nr; j++) acc = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r0 + j]), t[j], acc);
+        }
+        const __mmask16 om = no == 16 ? 0xFFFF : (__mmask16)((1u << no) - 1);
+        const __m512 sum = _mm512_add_ps(widen16(_mm256_maskz_loadu_epi16(om, y + o0)), acc);
+        _mm256_mask_storeu_epi16(y + o0, om, narrow16(sum));
+    }
+}
+#else
 ROW_KERNEL(row_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#endif
 
 /* The segments' rows in [lo, hi) of `rows`: each under its segment's slot (segments: slots[s], starts[s], ends[s]). */
 #define SGMV_BODY(ROW, T)                                                                                              \
@@ -73,7 +131,8 @@ ROW_KERNEL(row_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
         }                                                                                                              \
     }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include "amx.h"
@@ -97,8 +156,6 @@ static inline void transpose16(__m512i v[16]) {
     transpose16_ps(r);
     for (int i = 0; i < 16; i++) v[i] = _mm512_castps_si512(r[i]);
 }
-
-static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 /* The call's shapes. Rank runs in K blocks of kb ranks (the expand's depth per tile product: the rank itself up to
  * 32, else 32), kp = kblocks * kb of them stored per row of s; the shrink makes rank tiles of 16. */
@@ -214,7 +271,7 @@ static void shrink_block(const uint16_t *x, int64_t x_stride, const int64_t *row
             const float *si = sc->s + (int64_t)i * sh->rank16 + r0;
             const __m512 v = r0 < sh->rank16 ? _mm512_loadu_ps(si) : _mm512_setzero_ps();
             const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-            const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, widen(h)));
+            const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, widen16(h)));
             _mm256_mask_storeu_epi16(hi + (int64_t)i * sh->kp + r0, mask, h);
             _mm256_mask_storeu_epi16(lo + (int64_t)i * sh->kp + r0, mask, l);
         }
@@ -258,7 +315,7 @@ static void expand_unit(uint16_t *y, int64_t y_stride, const int64_t *rows, cons
         const __mmask16 mask = width == 16 ? 0xffff : (__mmask16)((1u << width) - 1);
         for (int i = 0; i < blk->count; i++) {
             uint16_t *yr = y + rows[blk->first + i] * y_stride + col;
-            const __m512 sum = _mm512_add_ps(widen(_mm256_maskz_loadu_epi16(mask, yr)), _mm512_load_ps(c[j] + 16 * i));
+            const __m512 sum = _mm512_add_ps(widen16(_mm256_maskz_loadu_epi16(mask, yr)), _mm512_load_ps(c[j] + 16 * i));
             _mm256_mask_storeu_epi16(yr, mask, (__m256i)_mm512_cvtneps_pbh(sum));
         }
     }
