@@ -516,7 +516,7 @@ def moe() -> str:
 
 
 # ---- 12. quantized weights against llama.cpp ----
-LLAMA_CPP = ["llama_cpp/smollm2_q4_1_spr.json", "llama_cpp/smollm2_q4_1_zen5.json"]
+LLAMA_CPP = ["llama_cpp/smollm2_q4_1_spr.json", "llama_cpp/smollm2_q4_1_zen5.json", "llama_cpp/smollm2_q4_1_zen4.json"]
 LLAMA_CPP_MEASURES = {
     "decode": "one stream, decode",
     "concurrent": "8 concurrent streams",
@@ -524,10 +524,21 @@ LLAMA_CPP_MEASURES = {
 }
 
 
+def amd_generation(family: int | None, model: int | None) -> str | None:
+    """Zen 3 and Zen 4 share family 25 (0x19); Zen 4's models are 0x10-0x1f, 0x60-0x7f and 0xa0-0xaf."""
+    if family == 26:
+        return "Zen 5"
+    if family != 25:
+        return None
+    if model is None:
+        return "Zen 3/4"
+    return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "Zen 3"
+
+
 def host(machine: dict) -> str:
     """A table's short name for the CPU a summary ran on."""
     name = machine["cpu"].replace("(R)", "").replace(" Processor", "")
-    generation = {25: "Zen 3/4", 26: "Zen 5"}.get(machine.get("family")) if name.startswith("AMD") else None
+    generation = amd_generation(machine.get("family"), machine.get("model")) if name.startswith("AMD") else None
     return name + (f" ({generation})" if generation else "") + (", AMX" if machine.get("amx") else "")
 
 
@@ -552,7 +563,7 @@ def llama_cpp() -> str:
     return rows(head, body)
 
 
-QUANTIZATION = ["quantization/smollm2_zen5.json"]
+QUANTIZATION = ["quantization/smollm2_zen5.json", "quantization/smollm2_zen4.json"]
 
 
 def quantization() -> str:
@@ -595,7 +606,7 @@ def speculative() -> str:
 
 
 # ---- 15. multi-LoRA ----
-LORA = ["lora/smollm2_amx_tiles_nopc.json", "lora/smollm2_amx_tiles.json"]
+LORA = ["lora/smollm2_amx_tiles_nopc.json", "lora/smollm2_zen4_nopc.json"]
 
 
 def lora() -> str:
@@ -609,8 +620,9 @@ def lora() -> str:
             loss = "" if name == "base" else f"{per_repeat(per)}; **{num(100 * (1 - median(per)), 0)}%**"
             k = name.removeprefix("lora-")
             mix = name if name == "base" else f"{k} adapter{'' if k == '1' else 's'}"
-            body.append([cache, mix, str(len(seconds[name])), f"{num(tokens[name], 1)} tok/s", loss])
-    head = ["prefix cache", "mix", "repeats", "generated tok/s (median)", "÷ base per repeat; throughput lost"]
+            cells = [host(d["info"]["machine"]), cache, mix, str(len(seconds[name])), f"{num(tokens[name], 1)} tok/s"]
+            body.append(cells + [loss])
+    head = ["host", "prefix cache", "mix", "repeats", "generated tok/s (median)", "÷ base per repeat; throughput lost"]
     return rows(head, body)
 
 
