@@ -123,6 +123,25 @@ ROTARY_WRITE_KV = dict(
     threads=INT,
 )
 
+# The linear kernels on a packed bfloat16 weight (AMX tiles, vdpbf16ps) and on GGUF blocks take one parameter list each.
+PACKED_LINEAR = dict(
+    x=POINTER, x_stride=INT64, packed=POINTER, bias=POINTER, y=POINTER, y_stride=INT64, m=INT, n=INT, k=INT, threads=INT
+)
+QUANT_LINEAR = dict(
+    x=POINTER,
+    x_stride=INT64,
+    w=POINTER,
+    w_stride=INT64,
+    bias=POINTER,
+    y=POINTER,
+    y_stride=INT64,
+    m=INT,
+    n=INT,
+    k=INT,
+    type=INT,
+    threads=INT,
+)
+
 
 @dataclass(frozen=True)
 class CLibrary:
@@ -224,112 +243,27 @@ class CLibrary:
     gelu_tanh_mul_bf16: Callable[..., int] = entry(**SILU_MUL)
     rotary_write_kv_bf16: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     argmax_bf16: Callable[..., int] = entry(x=POINTER, rows=INT, vocab=INT, stride=INT64, out=POINTER, threads=INT)
-    linear_bf16: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        packed=POINTER,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        threads=INT,
-    )
+    linear_bf16: Callable[..., int] = entry(**PACKED_LINEAR)
     linear_dpbf16_available: Callable[[], int] = entry()
-    linear_dpbf16: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        packed=POINTER,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        threads=INT,
-    )
+    linear_dpbf16: Callable[..., int] = entry(**PACKED_LINEAR)
     elementwise_f32_available: Callable[[], int] = entry()
     add_rms_norm_f32: Callable[..., int] = entry(**ADD_RMS_NORM)
     silu_mul_f32: Callable[..., int] = entry(**SILU_MUL)
     gelu_tanh_mul_f32: Callable[..., int] = entry(**SILU_MUL)
     rotary_write_kv_f32: Callable[..., int] = entry(**ROTARY_WRITE_KV)
     linear_f32_available: Callable[[], int] = entry()
-    linear_f32: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        packed=POINTER,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        threads=INT,
-    )
+    linear_f32: Callable[..., int] = entry(**PACKED_LINEAR)
     linear_quant_isa: Callable[[], int] = entry()
     linear_quant_row_bytes: Callable[..., int] = entry(type=INT, k=INT)
-    linear_quant_f32: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        w=POINTER,
-        w_stride=INT64,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        type=INT,
-        threads=INT,
-    )
+    linear_quant_f32: Callable[..., int] = entry(**QUANT_LINEAR)
     dequantize_rows_f32: Callable[..., int] = entry(w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT)
     dequantize_rows_bf16: Callable[..., int] = entry(
         w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT, threads=INT
     )
-    linear_quant_dpbf16: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        w=POINTER,
-        w_stride=INT64,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        type=INT,
-        threads=INT,
-    )
+    linear_quant_dpbf16: Callable[..., int] = entry(**QUANT_LINEAR)
     linear_q8_available: Callable[[], int] = entry()
-    linear_q8_f32: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        w=POINTER,
-        w_stride=INT64,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        type=INT,
-        threads=INT,
-    )
-    linear_q8_bf16: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        w=POINTER,
-        w_stride=INT64,
-        bias=POINTER,
-        y=POINTER,
-        y_stride=INT64,
-        m=INT,
-        n=INT,
-        k=INT,
-        type=INT,
-        threads=INT,
-    )
+    linear_q8_f32: Callable[..., int] = entry(**QUANT_LINEAR)
+    linear_q8_bf16: Callable[..., int] = entry(**QUANT_LINEAR)
     decode_layer_q8_bf16: Callable[..., int] = entry(
         x=POINTER,
         residual=POINTER,
