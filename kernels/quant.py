@@ -291,8 +291,8 @@ def bf16_gemm_rows() -> int | None:
 
 @functools.cache
 def fused_bf16_kernel() -> Callable[..., int] | None:
-    """csrc/linear_quant.c linear_quant_dpbf16 where it serves bfloat16 prompts: AVX-512 BF16 without AMX (with AMX,
-    oneDNN's GEMM on the dequantized layer runs on the tiles, measured faster there); None elsewhere."""
+    """csrc/linear_quant.c linear_quant_dpbf16 where it serves bfloat16 prompts: AVX-512 BF16 without AMX; None
+    elsewhere (with AMX, oneDNN's GEMM on the dequantized layer runs on the tiles: not measured against this path)."""
     library = clib.get_library()
     if library is None or not library.linear_dpbf16_available() or library.prefill_attention_available():
         return None
