@@ -540,6 +540,7 @@ class PackedLinear:
         return self.tiles.permute(0, 3, 1, 2, 4).reshape(-1, self.in_features)[: self.out_features]
 
 
+@functools.cache
 def _packed_bf16_kernel() -> Callable[..., int] | None:
     """The packed bfloat16 linear kernel this CPU runs: AMX's tiles where it has them (faster at prompt sizes), else
     AVX-512 BF16 dot products; None where neither runs."""

@@ -299,34 +299,47 @@ def fused_bf16_kernel() -> Callable[..., int] | None:
     return library.linear_quant_dpbf16
 
 
-def fused_bf16_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x W^T + bias, bfloat16, each slab's blocks dequantized a panel at a time into the vdpbf16ps kernel's tiles (the
-    values dequantized_bf16 gives, never the whole layer at once); None where that kernel does not run here."""
-    kernel = fused_bf16_kernel()
-    if kernel is None or x.stride(-1) != 1:
-        return None
-    rows = x.shape[0]
-    y = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
-    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+def run_slabs(
+    packed: QuantLinear,
+    kernel_of: Callable[[SlabCall], Callable[..., int] | None],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> SlabCall | None:
+    """y[:, each slab's columns] = x W_slab^T (+ bias) by kernel_of(slab), all sharing one argument list (csrc's
+    QUANT_LINEAR): y and bias in the kernel's dtype, x rows of unit stride. The slab a kernel declined, else None."""
     threads = torch.get_num_threads()
     for call in packed.calls:
-        status = kernel(
+        run = kernel_of(call)
+        assert run is not None, "int8 only where every call has run_int8 (QuantLinear.int8)"
+        status = run(
             x.data_ptr(),
             x.stride(0),
             call.weight,
             call.weight_stride,
-            None if bias is None else bias.data_ptr() + 2 * call.start,
-            y.data_ptr() + 2 * call.start,
+            None if bias is None else bias.data_ptr() + bias.element_size() * call.start,
+            y.data_ptr() + y.element_size() * call.start,
             packed.out_features,
-            rows,
+            x.shape[0],
             call.rows,
             packed.in_features,
             call.qtype,
             threads,
         )
         if status != 0:
-            return None
-    return y
+            return call
+    return None
+
+
+def fused_bf16_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + bias, bfloat16, each slab's blocks dequantized a panel at a time into the vdpbf16ps kernel's tiles (the
+    values dequantized_bf16 gives, never the whole layer at once); None where that kernel does not run here."""
+    kernel = fused_bf16_kernel()
+    if kernel is None or x.stride(-1) != 1:
+        return None
+    y = torch.empty((x.shape[0], packed.out_features), dtype=torch.bfloat16)
+    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    return y if run_slabs(packed, lambda call: kernel, x, y, bias) is None else None
 
 
 def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
@@ -345,27 +358,8 @@ def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None
     y = torch.empty((rows, packed.out_features), dtype=xk.dtype)
     if rows == 0:
         return y.to(dtype)
-    threads = torch.get_num_threads()
     bias = None if bias is None else bias.float().contiguous()
-    bias_at = 0 if bias is None else bias.data_ptr()
-    x_at, x_stride, y_at, size = xk.data_ptr(), xk.stride(0), y.data_ptr(), y.element_size()
-    for call in packed.calls:
-        run = call.run_int8 if int8 else call.run
-        assert run is not None, "int8 only where every call has run_int8 (QuantLinear.int8)"
-        status = run(
-            x_at,
-            x_stride,
-            call.weight,
-            call.weight_stride,
-            bias_at + 4 * call.start if bias_at else None,
-            y_at + size * call.start,
-            packed.out_features,
-            rows,
-            call.rows,
-            packed.in_features,
-            call.qtype,
-            threads,
-        )
-        if status != 0:
-            raise RuntimeError(f"the {TYPE_NAMES[call.qtype].lower()} linear kernel declined its arguments")
+    declined = run_slabs(packed, lambda call: call.run_int8 if int8 else call.run, xk, y, bias)
+    if declined is not None:
+        raise RuntimeError(f"the {TYPE_NAMES[declined.qtype].lower()} linear kernel declined its arguments")
     return y if y.dtype == dtype else y.to(dtype)

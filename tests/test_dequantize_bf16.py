@@ -14,7 +14,7 @@ import torch
 from fastgen.kernels import clib, quant
 
 from .helpers import require_tool
-from .test_quant_kernels import TYPES, cpu_flags, random_blocks, reference
+from .test_quant_kernels import TYPES, cpu_flags, linear_quant_command, random_blocks, reference
 
 BUILDS = {  # name -> (compiler flags past clib.FLAGS' others, CPU flags it needs)
     "native": (["-march=native"], set()),
@@ -63,17 +63,7 @@ def build(request, tmp_path_factory):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
     out = tmp_path_factory.mktemp(request.param) / "linear_quant.so"
-    flags = [f for f in clib.FLAGS if not f.startswith("-march")] + march
-    command = [
-        compiler,
-        *flags,
-        *clib.OPENMP,
-        "-o",
-        str(out),
-        str(clib.CSRC / "linear_quant.c"),
-        str(clib.CSRC / "linear_dpbf16.c"),
-        "-lm",
-    ]
+    command = linear_quant_command(compiler, out, march)
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode and request.param == "portable":
         pytest.skip(f"this compiler does not target x86-64: {result.stderr[-300:]}")

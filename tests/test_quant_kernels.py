@@ -76,6 +76,13 @@ BUILDS = {  # name -> (march, CPU flags it needs)
 }
 
 
+def linear_quant_command(compiler: str, out, march: list[str]) -> list[str]:
+    """The command building csrc/linear_quant.c alone (with the vdpbf16ps kernel its fused path calls) for `march`."""
+    flags = [f for f in clib.FLAGS if not f.startswith("-march")] + march
+    sources = [str(clib.CSRC / "linear_quant.c"), str(clib.CSRC / "linear_dpbf16.c")]
+    return [compiler, *flags, *clib.OPENMP, "-o", str(out), *sources, "-lm"]
+
+
 @pytest.fixture(scope="module", params=list(BUILDS))
 def build(request, tmp_path_factory):
     march, needs = BUILDS[request.param]
@@ -84,17 +91,7 @@ def build(request, tmp_path_factory):
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
     out = tmp_path_factory.mktemp(request.param) / "linear_quant.so"
-    flags = [f for f in clib.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-    command = [
-        compiler,
-        *flags,
-        *clib.OPENMP,
-        "-o",
-        str(out),
-        str(clib.CSRC / "linear_quant.c"),
-        str(clib.CSRC / "linear_dpbf16.c"),
-        "-lm",
-    ]
+    command = linear_quant_command(compiler, out, [f"-march={march}"])
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode and march == "x86-64":
         pytest.skip(f"this compiler does not target x86-64: {result.stderr[-300:]}")
@@ -146,17 +143,7 @@ def test_every_build_gives_the_same_bits(tmp_path_factory):
         if not needs <= cpu_flags():
             continue
         out = tmp_path_factory.mktemp(f"same-{name}") / "linear_quant.so"
-        flags = [f for f in clib.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-        command = [
-            compiler,
-            *flags,
-            *clib.OPENMP,
-            "-o",
-            str(out),
-            str(clib.CSRC / "linear_quant.c"),
-            str(clib.CSRC / "linear_dpbf16.c"),
-            "-lm",
-        ]
+        command = linear_quant_command(compiler, out, [f"-march={march}"])
         if subprocess.run(command, capture_output=True).returncode == 0:
             builds.append(Build(out))
     w = random_blocks("Q4_K", 19, 512)
