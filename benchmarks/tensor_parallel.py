@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastgen.launch import probe
 from fastgen.replica.batch_broadcast import BatchBroadcast
 from fastgen.replica.parallel import TPGroup
 
@@ -217,11 +218,7 @@ def rank_main(rank: int, model: str, port: int, args, out: str) -> None:
 
 
 def run_tp2(model: Path, args, out: Path) -> tuple[list[dict], dict]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = probe.free_port("127.0.0.1")
     ctx = mp.start_processes(
         rank_main, args=(str(model), port, args, str(out)), nprocs=2, join=False, start_method="spawn"
     )

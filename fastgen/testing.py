@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,11 +81,17 @@ def make_tiny_model(
     return path
 
 
-def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it; a tiny race with other processes remains)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_handed_out: set[int] = set()  # ports this process chose: none twice, though the first may not be bound yet
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports free on 127.0.0.1 that this process has not chosen before, drawn as
+    the deployment draws them (outside the ephemeral range)."""
+    from .launch import probe  # grpc, which the model-building helpers here do not need
+
+    base = probe.free_port("127.0.0.1", frozenset(_handed_out), count)
+    _handed_out.update(range(base, base + count))
+    return base
 
 
 def wait_until(predicate, timeout: float, what: str = "condition", interval: float = 0.05):

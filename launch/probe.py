@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -39,17 +40,40 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str, avoid: frozenset[int] = frozenset()) -> int:
-    """A port the OS says is free on host now and not in avoid (ports others will bind soon); a process that binds
-    it later still races others for it."""
+def ephemeral_ports() -> range:
+    """The ports the kernel hands outgoing connections as their source (Linux's setting; IANA's range elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
+def free_port(host: str, avoid: frozenset[int] = frozenset(), count: int = 1) -> int:
+    """The first of `count` consecutive ports free on host now, none in avoid (ports others will bind soon).
+    Drawn outside the ephemeral range: a port from bind(0) is one the kernel may give any outgoing connection's
+    source (a health check's, say) before our server binds it. A process binding the port later still races other
+    processes choosing the same way, a 1 in ~16,000 chance."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(100):
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
-    raise RuntimeError(f"no free port on {host} outside {sorted(avoid)}")
+    ephemeral = ephemeral_ports()
+    below, above = range(1024, ephemeral.start), range(ephemeral.stop, 65536)
+    pool = max(below, above, key=len)
+    pool = pool[-16384:] if pool is below else pool[:16384]
+    for _ in range(200):
+        base = random.choice(pool[: len(pool) - count + 1])
+        ports = range(base, base + count)
+        if avoid.isdisjoint(ports) and all(_bindable(family, host, port) for port in ports):
+            return base
+    raise RuntimeError(f"no {count} free consecutive ports on {host} outside {ephemeral} and {sorted(avoid)}")
+
+
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def host_resolves(host: str) -> bool:

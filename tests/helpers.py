@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -29,7 +28,6 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastgen.launch.probe import port_free
 from fastgen.launch.processes import Process, start
 from fastgen.testing import free_port, wait_until
 
@@ -201,16 +199,6 @@ def wait_balancer_sees(balancer: Proc, want: dict[str, str], timeout: float = 30
 
 
 # ---- the deployment CLI ----
-def free_port_range(count: int, avoid: set[int] = frozenset()) -> int:
-    """A base port such that base..base+count-1 are all free."""
-    for _ in range(200):
-        base = random.randint(20000, 30000)
-        ports = range(base, base + count)
-        if not avoid & set(ports) and all(port_free("127.0.0.1", p) for p in ports):
-            return base
-    raise RuntimeError("no free port range")
-
-
 class Deploy:
     """Runs the CLI as a user would (its own process) against a private FASTGEN_HOME."""
 

@@ -16,7 +16,7 @@ import pytest
 from fastgen.launch.probe import port_free
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range, in_process_table, tiny_start
+from .helpers import Deploy, alive, free_port, in_process_table, tiny_start
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ def deploy(tmp_path):
 
 
 def test_deployment_lifecycle(deploy, tiny_model_dir):
-    port = free_port_range(3)
-    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
+    port = free_port(3)
+    metrics = free_port(3)
     start = tiny_start("e2e", tiny_model_dir, 2, port, metrics)
     done = deploy(*start, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -79,7 +79,7 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
     done = deploy(*start)
     assert done.returncode != 0 and "already running" in done.stderr
     other = ["start", "--name", "other", "--model", str(tiny_model_dir), "--replicas", "1", "--port", str(port)]
-    done = deploy(*other, "--metrics-port", str(free_port_range(2)))
+    done = deploy(*other, "--metrics-port", str(free_port(2)))
     assert done.returncode != 0 and f"port {port} (balancer gRPC)" in done.stderr
 
     # restart returns only once the replaced replicas have left the process table
@@ -109,8 +109,8 @@ def test_deployment_lifecycle(deploy, tiny_model_dir):
 def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
-    port = free_port_range(2)
-    done = deploy(*tiny_start("e2e", not_a_model, 1, port, free_port_range(2, avoid={port, port + 1})), timeout=180)
+    port = free_port(2)
+    done = deploy(*tiny_start("e2e", not_a_model, 1, port, free_port(2)), timeout=180)
     assert done.returncode != 0
     assert "replica-0 exited with code" in done.stderr and "not a Hugging Face model folder" in done.stderr
     assert "no deployments" in deploy("list").stdout
@@ -118,8 +118,8 @@ def test_failed_start_reports_why_and_leaves_nothing(deploy, tmp_path):
 
 
 def test_stop_cleans_up_after_a_killed_supervisor(deploy, tiny_model_dir):
-    port = free_port_range(2)
-    done = deploy(*tiny_start("e2e", tiny_model_dir, 1, port, free_port_range(2, avoid={port, port + 1})), timeout=180)
+    port = free_port(2)
+    done = deploy(*tiny_start("e2e", tiny_model_dir, 1, port, free_port(2)), timeout=180)
     assert done.returncode == 0, done.stderr
     pids = [r["pid"] for r in deploy.status()]
     state = json.loads((Path(deploy.env["FASTGEN_HOME"]) / "e2e" / "state.json").read_text())

@@ -263,9 +263,22 @@ def dnsmasq(tmp_path_factory):
 
 
 def udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free for TCP and UDP on 127.0.0.1 (dnsmasq listens on both), outside the ephemeral range."""
+    for _ in range(50):
+        port = free_port()
+        if bindable_on(["127.0.0.1"], port, socket.SOCK_DGRAM):
+            return port
+    raise RuntimeError("no port free for both TCP and UDP")
+
+
+def bindable_on(hosts: list[str], port: int, kind: socket.SocketKind = socket.SOCK_STREAM) -> bool:
+    try:
+        for host in hosts:
+            with socket.socket(socket.AF_INET, kind) as s:
+                s.bind((host, port))
+    except OSError:
+        return False
+    return True
 
 
 @pytest.mark.slow
@@ -293,16 +306,9 @@ def test_dns_answers_become_replica_specs_and_no_such_name_is_no_replicas(dnsmas
 def free_port_on(hosts: list[str]) -> int:
     """A TCP port free on every one of `hosts` (all loopback on Linux)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for host in hosts[1:]:
-                with socket.socket() as s:
-                    s.bind((host, port))
-        except OSError:
-            continue
-        return port
+        port = free_port()
+        if bindable_on(hosts, port):
+            return port
     raise RuntimeError(f"no port free on all of {hosts}")
 
 

@@ -23,8 +23,6 @@ from fastgen.launch.config import DeployConfig, ProcessSpec
 from fastgen.replica.config import parse_size
 from fastgen.testing import free_port
 
-from .helpers import free_port_range
-
 STAND_IN = textwrap.dedent(
     """
     # A stand-in server: NOT_SERVING for --delay s, then SERVING; exits 0 on SIGTERM after --drain s.
@@ -347,19 +345,45 @@ def listening_above_a_free_port() -> socket.socket:
         s.close()
 
 
+def test_free_ports_are_drawn_outside_the_ephemeral_range():
+    # A port from bind(0) is one the kernel may give a health check's outgoing connection before the server binds
+    # it: CI once lost a replica to exactly that ("cannot serve metrics ... Address already in use").
+    ephemeral = probe.ephemeral_ports()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] in ephemeral  # what the old way drew from
+    taken = probe.free_port("127.0.0.1", count=3)
+    for _ in range(50):
+        base = probe.free_port("127.0.0.1", avoid=frozenset(range(taken, taken + 3)), count=3)
+        ports = set(range(base, base + 3))
+        assert ports.isdisjoint(ephemeral) and ports.isdisjoint(range(taken, taken + 3))
+        assert all(probe.port_free("127.0.0.1", p) for p in ports)
+    with socket.socket() as s:  # a listener's port is never handed out
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        draws = {probe.free_port("127.0.0.1") for _ in range(200)}
+        assert taken not in draws
+
+
+def test_this_process_never_draws_a_port_twice():
+    drawn = [free_port(2) for _ in range(300)]
+    ports = [p for base in drawn for p in (base, base + 1)]
+    assert len(set(ports)) == len(ports)
+
+
 def test_port_problems_name_the_flag(tmp_path):
     with listening_above_a_free_port() as s:  # the replica's port (--port + 1) taken, the balancer's free
         port = s.getsockname()[1]
-        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port_range(2), http_port=0)
+        c = DeployConfig(replicas=1, port=port - 1, metrics_port=free_port(2), http_port=0)
         problems = deployment.port_problems(c, tmp_path)
     assert len(problems) == 1 and str(port) in problems[0] and "replica-0" in problems[0] and "--port" in problems[0]
 
 
 def test_ports_of_other_live_deployments_are_taken(tmp_path):
     # Bases of free ranges: a deployment of one replica holds --port and --metrics-port and the port after each.
-    port = free_port_range(2)
-    metrics = free_port_range(2, avoid={port, port + 1})
-    http = free_port_range(1, avoid={port, port + 1, metrics, metrics + 1})
+    port = free_port(2)
+    metrics = free_port(2)
+    http = free_port(1)
     other = DeployConfig(name="other", replicas=1, port=port, metrics_port=metrics, http_port=http)
     paths = state.paths_for(tmp_path, "other")
     state.save_config(paths, other)
@@ -377,8 +401,8 @@ def test_http_port_in_use_names_its_flag(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        base = free_port_range(2)  # --port and --metrics-port each hold the port after them too
-        c = DeployConfig(replicas=1, port=base, metrics_port=free_port_range(2, avoid={base, base + 1}), http_port=port)
+        base = free_port(2)  # --port and --metrics-port each hold the port after them too
+        c = DeployConfig(replicas=1, port=base, metrics_port=free_port(2), http_port=port)
         problems = deployment.port_problems(c, tmp_path)
     assert problems == [f"port {port} (balancer HTTP) on 127.0.0.1 is in use: choose another --http-port"]
 

@@ -281,15 +281,15 @@ def test_adapters_through_a_deployment_and_the_openai_sdk(lora_setup, tmp_path):
 
     from fastgen.launch.config import API_KEY_ENV
 
-    from .helpers import Deploy, alive, free_port_range, tiny_start
+    from .helpers import Deploy, alive, free_port, tiny_start
 
     base, folders, prompts, refs = lora_setup
     key, name = "sk-lora", "lora"
     deploy = Deploy(tmp_path / "home")
     deploy.env[API_KEY_ENV] = key
-    port = free_port_range(3)
-    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
-    http = free_port_range(1, avoid=set(range(port, port + 3)) | set(range(metrics, metrics + 3)))
+    port = free_port(3)
+    metrics = free_port(3)
+    http = free_port(1)
     lora = ["--enable-lora", "--lora-modules", f"qv={folders['qv']}", "--max-loras", "2", "--max-lora-rank", "8"]
     done = deploy(*tiny_start(name, base, 2, port, metrics, "--dtype", "float32", *lora, http_port=http), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr

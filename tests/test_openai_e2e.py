@@ -22,7 +22,7 @@ from fastgen.launch.config import API_KEY_ENV
 from fastgen.server import Client
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range, tiny_start
+from .helpers import Deploy, alive, free_port, tiny_start
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +67,9 @@ def served(tmp_path_factory, tiny_model_dir):
     home = tmp_path_factory.mktemp("openai") / "home"
     deploy = Deploy(home)
     deploy.env[API_KEY_ENV] = KEY  # the way the README recommends: not on a command line
-    port = free_port_range(2)
-    metrics = free_port_range(2, avoid=set(range(port, port + 2)))
-    http = free_port_range(1, avoid=set(range(port, port + 2)) | set(range(metrics, metrics + 2)))
+    port = free_port(2)
+    metrics = free_port(2)
+    http = free_port(1)
     done = deploy(*tiny_start(NAME, tiny_model_dir, 1, port, metrics, http_port=http), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"OpenAI-compatible API: http://127.0.0.1:{http}/v1 (API key required)" in done.stdout

@@ -31,7 +31,7 @@ from fastgen.server import Client
 from fastgen.server.sla import max_inter_token_ema, rate_label
 from fastgen.testing import wait_until
 
-from .helpers import Deploy, alive, free_port_range, require_tool, tiny_start
+from .helpers import Deploy, alive, free_port, require_tool, tiny_start
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +160,7 @@ def prometheus_server(tmp_path, prometheus_config):
     with contextlib.ExitStack() as running:  # each one started is stopped at the end, ready or not
 
         def start_one() -> Prometheus:
-            port = free_port_range(1)
+            port = free_port(1)
             log_path = tmp_path / "prometheus.log"
             process = running.enter_context(start_prometheus(prometheus_config, tmp_path / "tsdb", log_path, port))
             prom = Prometheus(process, f"http://127.0.0.1:{port}")
@@ -231,9 +231,9 @@ def check_every_panel_returns_data(prom: Prometheus) -> int:
 
 
 def test_prometheus_scrapes_the_deployment_and_the_dashboard_has_data(deploy, prometheus_server, tiny_model_dir):
-    port = free_port_range(3)
-    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
-    http = free_port_range(1, avoid=set(range(port, port + 3)) | set(range(metrics, metrics + 3)))
+    port = free_port(3)
+    metrics = free_port(3)
+    http = free_port(1)
     done = deploy(
         *tiny_start(NAME, tiny_model_dir, 2, port, metrics, http_port=http),
         "--sla-prompt-rate",

@@ -19,7 +19,7 @@ from fastgen.launch.state import Paths, write_json_atomic
 from fastgen.launch.supervisor import take_restart_request
 from fastgen.server import Client, GenerationError
 
-from .helpers import Deploy, alive, free_port_range, tiny_start
+from .helpers import Deploy, alive, free_port, tiny_start
 
 WORKERS = 4
 JOBS = 8
@@ -117,8 +117,8 @@ def test_restart_flags_and_the_request_file(tmp_path):
 
 @pytest.mark.slow
 def test_rolling_restart_under_load_fails_no_request(deploy, tiny_model_dir):
-    port = free_port_range(3)
-    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
+    port = free_port(3)
+    metrics = free_port(3)
     done = deploy(*tiny_start("rolling", tiny_model_dir, 2, port, metrics), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     before = {r["id"]: r["pid"] for r in deploy.status("rolling")}

@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from .helpers import Deploy, alive, free_port_range, require_tool
+from .helpers import Deploy, alive, free_port, require_tool
 
 pytestmark = pytest.mark.slow
 
@@ -58,9 +58,9 @@ class Person(BaseModel):
 def client(tmp_path_factory):
     deploy = Deploy(tmp_path_factory.mktemp("structured") / "home")
     deploy.env["FASTGEN_API_KEY"] = KEY
-    port = free_port_range(2)
-    metrics = free_port_range(2, avoid=set(range(port, port + 2)))
-    http = free_port_range(1, avoid=set(range(port, port + 2)) | set(range(metrics, metrics + 2)))
+    port = free_port(2)
+    metrics = free_port(2)
+    http = free_port(1)
     args = ["start", "--name", NAME, "--replicas", "1", "--port", str(port), "--metrics-port", str(metrics)]
     args += ["--http-port", str(http), "--dtype", "float32", "--threads", "1", "--timeout", "180"]
     done = deploy(*args, timeout=240)

@@ -311,11 +311,11 @@ def test_rank_processes_serve_stop_together_and_exit_when_a_peer_is_lost(tiny_mo
 # ---- fastgen-deploy ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_deploy_replicas_of_two_ranks(tiny_model_dir, tmp_path):
-    from .helpers import Deploy, alive, free_port_range, tiny_start
+    from .helpers import Deploy, alive, free_port, tiny_start
 
     deploy = Deploy(tmp_path / "home")
-    port = free_port_range(3)
-    metrics = free_port_range(3, avoid=set(range(port, port + 3)))
+    port = free_port(3)
+    metrics = free_port(3)
     try:
         done = deploy(
             *tiny_start(

@@ -30,7 +30,7 @@ from fastgen.server import AsyncClient, Client, GenerationError
 from fastgen.server.grpc_server import ServerSecurity
 from fastgen.server.tls import TlsFiles, client_ssl_context, server_ssl_context
 
-from .helpers import Deploy, alive, free_port_range, tiny_start
+from .helpers import Deploy, alive, free_port, tiny_start
 from .test_auth import serve_echo
 
 KEY = "sk-tls-test"
@@ -175,9 +175,9 @@ def secured(tmp_path_factory, tiny_model_dir):
     home = tmp_path_factory.mktemp("secured") / "home"
     deploy = Deploy(home)
     deploy.env[API_KEY_ENV] = KEY
-    port = free_port_range(2)
-    metrics = free_port_range(2, avoid={port, port + 1})
-    http = free_port_range(1, avoid={port, port + 1, metrics, metrics + 1})
+    port = free_port(2)
+    metrics = free_port(2)
+    http = free_port(1)
     done = deploy(*tiny_start("sec", tiny_model_dir, 1, port, metrics, "--tls", "auto", http_port=http), timeout=180)
     try:
         assert done.returncode == 0, done.stdout + done.stderr
