@@ -47,7 +47,6 @@ import contextlib
 import csv
 import math
 import os
-import random
 import re
 import shutil
 import signal
@@ -175,13 +174,9 @@ class CpuMeter:
 
 # ---- systems under test ----
 def free_base_port(count: int) -> int:
-    from ..launch.probe import port_free
+    from ..launch.probe import free_port
 
-    for _ in range(200):
-        base = random.randint(21000, 39000)
-        if all(port_free("127.0.0.1", p) for p in range(base, base + count)):
-            return base
-    raise RuntimeError("no free range of ports")
+    return free_port("127.0.0.1", count=count)
 
 
 def run_tag(workload: str, system: System, clients: int, seed: int, repeat: int | None) -> str:
