@@ -6,9 +6,10 @@ machine, closed loops at a few client counts, interleaved repeats.
     python -m fastgen.benchmarks.against_vllm ... --system fastgen --system vllm \\
         --system 'fastgen-b256=--max-batch-tokens 256' --system 'vllm-b512=--max-num-batched-tokens 512'
 
-A system is NAME[=EXTRA ARGS]: a NAME starting with `fastgen` is a `fastgen-deploy` deployment (one replica on every
-core, its HTTP API; the extra arguments go to `fastgen-deploy start`), one starting with `vllm` is vLLM's OpenAI
-api_server from --vllm-python (vLLM's CPU build in its own environment, docs/benchmarking.md says how; the extra
+A system is NAME[=EXTRA ARGS]: a NAME starting with `fastgen` is a `fastgen-deploy` deployment with its HTTP API
+(its defaults: two replicas, the cores shared out between them; the extra arguments go to `fastgen-deploy start`,
+e.g. `--replicas 1` for one replica on every core), one starting with `vllm` is vLLM's OpenAI api_server from
+--vllm-python (vLLM's CPU build in its own environment, docs/benchmarking.md says how; the extra
 arguments go to the api_server). Without extra arguments each runs its defaults, the row users meet first; FastGen's
 default model is the embedded GGUF served in its own block types, vLLM's the Hugging Face folder FastGen converts
 from it (the same weights, dequantized), in bfloat16.
@@ -22,9 +23,10 @@ greedy), streamed, token counts corrected from the usage block.
 
 Per run: requests/s, the paper's effective throughput (requests/s meeting the SLA: first token within
 prompt_tokens / --prompt-rate s, then a span-16 moving average of at least --token-rate tokens/s, the paper's
-figures scaled to a CPU), TTFT and inter-token p50/p95. Reported: medians over repeats per system and client count,
-and each FastGen system over each vLLM system, medians of the ratios within a repeat. --json writes that summary
-with the command, commit, date and machine; every run's per-request records go to --raw (benchmarks/out/...).
+figures scaled to a CPU), TTFT p50/p95 and inter-token p50/p95/p99. Reported: medians over repeats per system and
+client count, and each FastGen system over each vLLM system, medians of the ratios within a repeat. --json writes
+that summary with the command, commit, date and machine; every run's per-request records go to --raw
+(benchmarks/out/...).
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ from .serving import CpuMeter, cpu_count, free_base_port, interrupt, wait_quiet
 from .stats import SLA, summarize
 from .workload import BenchRequest, corpus_ids, load_tokenizer
 
-METRICS = ("throughput", "effective", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")
-HIGHER_IS_BETTER = {"throughput", "effective"}
+METRICS = ("throughput", "effective", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms")
 SERVED_NAME = "smollm2-135m"
 NAN = float("nan")
+MAX_REPLICAS = 7  # ports are set aside for up to this many replicas (a system's --replicas)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Run:
     ttft_p95_ms: float
     itl_p50_ms: float
     itl_p95_ms: float
+    itl_p99_ms: float  # a schedule that stalls every stream now and then shows it here, not at p95
     token_throughput: float
     cpu: dict = field(default_factory=dict)  # cores busy: everyone's, this system's, the rest's
     errors: list[str] = field(default_factory=list)
@@ -101,6 +104,7 @@ class Server:
     system: System
     url: str
     pids: list[int]  # the server's processes (children included), for its CPU time
+    model: str = SERVED_NAME  # the name requests carry
     rows: list[dict] = field(default_factory=list)  # FastGen's: `fastgen-deploy status --json`, a process each
 
 
@@ -117,9 +121,10 @@ def process_tree(pids: list[int]) -> list[int]:
 @contextlib.contextmanager
 def fastgen_server(system: System, args, home: Path) -> Iterator[Server]:
     name = f"{system.name}-{os.getpid()}"
-    base = free_base_port(5)  # balancer, replica, their metrics ports, the HTTP API
-    start = ["start", "--name", name, "--model", args.model, "--replicas", "1", "--threads", str(cpu_count())]
-    start += ["--port", str(base), "--metrics-port", str(base + 2), "--http-port", str(base + 4), *system.extra]
+    base = free_base_port(2 * MAX_REPLICAS + 1)  # the balancer and its replicas, their metrics ports, the HTTP API
+    metrics, http = base + MAX_REPLICAS, base + 2 * MAX_REPLICAS
+    start = ["start", "--name", name, "--model", args.model, "--port", str(base), "--metrics-port", str(metrics)]
+    start += ["--http-port", str(http), *system.extra]
     try:
         done = deploy_cli(home, *start, timeout=args.start_timeout)
         if done.returncode != 0:
@@ -127,7 +132,8 @@ def fastgen_server(system: System, args, home: Path) -> Iterator[Server]:
         status = deploy_cli(home, "status", "--name", name, "--json")
         rows = json.loads(status.stdout)
         pids = [r["pid"] for r in rows if r.get("pid")]
-        yield Server(system, f"http://127.0.0.1:{base + 4}", process_tree(pids), rows)
+        url = f"http://127.0.0.1:{http}"
+        yield Server(system, url, process_tree(pids), served_models(url)[0], rows)
     finally:
         deploy_cli(home, "stop", "--name", name, "--timeout", "30")
 
@@ -197,6 +203,7 @@ def run_of(system: str, clients: int, repeat: int, records, sla: SLA, cpu: dict)
         s.ttft["p95"] * ms,
         s.inter_token["p50"] * ms,
         s.inter_token["p95"] * ms,
+        s.inter_token["p99"] * ms,
         s.token_throughput,
         cpu,
         sorted({r.error for r in records if r.error})[:3],
@@ -205,7 +212,7 @@ def run_of(system: str, clients: int, repeat: int, records, sla: SLA, cpu: dict)
 
 async def measure(servers: list[Server], args, raw: Path) -> list[Run]:
     sla = SLA(args.prompt_rate, (args.token_rate,))
-    backends = {s.system.name: OpenAIBackend(s.url, SERVED_NAME, max(args.clients), keepalive=True) for s in servers}
+    backends = {s.system.name: OpenAIBackend(s.url, s.model, max(args.clients), keepalive=True) for s in servers}
     runs: list[Run] = []
     try:
         for s in servers:  # warm every server (first batches, connections); not recorded
@@ -232,8 +239,8 @@ async def measure(servers: list[Server], args, raw: Path) -> list[Run]:
                     print(
                         f"repeat {r} clients {clients:>3} {name:<12} {run.throughput:.3f} req/s, effective "
                         f"{run.effective:.3f}, TTFT p50/p95 {run.ttft_p50_ms:.0f}/{run.ttft_p95_ms:.0f} ms, "
-                        f"inter-token p50/p95 {run.itl_p50_ms:.1f}/{run.itl_p95_ms:.1f} ms, {run.failed} failed"
-                        + (f" ({run.errors[0]})" if run.errors else ""),
+                        f"inter-token p50/p95/p99 {run.itl_p50_ms:.0f}/{run.itl_p95_ms:.0f}/{run.itl_p99_ms:.0f} ms, "
+                        f"{run.failed} failed" + (f" ({run.errors[0]})" if run.errors else ""),
                         file=sys.stderr,
                         flush=True,
                     )
@@ -296,7 +303,7 @@ def ratios(runs: list[Run]) -> dict[str, dict[str, dict[str, float]]]:
 
 def markdown(m: dict, rat: dict) -> str:
     lines = [
-        "| clients | system | req/s | effective req/s | TTFT p50 / p95 (ms) | inter-token p50 / p95 (ms) |",
+        "| clients | system | req/s | effective req/s | TTFT p50 / p95 (ms) | inter-token p50 / p95 / p99 (ms) |",
         "|---|---|---|---|---|---|",
     ]
     for clients in sorted({c for by in m.values() for c in by}, key=int):
@@ -307,12 +314,13 @@ def markdown(m: dict, rat: dict) -> str:
             failed = f" ({x['failed']} failed)" if x["failed"] else ""
             lines.append(
                 f"| {clients} | {system}{failed} | {x['throughput']:.3f} | {x['effective']:.3f} | "
-                f"{x['ttft_p50_ms']:.0f} / {x['ttft_p95_ms']:.0f} | {x['itl_p50_ms']:.1f} / {x['itl_p95_ms']:.1f} |"
+                f"{x['ttft_p50_ms']:.0f} / {x['ttft_p95_ms']:.0f} | "
+                f"{x['itl_p50_ms']:.0f} / {x['itl_p95_ms']:.0f} / {x['itl_p99_ms']:.0f} |"
             )
     lines += [
         "",
-        "| pair | clients | req/s | effective | TTFT p50 | TTFT p95 | inter-token p50 | inter-token p95 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| pair | clients | req/s | effective | TTFT p50 | TTFT p95 | inter-token p50 | p95 | p99 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for pair, by in rat.items():
         for clients, x in by.items():

@@ -649,6 +649,42 @@ def structured() -> str:
     return rows(head + ["throughput lost per repeat; median"], body)
 
 
+# ---- 17. served against vLLM ----
+SERVED_VLLM = ["against_vllm/defaults_zen4_before.json"]
+SERVED_FLOORS = {"throughput": (1.0, 1.2), "ttft_p50_ms": 0.8}  # (at 1 client, from 4 up); TTFT from 4 up
+
+
+def served_vllm() -> str:
+    """Per summary, FastGen's default over vLLM's at each client count: the paired ratios of requests/s and effective
+    requests/s, TTFT p50 and the inter-token tail of both, and the issue's floors."""
+    body = []
+    for rel in SERVED_VLLM:
+        d = load(rel)
+        pair = next(iter(d["ratios"]))
+        fastgen, vllm = pair.split("/")
+        for clients, r in d["ratios"][pair].items():
+            f, v = d["medians"][fastgen][clients], d["medians"][vllm][clients]
+            c = int(clients)
+            floor = SERVED_FLOORS["throughput"][c > 1]
+            unmet = [k for k in ("throughput", "effective") if r[k] < floor]
+            unmet += ["inter-token p95"] if f["itl_p95_ms"] > v["itl_p95_ms"] else []
+            unmet += ["TTFT p50"] if c > 1 and r["ttft_p50_ms"] > SERVED_FLOORS["ttft_p50_ms"] else []
+            body.append(
+                [
+                    host(d["meta"]["machine"]),
+                    clients,
+                    f"{num(f['throughput'])} · {num(v['throughput'])}; **{num(r['throughput'])}×**",
+                    f"**{num(r['effective'])}×**",
+                    f"{num(f['ttft_p50_ms'], 0)} · {num(v['ttft_p50_ms'], 0)}",
+                    f"{num(f['itl_p95_ms'], 0)} · {num(v['itl_p95_ms'], 0)}",
+                    f"{num(f['itl_p99_ms'], 0)} · {num(v['itl_p99_ms'], 0)}" if "itl_p99_ms" in f else "–",
+                    "met" if not unmet else "**unmet**: " + ", ".join(unmet),
+                ]
+            )
+    head = ["host", "clients", "req/s FastGen · vLLM; ratio", "effective", "TTFT p50 ms", "inter-token p95 ms"]
+    return rows(head + ["p99 ms", "floors"], body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "offline-transformers": offline_transformers,
     "offline-vllm": offline_vllm,
@@ -671,6 +707,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "speculative": speculative,
     "lora": lora,
     "structured": structured,
+    "served-vllm": served_vllm,
 }
 
 

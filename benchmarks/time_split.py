@@ -7,14 +7,17 @@ the replica and the balancer, each sample charged to the part of the serving pat
 
 One deployment (`fastgen-deploy`, one replica on every core, its HTTP API; --deploy-args go to `fastgen-deploy
 start`), warmed, then per client count one closed loop of fresh prompts (real text, lengths uniform in --prompt-len,
---gen tokens out, ignore_eos) and, once it is under way, py-spy (`record --nonblocking`, --rate samples a second,
-threads that wait not counted) on the replica and the balancer for --seconds. A sample is charged to the part of
-its stack nearest the leaf that this module knows (PARTS: the model's forward and the kernels, sampling,
-scheduling, batch building, detokenization, the engine loop, the gRPC service; the balancer's HTTP/SSE, relay,
-journal, routing, tokenization), or to "other" (the interpreter's event loop, logging, ...). Reported per process:
-cores busy (samples / rate / seconds) and each part's share, in ms per engine step and per request (steps from the
-replica's fastgen_forward_seconds, requests completed in the window), beside the replica's own forward time per
-step. On two cores, what the balancer and the replica's service take is taken from the forward passes.
+--gen tokens out, ignore_eos) and, once it is under way, py-spy (`record --nonblocking`, --rate samples a second) on
+the replica and the balancer for --seconds. A sample is charged to the part of its stack nearest the leaf that this
+module knows (PARTS: the model's forward and the kernels, sampling, scheduling, batch building, detokenization, the
+engine loop, the gRPC service; the balancer's HTTP/SSE, relay, journal, routing, tokenization), or to "other" (the
+interpreter's event loop, logging, ...). py-spy counts a thread blocked in epoll as active, so those samples are
+shown as "waiting (epoll)" and left out of the work. Reported per process: cores busy working (samples / rate /
+seconds) and each part's share, in ms per engine step and per request (steps from the replica's
+fastgen_forward_seconds, requests completed in the window), beside the replica's own forward time per step. Python
+threads only: the forward's OpenMP workers are native threads, seen as the engine thread's time in the forward.
+With --flamegraphs, a second window of --seconds per client count (not measured: py-spy itself takes CPU) records
+an SVG flame graph of each process.
 """
 
 from __future__ import annotations
@@ -41,58 +44,63 @@ from .provenance import RAW_DIR, run_info
 from .serving import interrupt, wait_quiet
 from .stats import summarize
 
+WAITING = "waiting (epoll)"
 # (a path inside the checkout, the part it is charged to), by process role; the first match from the leaf decides
 PARTS = {
     "replica": (
-        ("/replica/models/", "forward"),
-        ("/kernels/", "forward"),
-        ("/replica/model_runner.py", "forward"),
-        ("/replica/tp_worker.py", "forward"),
-        ("/replica/sampler.py", "sampling"),
-        ("/replica/constraints.py", "sampling"),
-        ("/replica/detokenizer.py", "detokenization"),
-        ("/replica/slo_scheduler.py", "scheduling"),
-        ("/replica/scheduler.py", "scheduling"),
-        ("/replica/step_model.py", "scheduling"),
-        ("/replica/block_allocator.py", "scheduling"),
-        ("/replica/prefix_cache.py", "scheduling"),
-        ("/replica/builder.py", "batch building"),
-        ("/replica/batch.py", "batch building"),
-        ("/replica/step_lists.py", "batch building"),
-        ("/replica/kv_cache.py", "batch building"),
-        ("/replica/engine.py", "engine loop"),
-        ("/replica/engine_loop.py", "engine loop"),
-        ("/replica/outputs.py", "engine loop"),
-        ("/replica/service.py", "gRPC service"),
-        ("/server/", "gRPC service"),
-        ("/grpc/", "gRPC service"),
-        ("/prometheus_client/", "metrics"),
+        ("replica/models/", "forward"),
+        ("kernels/", "forward"),
+        ("replica/model_runner.py", "forward"),
+        ("replica/tp_worker.py", "forward"),
+        ("replica/sampler.py", "sampling"),
+        ("replica/constraints.py", "sampling"),
+        ("replica/detokenizer.py", "detokenization"),
+        ("replica/slo_scheduler.py", "scheduling"),
+        ("replica/scheduler.py", "scheduling"),
+        ("replica/step_model.py", "scheduling"),
+        ("replica/block_allocator.py", "scheduling"),
+        ("replica/prefix_cache.py", "scheduling"),
+        ("replica/builder.py", "batch building"),
+        ("replica/batch.py", "batch building"),
+        ("replica/step_lists.py", "batch building"),
+        ("replica/kv_cache.py", "batch building"),
+        ("replica/engine.py", "engine loop"),
+        ("replica/engine_loop.py", "engine loop"),
+        ("replica/outputs.py", "engine loop"),
+        ("replica/service.py", "gRPC service"),
+        ("selectors.py", WAITING),
+        ("server/", "gRPC service"),
+        ("grpc/", "gRPC service"),
+        ("prometheus_client/", "metrics"),
     ),
     "balancer": (
-        ("/balancer/openai_api.py", "HTTP/SSE"),
-        ("/balancer/openai_protocol.py", "HTTP/SSE"),
-        ("/balancer/structured.py", "HTTP/SSE"),
-        ("/balancer/tools.py", "HTTP/SSE"),
-        ("/balancer/journal.py", "journal"),
-        ("/balancer/policy.py", "routing"),
-        ("/balancer/pool.py", "routing"),
-        ("/balancer/prefix_index.py", "routing"),
-        ("/balancer/tokenizer.py", "tokenization"),
-        ("/tokenizers/", "tokenization"),
-        ("/balancer/service.py", "gRPC relay"),
-        ("/server/", "gRPC relay"),
-        ("/grpc/", "gRPC relay"),
-        ("/prometheus_client/", "metrics"),
+        ("balancer/openai_api.py", "HTTP/SSE"),
+        ("aiohttp/", "HTTP/SSE"),
+        ("balancer/openai_protocol.py", "HTTP/SSE"),
+        ("balancer/structured.py", "HTTP/SSE"),
+        ("balancer/tools.py", "HTTP/SSE"),
+        ("balancer/journal.py", "journal"),
+        ("balancer/policy.py", "routing"),
+        ("balancer/pool.py", "routing"),
+        ("balancer/prefix_index.py", "routing"),
+        ("balancer/tokenizer.py", "tokenization"),
+        ("tokenizers/", "tokenization"),
+        ("balancer/service.py", "gRPC relay"),
+        ("selectors.py", WAITING),
+        ("server/", "gRPC relay"),
+        ("grpc/", "gRPC relay"),
+        ("prometheus_client/", "metrics"),
     ),
 }
 
 
 def part_of(stack: str, parts: tuple[tuple[str, str], ...]) -> str:
-    """The part a collapsed py-spy stack ("fn (file:line);fn (file:line);...", root first) is charged to."""
+    """The part a collapsed py-spy stack ("fn (file:line);fn (file:line);...", root first) is charged to. py-spy
+    names a file by its path under the sys.path entry it was imported from (replica/engine.py, grpc/aio/_call.py)."""
     for frame in reversed(stack.split(";")):
         where = frame[frame.rfind("(") + 1 :]
         for path, part in parts:
-            if path in where:
+            if where.startswith(path):
                 return part
     return "other"
 
@@ -118,8 +126,12 @@ class Split:
     itl_p95_ms: float
     samples: dict = field(default_factory=dict)  # role -> part -> samples
 
+    def work(self, role: str) -> int:
+        """Samples of the role's process that were not waiting."""
+        return sum(n for part, n in self.samples[role].items() if part != WAITING)
+
     def cores(self, role: str, rate: int) -> float:
-        return sum(self.samples[role].values()) / rate / self.seconds
+        return self.work(role) / rate / self.seconds
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -139,45 +151,63 @@ def py_spy(pid: int, seconds: float, rate: int, out: Path, fmt: str) -> subproce
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+async def load_until(backend, args, clients: int, tag: str, stop: asyncio.Event) -> list:
+    """Closed-loop clients sending fresh prompts until `stop` is set; their requests' records."""
+    records = []
+
+    async def client(i: int) -> None:
+        k = 0
+        while not stop.is_set():
+            (request,) = prompts(args, 1, f"{tag}-{i}-{k}")
+            records.append(await backend.run(request, i))
+            k += 1
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return records
+
+
+async def waited(spies: dict[str, subprocess.Popen]) -> list[int]:
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: [p.wait() for p in spies.values()])
+
+
 async def measure_one(server, rows: dict, args, clients: int, raw: Path) -> Split:
-    backend = OpenAIBackend(server.url, "smollm2-135m", clients, keepalive=True)
+    backend = OpenAIBackend(server.url, server.model, clients, keepalive=True)
     metrics = f"http://127.0.0.1:{rows['replica']['metrics_port']}/metrics"
-    n = args.requests_per_client * clients + 16
-    tag = f"split-c{clients}"
+    stop = asyncio.Event()
     try:
         wait_quiet(args.quiet_cores, 300.0)
-        loop = asyncio.create_task(
-            closed_loop(backend, prompts(args, n, tag), prompts(args, clients, tag + "-w"), clients)
-        )
-        await asyncio.sleep(args.settle)  # past the warm-ups, into the steady state
+        load = asyncio.create_task(load_until(backend, args, clients, f"split-c{clients}", stop))
+        await asyncio.sleep(args.settle)  # into the steady state
         before, t0 = scrape(metrics), time.perf_counter()  # the load generator's clock
-        spies = {}
-        for role, row in rows.items():
-            spies[role] = py_spy(row["pid"], args.seconds, args.rate, raw / f"{role}-c{clients}.txt", "raw")
-            if args.flamegraphs:
-                svg = args.flamegraphs / f"{role}-c{clients}.svg"
-                spies[role + "-svg"] = py_spy(row["pid"], args.seconds, args.rate, svg, "flamegraph")
-        ended = await asyncio.get_running_loop().run_in_executor(None, lambda: [p.wait() for p in spies.values()])
+        spies = {
+            r: py_spy(row["pid"], args.seconds, args.rate, raw / f"{r}-c{clients}.txt", "raw")
+            for r, row in rows.items()
+        }
+        ended = await waited(spies)
         after, seconds = scrape(metrics), time.perf_counter() - t0
-        records = await loop
+        if args.flamegraphs and not any(ended):
+            svgs = {r: args.flamegraphs / f"{r}-c{clients}.svg" for r in rows}
+            spies = {r: py_spy(row["pid"], args.seconds, args.rate, svgs[r], "flamegraph") for r, row in rows.items()}
+            ended = await waited(spies)
+        stop.set()
+        records = await load
     finally:
+        stop.set()
         await backend.close()
     if any(ended):
         errors = "; ".join(p.stderr.read().strip()[-300:] for p in spies.values() if p.returncode)
         raise RuntimeError(f"py-spy failed: {errors}")
-    in_window = sum(1 for r in records if r.ok and t0 <= r.end <= t0 + seconds)
     s = summarize(records)
-    split = Split(
+    return Split(
         clients,
         seconds,
         int(after["fastgen_forward_seconds_count"] - before["fastgen_forward_seconds_count"]),
         after["fastgen_forward_seconds_sum"] - before["fastgen_forward_seconds_sum"],
-        in_window,
+        sum(1 for r in records if r.ok and t0 <= r.end <= t0 + seconds),
         s.throughput,
         s.inter_token["p95"] * 1e3,
         {role: dict(split_samples((raw / f"{role}-c{clients}.txt").read_text(), PARTS[role])) for role in rows},
     )
-    return split
 
 
 def markdown(splits: list[Split], rate: int) -> str:
@@ -192,9 +222,11 @@ def markdown(splits: list[Split], rate: int) -> str:
             "|---|---|---|---|---|---|",
         ]
         for role, parts in sp.samples.items():
-            total = sum(parts.values()) or 1
-            lines.append(f"| {role} | all | {sp.cores(role, rate):.2f} | 100% | | |")
+            total = sp.work(role) or 1
+            lines.append(f"| {role} | all work | {sp.cores(role, rate):.2f} | 100% | | |")
             for part, n in sorted(parts.items(), key=lambda kv: -kv[1]):
+                if part == WAITING:
+                    continue
                 s = n / rate
                 lines.append(
                     f"| {role} | {part} | {s / sp.seconds:.2f} | {100 * n / total:.0f}% | "
@@ -213,17 +245,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deploy-args", default="", help="extra arguments to fastgen-deploy start, one string")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",") if x], default=[4, 16])
-    p.add_argument("--requests-per-client", type=int, default=6)
     p.add_argument("--prompt-len", type=lambda s: tuple(int(x) for x in s.split("-")), default=(250, 450))
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle", type=float, default=8.0, help="seconds of load before sampling starts")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds sampled per client count")
-    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    p.add_argument("--rate", type=int, default=50, help="py-spy samples per second (default: %(default)s)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--quiet-cores", type=float, default=0.7)
     p.add_argument("--flamegraphs", type=Path, default=None, help="also write SVG flame graphs into this folder")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--raw", type=Path, default=None, help="py-spy's samples (default: benchmarks/out/...)")
     args = p.parse_args(argv)
     args.argv = argv
     from ..replica.weights import resolve_model
@@ -235,7 +267,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt)
-    raw = RAW_DIR / "time_split" / (args.json.stem if args.json else time.strftime("%Y%m%d-%H%M%S"))
+    raw = args.raw or RAW_DIR / "time_split" / (args.json.stem if args.json else time.strftime("%Y%m%d-%H%M%S"))
     raw.mkdir(parents=True, exist_ok=True)
     if args.flamegraphs:
         args.flamegraphs.mkdir(parents=True, exist_ok=True)
@@ -254,7 +286,7 @@ def main(argv=None) -> int:
 
 
 async def warm(server, args) -> None:
-    backend = OpenAIBackend(server.url, "smollm2-135m", 4, keepalive=True)
+    backend = OpenAIBackend(server.url, server.model, 4, keepalive=True)
     try:
         await closed_loop(backend, prompts(args, 8, "warm"), [], 4)
     finally:
