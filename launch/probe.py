@@ -7,6 +7,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import psutil
@@ -40,10 +41,13 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+_draw = random.SystemRandom()  # not the module's generator: a test that seeds it must not make two processes agree
+
+
 def ephemeral_ports() -> range:
     """The ports the kernel hands outgoing connections as their source (Linux's setting; IANA's range elsewhere)."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     except (OSError, ValueError):
         low, high = 49152, 65535
     return range(low, high + 1)
@@ -60,7 +64,7 @@ def free_port(host: str, avoid: frozenset[int] = frozenset(), count: int = 1) ->
     pool = max(below, above, key=len)
     pool = pool[-16384:] if pool is below else pool[:16384]
     for _ in range(200):
-        base = random.choice(pool[: len(pool) - count + 1])
+        base = _draw.choice(pool[: len(pool) - count + 1])
         ports = range(base, base + count)
         if avoid.isdisjoint(ports) and all(_bindable(family, host, port) for port in ports):
             return base
