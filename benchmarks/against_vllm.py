@@ -52,7 +52,7 @@ from .backends import OpenAIBackend, served_models
 from .http_overhead import deploy_cli
 from .loadgen import closed_loop
 from .provenance import RAW_DIR, run_info
-from .serving import CpuMeter, cpu_count, free_base_port, interrupt, wait_quiet
+from .serving import CpuMeter, cpu_count, free_base_port, interrupt, process_cpu_seconds, wait_quiet
 from .stats import SLA, summarize
 from .workload import BenchRequest, corpus_ids, load_tokenizer
 
@@ -226,12 +226,12 @@ async def measure(servers: list[Server], args, raw: Path) -> list[Run]:
                     n = args.requests_per_client * clients + args.requests_extra
                     wait_quiet(args.quiet_cores, 300.0)
                     others = [p for s in servers if s is not server for p in s.pids]
-                    t0, others0 = time.monotonic(), cpu_seconds(others)
+                    t0, others0 = time.monotonic(), process_cpu_seconds(others)
                     with CpuMeter(server.pids) as meter:
                         records = await closed_loop(
                             backends[name], prompts(args, n, tag), prompts(args, clients, tag + "-w"), clients
                         )
-                    idle = (cpu_seconds(others) - others0) / (time.monotonic() - t0)
+                    idle = (process_cpu_seconds(others) - others0) / (time.monotonic() - t0)
                     cpu = meter.result | {"other_servers_cores": idle}
                     run = run_of(name, clients, r, records, sla, cpu)
                     runs.append(run)
@@ -248,18 +248,6 @@ async def measure(servers: list[Server], args, raw: Path) -> list[Run]:
         for b in backends.values():
             await b.close()
     return runs
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time the processes have used so far (those that are gone count nothing)."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-    return total
 
 
 # ---- the figures ----

@@ -142,6 +142,20 @@ def wait_quiet(threshold: float, timeout: float) -> float:
     return busy
 
 
+def process_cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes have used so far; those that are gone count nothing."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 class CpuMeter:
     """CPU used during a run by everything on the machine and by our own processes (this one and the deployment's):
     the difference is what neighbours took, recorded with every run so a disturbed run shows in its numbers."""
@@ -150,16 +164,7 @@ class CpuMeter:
         self.pids = [os.getpid(), *pids]
 
     def ours(self) -> float:
-        import psutil
-
-        total = 0.0
-        for pid in self.pids:
-            try:
-                t = psutil.Process(pid).cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
+        return process_cpu_seconds(self.pids)
 
     def __enter__(self) -> CpuMeter:
         self.t0, self.busy0, self.ours0 = time.monotonic(), cpu_times()[0], self.ours()

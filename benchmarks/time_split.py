@@ -5,13 +5,14 @@ the replica and the balancer, each sample charged to the part of the serving pat
         [--flamegraphs docs/flamegraphs]    # also an SVG flame graph of each process at each load
     python -m fastgen.benchmarks.time_split --deploy-args '--max-batch-tokens 256' ...
 
-One deployment (`fastgen-deploy`, one replica on every core, its HTTP API; --deploy-args go to `fastgen-deploy
-start`), warmed, then per client count one closed loop of fresh prompts (real text, lengths uniform in --prompt-len,
---gen tokens out, ignore_eos) and, once it is under way, py-spy (`record --nonblocking`, --rate samples a second) on
-the replica and the balancer for --seconds. A sample is charged to the part of its stack nearest the leaf that this
-module knows (PARTS: the model's forward and the kernels, sampling, scheduling, batch building, detokenization, the
-engine loop, the gRPC service; the balancer's HTTP/SSE, relay, journal, routing, tokenization), or to "other" (the
-interpreter's event loop, logging, ...). py-spy counts a thread blocked in epoll as active, so those samples are
+One deployment (`fastgen-deploy` with its defaults and its HTTP API; --deploy-args go to `fastgen-deploy start`),
+warmed, then per client count one closed loop of fresh prompts (real text, lengths uniform in --prompt-len, --gen
+tokens out, ignore_eos) and, once it is under way, py-spy (`record --nonblocking`, --rate samples a second) on the
+balancer and one replica (of several, the last `fastgen-deploy status` lists, whose metrics give the steps) for
+--seconds. A sample is charged to the part of its stack nearest the leaf that this module knows (PARTS: the
+model's forward and the kernels, sampling, scheduling, batch building, detokenization, the engine loop, the gRPC
+service; the balancer's HTTP/SSE, relay, journal, routing, tokenization), or to "other" (the interpreter's event
+loop, logging, ...). py-spy counts a thread blocked in epoll as active, so those samples are
 shown as "waiting (epoll)" and left out of the work. Reported per process: cores busy working (samples / rate /
 seconds) and each part's share, in ms per engine step and per request (steps from the replica's
 fastgen_forward_seconds, requests completed in the window), beside the replica's own forward time per step. Python
