@@ -225,11 +225,12 @@ def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", INT8_TYPES)
-@pytest.mark.parametrize("rows,k", [(1, 512), (1, 544), (3, 544), (8, 96), (5, 1536)])
+@pytest.mark.parametrize("rows,k", [(1, 512), (1, 544), (3, 544), (8, 96), (5, 1536), (1, 64), (2, 576)])
 def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
     """Each row's 32-value blocks rounded to int8 as llama.cpp does, multiplied exactly with the file's quants: the
     float64 product of those rounded activations and gguf's dequantized weights, to float32 summation. k past a
-    group of 16 blocks and a lone last block (k = 96) included."""
+    group of 16 blocks, and rows ending in a quad of 1, 2 (its own half-width path) and 3 blocks (k = 544, 576 and 64,
+    96) included."""
     library = int8_library()
     w = random_blocks(name, 37, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
@@ -245,12 +246,13 @@ def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
-def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name):
-    """A row alone (4 weight rows at a time, Q4_0/Q4_1 nibbles by one byte permute) equals the same row in a batch
-    (a weight row at a time), on any thread count; 25 blocks: past a group, a lone last block."""
+@pytest.mark.parametrize("k", [800, 576])
+def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name, k):
+    """A row alone (2 weight rows at a time) equals the same row in a batch (a weight row at a time), on any thread
+    count; 25 and 18 blocks: past a group, a last quad of one block and of two (read at half width)."""
     library = int8_library()
-    w = random_blocks(name, 70, 800)
-    x = torch.randn(8, 800, generator=torch.Generator().manual_seed(2))
+    w = random_blocks(name, 71, k)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([int8_linear(library, x[i : i + 1], w, threads=1) for i in range(len(x))])
     for rows in (2, 5, 8):
         for threads in (1, 2, 3):

@@ -3,14 +3,21 @@
  *
  * Each 32-value block of a row of x is rounded to int8 with its own scale (dx = max |x| / 127, q = x / dx to nearest,
  * ties to even), as llama.cpp's q8_0/q8_1 activations are; the block's dot product with a weight block is then exact
- * in int32 (AVX-512 VNNI `vpdpbusd`, unsigned weight quants times signed activations), scaled once per block by
- * dw dx in float32, and a block type with an offset (Q4_0's -8 d, Q4_1's m, Q5's) adds offset times the activations'
- * block sum dx sum(q). The weights are read once, a few instructions per 64, so one row's pass runs near the memory
- * bandwidth, where linear_quant.c's exact float32 path (every weight dequantized to float) is bound by instructions.
+ * in int32 (AVX-512 VNNI `vpdpbusd`, unsigned weight quants times signed activations; a type whose offset is an
+ * integer, Q4_0's 8, Q5_0's 16 and Q8_0's 128 once its sign bit is flipped, starts the sum at -offset sum(q)), scaled
+ * once per block by dw dx in float32, and a block type with a float offset (Q4_1's and Q5_1's m) adds m times the
+ * activations' block sum dx sum(q).
+ *
+ * The inner loop takes a quad of 4 blocks: two VNNI products, each int32 lane summing 8 products of one block, then
+ * one conversion, one scale product and one FMA for all 4 blocks, where a pass by pairs of blocks paid those three per
+ * pair; with Q8_0 read without its sign trick, the file's layers took 0.85-0.91x the time at 1 to 8 rows on a Zen 4
+ * (the embedded file's layers, 2 threads, 31 alternating passes). One row's pass reads its weights at about two thirds
+ * of the memory bandwidth there; linear_quant.c's exact float32 path (every weight dequantized to float) is bound by
+ * instructions.
  * The activations' rounding changes results by about a part in a thousand: the replica takes this path for bfloat16
  * activations only (already rounded to 8 significant bits), never for float32 ones, whose results stay exact.
  *
- * One order for every output whatever m or the thread count: per 16-lane accumulator, pairs of blocks in increasing
+ * One order for every output whatever m or the thread count: per 16-lane accumulator, quads of blocks in increasing
  * k, then a fixed reduction. Only the CPUs with AVX-512 VNNI (Ice Lake and later, Zen 4) build it;
  * linear_q8_available() says 0 elsewhere and the caller keeps the exact path. */
 #include <stdint.h>
@@ -22,7 +29,7 @@
 #include "parallel.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__F16C__)
+    defined(__AVX512DQ__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8_PATH 1
 #else
@@ -37,7 +44,7 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 /* Rows of x one pass over the weights serves; a batch of more rows is cut into strips of this many. */
 #define MAX_ROWS 8
-/* Blocks whose scales are fetched together (one gather), so 8 pairs of blocks. */
+/* Blocks whose scales are fetched together (one gather), so 4 quads. */
 #define GROUP 16
 #define MIN_WORK_PER_THREAD (1 << 16)
 /* How far ahead of the group being read its lines are fetched (bytes; past a row's end: the next row's). */
@@ -56,23 +63,36 @@ static int block_bytes(int type) {
 
 #if Q8_PATH
 /* Where a block's 16 bytes of nibbles (or 32 quant bytes) start. */
-static inline int quants_at(int type) { return type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2; }
+static inline int quants_at(int type) {
+    return type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2;
+}
 
-/* One row of x as the kernel reads it. For every pair of blocks (A, B) 64 int8 values: for the 4- and 5-bit types
- * [A 0-15 | B 0-15 | A 16-31 | B 16-31], the order of the weights' low then high nibbles, for Q8_0 [A | B]; then per
- * pair 16 floats, the scale dx of the block each int32 lane of the dot product sums; then the blocks' sums
- * dx sum(q), for the types with an offset. Blocks past k are zeros, up to a whole group. */
+/* The offset a type's unsigned quants carry (weight = d (q - offset)): Q4_0's 8, Q5_0's 16, and Q8_0's 128, whose
+ * signed quants are read with their sign bit flipped, so VNNI's unsigned-by-signed product takes them; 0 for the
+ * types with a float offset m (Q4_1, Q5_1), added per block as m dx sum(q). */
+static inline int int_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
+static inline int has_m(int type) { return type == Q4_1 || type == Q5_1; }
+
+/* One row of x as the kernel reads it, by quads of 4 blocks (128 values), the unit of one pass of the inner loop:
+ * q holds per quad [blocks 0-3's values 0-15 | blocks 0-3's values 16-31], the order of the weights' low then high
+ * nibbles (16 bytes a block); per quad 16 floats, lane_scale, the scale dx of the block each int32 lane of the dot
+ * product sums (lanes 4b to 4b + 3: block b); per quad 16 int32, init, each block's -offset sum(q) in its first lane,
+ * which starts the dot product so it comes out exact for the types with an integer offset; per block its dx sum(q),
+ * for the types with an m. Blocks past k are zeros, up to a whole group. */
 typedef struct {
     int8_t *q;
     float *lane_scale;
+    int32_t *init;
     float *sums;
 } row_q8;
 
-static inline int nibble_order(int type) { return type != Q8_0; }
+/* Bytes of one row's buffer for padded_blocks blocks (a multiple of GROUP). */
+static size_t row_bytes(int padded_blocks) {
+    return (size_t)padded_blocks * 32 + (size_t)padded_blocks / 4 * 128 + (size_t)padded_blocks * sizeof(float);
+}
 
 static void quantize_row(const float *x, int k, int type, row_q8 r, int padded_blocks) {
     const int blocks = k / 32;
-    float dx[2] = {0, 0};
     for (int b = 0; b < padded_blocks; b++) {
         int8_t q[32] = {0};
         float d = 0;
@@ -88,193 +108,166 @@ static void quantize_row(const float *x, int k, int type, row_q8 r, int padded_b
         int sum = 0;
         for (int j = 0; j < 32; j++) sum += q[j];
         r.sums[b] = d * (float)sum;
-        const int p = b >> 1, second = b & 1;
-        int8_t *dst = r.q + 64 * p;
-        if (nibble_order(type)) {
-            memcpy(dst + 16 * second, q, 16);
-            memcpy(dst + 32 + 16 * second, q + 16, 16);
-        } else {
-            memcpy(dst + 32 * second, q, 32);
-        }
-        dx[second] = d;
-        if (second) {
-            float *ls = r.lane_scale + 16 * p;
-            for (int l = 0; l < 16; l++) ls[l] = dx[nibble_order(type) ? (l >> 2) & 1 : l >> 3];
+        const int quad = b >> 2, j = b & 3;
+        memcpy(r.q + 128 * quad + 16 * j, q, 16);
+        memcpy(r.q + 128 * quad + 64 + 16 * j, q + 16, 16);
+        for (int c = 0; c < 4; c++) {
+            r.lane_scale[16 * quad + 4 * j + c] = d;
+            r.init[16 * quad + 4 * j + c] = c == 0 ? -int_offset(type) * sum : 0;
         }
     }
 }
 
-/* The 64 weight quants of blocks a and b (b null past the row's end) in the activations' order, as unsigned bytes;
- * Q8_0's signed quants as their magnitudes, with *sign set where negative (the activation is negated there). */
-static inline __attribute__((always_inline)) __m512i pair_quants(int type, const uint8_t *a, const uint8_t *b,
-                                                                 __mmask64 *sign, const int permuted) {
-    const int at = quants_at(type);
-    if (type == Q8_0) {
-        const __m256i qa = _mm256_loadu_si256((const __m256i *)(a + at));
-        const __m256i qb = b ? _mm256_loadu_si256((const __m256i *)(b + at)) : _mm256_setzero_si256();
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
-        *sign = _mm512_movepi8_mask(w);
-        return _mm512_abs_epi8(w);
+/* The 128 unsigned quants of the quad at w in the activations' order. Only its first `bytes` bytes are read (past the
+ * row's last block the quants come out as zeros, multiplying the zeros x holds past k). Each block's 16 (Q8_0: 32)
+ * bytes by its own load, set in place by inserts: a byte permute of two 64-byte loads (AVX-512 VBMI) took 1.1-1.3x
+ * the time on a Zen 4, where it is slow. */
+static inline __attribute__((always_inline)) void quad_quants(int type, const uint8_t *w, int64_t bytes, __m512i *lo,
+                                                              __m512i *hi) {
+    const int bb = block_bytes(type), at = quants_at(type);
+    const int whole = bytes >= 4 * bb;
+    if (type == Q8_0) { /* [A | B], [C | D] to [A, B, C, D values 0-15], [values 16-31]; sign bits flipped */
+        __m256i v[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = whole || (j + 1) * bb <= bytes ? _mm256_loadu_si256((const __m256i *)(w + j * bb + at))
+                                                  : _mm256_setzero_si256();
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(v[0]), v[1], 1);
+        const __m512i cd = _mm512_inserti64x4(_mm512_castsi256_si512(v[2]), v[3], 1);
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        *lo = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, cd, 0x88), flip);
+        *hi = _mm512_xor_si512(_mm512_shuffle_i64x2(ab, cd, 0xDD), flip);
+        return;
     }
-#if defined(__AVX512VBMI__)
-    if (permuted && (type == Q4_0 || type == Q4_1)) {
-        /* Both blocks' nibbles in one masked load (B's start bb bytes after A's), set in place by one byte permute:
-         * [A | B | A | B], the upper half shifted to its high nibbles. */
-        const int bb = block_bytes(type);
-        const __m512i idx = _mm512_set_epi8(
-            bb + 15, bb + 14, bb + 13, bb + 12, bb + 11, bb + 10, bb + 9, bb + 8, bb + 7, bb + 6, bb + 5, bb + 4,
-            bb + 3, bb + 2, bb + 1, bb, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, bb + 15, bb + 14, bb + 13,
-            bb + 12, bb + 11, bb + 10, bb + 9, bb + 8, bb + 7, bb + 6, bb + 5, bb + 4, bb + 3, bb + 2, bb + 1, bb, 15,
-            14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __mmask64 bytes = b ? ((__mmask64)1 << (bb + 16)) - 1 : 0xFFFF;
-        const __m512i raw = _mm512_maskz_loadu_epi8(bytes, a + at);
-        const __m512i w = _mm512_maskz_permutexvar_epi8(b ? ~(__mmask64)0 : 0x0000FFFF0000FFFFull, idx, raw);
-        return _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFFFF0000u, w, 4), _mm512_set1_epi8(0x0F));
+    __m128i v[4];
+    for (int j = 0; j < 4; j++)
+        v[j] = whole || (j + 1) * bb <= bytes ? _mm_loadu_si128((const __m128i *)(w + j * bb + at))
+                                              : _mm_setzero_si128();
+    const __m512i nibbles = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(v[0]), v[1], 1)),
+        _mm256_inserti128_si256(_mm256_castsi128_si256(v[2]), v[3], 1), 1);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(nibbles, low4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4);
+    if (type == Q5_0 || type == Q5_1) { /* qh bit t: value t's fifth bit */
+        uint64_t mlo = 0, mhi = 0;
+        for (int j = 0; j < 4 && (whole || (j + 1) * bb <= bytes); j++) {
+            uint32_t qh;
+            memcpy(&qh, w + j * bb + at - 4, 4);
+            mlo |= (uint64_t)(qh & 0xFFFF) << 16 * j;
+            mhi |= (uint64_t)(qh >> 16) << 16 * j;
+        }
+        const __m512i fifth = _mm512_set1_epi8(0x10);
+        *lo = _mm512_mask_add_epi8(*lo, (__mmask64)mlo, *lo, fifth);
+        *hi = _mm512_mask_add_epi8(*hi, (__mmask64)mhi, *hi, fifth);
     }
-#endif
-    const __m128i na = _mm_loadu_si128((const __m128i *)(a + at));
-    const __m128i nb = b ? _mm_loadu_si128((const __m128i *)(b + at)) : _mm_setzero_si128();
-    const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(na), nb, 1);
-    __m512i w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_srli_epi16(lo, 4), 1),
-                                 _mm512_set1_epi8(0x0F));
-    if (type == Q5_0 || type == Q5_1) { /* qh bit j: weight j's fifth bit */
-        uint32_t ha, hb = 0;
-        memcpy(&ha, a + at - 4, 4);
-        if (b) memcpy(&hb, b + at - 4, 4);
-        const __mmask64 high = (uint64_t)(ha & 0xFFFF) | (uint64_t)(hb & 0xFFFF) << 16 | (uint64_t)(ha >> 16) << 32 |
-                               (uint64_t)(hb >> 16) << 48;
-        w = _mm512_mask_add_epi8(w, high, w, _mm512_set1_epi8(0x10));
-    }
-    return w;
 }
 
-/* Rows [0, mr) of quantized x against weight row w (`blocks` blocks): out[i] = the row's sum + bias. */
-static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *w, int blocks, const row_q8 *x,
-                                                          int mr, float *out, float bias) {
-    const int bb = block_bytes(type);
-    const int offset = type != Q8_0;
-    __m512 acc[MAX_ROWS], acc_offset[MAX_ROWS];
-    for (int i = 0; i < mr; i++) acc[i] = acc_offset[i] = _mm512_setzero_ps();
-    const __m512i at_block = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32(bb));
-    const __m512i lanes = nibble_order(type) ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int g0 = 0; g0 < blocks; g0 += GROUP) {
-        const uint8_t *base = w + (int64_t)g0 * bb;
-        const int in_group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
-        const __mmask16 valid = (__mmask16)((1u << in_group) - 1);
-        /* The group's scales d (and offsets m) from the blocks' first 4 bytes, as float32. */
-        const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, at_block, base, 1);
-        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-        if (offset) {
-            const __m512 mw = type == Q4_1 || type == Q5_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
-                              : _mm512_mul_ps(dw, _mm512_set1_ps(type == Q4_0 ? -8.f : -16.f));
-            for (int i = 0; i < mr; i++) acc_offset[i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(x[i].sums + g0), acc_offset[i]);
-        }
-        for (int l = 0; l < GROUP * bb; l += 64) _mm_prefetch((const char *)(base + PREFETCH_AHEAD + l), _MM_HINT_T0);
-        for (int p = 0; p < (in_group + 1) / 2; p++) {
-            const uint8_t *a = base + 2 * p * bb, *b = 2 * p + 1 < in_group ? a + bb : 0;
-            __mmask64 sign = 0;
-            const __m512i wq = pair_quants(type, a, b, &sign, 0);
-            const __m512 scale = _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(2 * p)), dw);
-            const int64_t pair = (g0 >> 1) + p;
-            for (int i = 0; i < mr; i++) {
-                __m512i xq = _mm512_loadu_si512(x[i].q + 64 * pair);
-                if (type == Q8_0) xq = _mm512_mask_sub_epi8(xq, sign, _mm512_setzero_si512(), xq);
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq));
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(x[i].lane_scale + 16 * pair)), scale, acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < mr; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(acc_offset[i]) + bias;
-}
-
-/* One row of quantized x against WROWS weight rows (w, w + ws, ...): out[r] = row r's sum + bias[r]. Each output is
- * summed exactly as row_dot sums it (the same operations in the same order), so a row's result does not depend on
- * which of the two computed it; reading several weight rows at once shares the activations' loads and keeps more
- * memory streams in flight, which a single row's decode step is bound by. Q4_0/Q4_1 nibbles come in by one masked
- * load and one byte permute per pair of blocks (AVX-512 VBMI) instead of two loads and two inserts: a Zen 4's
- * one-row pass over the embedded model took 0.87x the time (2 threads). */
+/* Weight rows one decode row's pass reads at a time. */
 #ifndef WROWS
-#define WROWS 4
+#define WROWS 2
 #endif
-static inline __attribute__((always_inline)) void rows_dot_one_x(int type, const uint8_t *w, int64_t ws, int blocks,
-                                                                 const row_q8 *x, float *out, const float *bias) {
+
+/* WR weight rows (w, w + ws, ...) against MR rows of quantized x: out[r * MR + i] = the dot product of weight row r
+ * and x row i, + bias[r]. Every output is summed by the same operations in the same order whatever WR and MR, so a
+ * row's result does not depend on its batch, on the thread count, or on which tile computed it: per group of 16
+ * blocks its m offsets (Q4_1, Q5_1), then per quad the exact int32 dot product of each block's 32 values (two VNNI
+ * products, started from the integer offset's term) to float32, times dw dx per lane, in increasing k, then one
+ * fixed reduction. */
+static inline __attribute__((always_inline)) void tile_dot(int type, const uint8_t *w,
+                                                           int64_t ws, int blocks, const row_q8 *x, float *out,
+                                                           const float *bias, const int WR, const int MR) {
     const int bb = block_bytes(type);
-    const int offset = type != Q8_0;
-    __m512 acc[WROWS], acc_offset[WROWS], dw[WROWS];
-    for (int r = 0; r < WROWS; r++) acc[r] = acc_offset[r] = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS]; /* [r * MR + i]: WR MR <= MAX_ROWS (fixed sizes, so the compiler keeps them in registers) */
+    for (int t = 0; t < WR * MR; t++) acc[t] = _mm512_setzero_ps();
     const __m512i at_block = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32(bb));
-    const __m512i lanes = nibble_order(type) ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int g0 = 0; g0 < blocks; g0 += GROUP) {
         const int in_group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
         const __mmask16 valid = (__mmask16)((1u << in_group) - 1);
-        for (int r = 0; r < WROWS; r++) {
+        __m512 dw[WROWS];
+        for (int r = 0; r < WR; r++) {
             const uint8_t *base = w + r * ws + (int64_t)g0 * bb;
+            /* the group's scales d (and offsets m) from the blocks' first 4 bytes, as float32 */
             const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, at_block, base, 1);
             dw[r] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-            if (offset) {
-                const __m512 mw = type == Q4_1 || type == Q5_1
-                                      ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
-                                      : _mm512_mul_ps(dw[r], _mm512_set1_ps(type == Q4_0 ? -8.f : -16.f));
-                acc_offset[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(x->sums + g0), acc_offset[r]);
+            if (has_m(type)) {
+                const __m512 mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+                for (int i = 0; i < MR; i++)
+                    acc[r * MR + i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(x[i].sums + g0), acc[r * MR + i]);
             }
             for (int l = 0; l < GROUP * bb; l += 64) _mm_prefetch((const char *)(base + PREFETCH_AHEAD + l), _MM_HINT_T0);
         }
-        for (int p = 0; p < (in_group + 1) / 2; p++) {
-            const int64_t pair = (g0 >> 1) + p;
-            const __m512i xq = _mm512_loadu_si512(x->q + 64 * pair);
-            const __m512 lane_scale = _mm512_loadu_ps(x->lane_scale + 16 * pair);
-            const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(2 * p));
-            for (int r = 0; r < WROWS; r++) {
-                const uint8_t *a = w + r * ws + (int64_t)(g0 + 2 * p) * bb, *b = 2 * p + 1 < in_group ? a + bb : 0;
-                __mmask64 sign = 0;
-                const __m512i wq = pair_quants(type, a, b, &sign, 1);
-                const __m512i xr = type == Q8_0 ? _mm512_mask_sub_epi8(xq, sign, _mm512_setzero_si512(), xq) : xq;
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xr));
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, lane_scale), _mm512_permutexvar_ps(at, dw[r]), acc[r]);
+        for (int q = 0; q < (in_group + 3) / 4; q++) {
+            const int quad = (g0 >> 2) + q;
+            const __m512i lanes = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * q));
+            for (int r = 0; r < WR; r++) {
+                __m512i lo, hi;
+                quad_quants(type, w + r * ws + (int64_t)quad * 4 * bb, (int64_t)(blocks - 4 * quad) * bb, &lo, &hi);
+                const __m512 scale = _mm512_permutexvar_ps(lanes, dw[r]);
+                if (4 * quad + 2 >= blocks) { /* a last quad of one or two blocks: their lanes, the lower half */
+                    for (int i = 0; i < MR; i++) {
+                        const __m256i start = _mm256_maskz_loadu_epi32(0xFF, x[i].init + 16 * quad);
+                        const __m256i dot = _mm256_dpbusd_epi32(
+                            _mm256_dpbusd_epi32(start, _mm512_castsi512_si256(lo),
+                                                _mm256_loadu_si256((const __m256i *)(x[i].q + 128 * quad))),
+                            _mm512_castsi512_si256(hi),
+                            _mm256_loadu_si256((const __m256i *)(x[i].q + 128 * quad + 64)));
+                        const __m256 sum = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(dot),
+                            _mm256_mul_ps(_mm512_castps512_ps256(scale), _mm256_loadu_ps(x[i].lane_scale + 16 * quad)),
+                            _mm512_castps512_ps256(acc[r * MR + i]));
+                        acc[r * MR + i] = _mm512_insertf32x8(acc[r * MR + i], sum, 0);
+                    }
+                    continue;
+                }
+                for (int i = 0; i < MR; i++) {
+                    const __m512i start = _mm512_maskz_loadu_epi32(0xFFFF, x[i].init + 16 * quad);
+                    const __m512i dot = _mm512_dpbusd_epi32(
+                        _mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(x[i].q + 128 * quad)), hi,
+                        _mm512_loadu_si512(x[i].q + 128 * quad + 64));
+                    acc[r * MR + i] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_loadu_ps(x[i].lane_scale + 16 * quad)),
+                        acc[r * MR + i]);
+                }
             }
         }
     }
-    for (int r = 0; r < WROWS; r++)
-        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(acc_offset[r]) + (bias ? bias[r] : 0.f);
+    for (int r = 0; r < WR; r++)
+        for (int i = 0; i < MR; i++) out[r * MR + i] = _mm512_reduce_add_ps(acc[r * MR + i]) + (bias ? bias[r] : 0.f);
 }
 
-/* Output columns [lo, hi) for every row: y is float32, or bfloat16 where y_bf16. */
+static inline void store(void *y, int y_bf16, int64_t at, float v) {
+    if (y_bf16)
+        ((uint16_t *)y)[at] = f32_to_bf16(v);
+    else
+        ((float *)y)[at] = v;
+}
+
+/* Output columns [lo, hi) for every row: y is float32, or bfloat16 where y_bf16. One decode row reads WROWS weight
+ * rows at a time (more memory streams in flight, which a single row's pass is bound by); a batch, a weight row at a
+ * time against up to MAX_ROWS rows. */
 static void rows_dot(int type, const uint8_t *w, int64_t ws, const float *bias, const row_q8 *x, int m, void *y,
                      int y_bf16, int64_t ys, int k, int lo, int hi) {
     const int blocks = k / 32;
-    float out[MAX_ROWS];
-    if (m == 1) { /* one decode row: WROWS weight rows at a time */
+    float out[WROWS * MAX_ROWS];
+    if (m == 1) {
         for (; lo + WROWS <= hi; lo += WROWS) {
-            rows_dot_one_x(type, w + lo * ws, ws, blocks, x, out, bias ? bias + lo : 0);
-            for (int r = 0; r < WROWS; r++) {
-                if (y_bf16)
-                    ((uint16_t *)y)[lo + r] = f32_to_bf16(out[r]);
-                else
-                    ((float *)y)[lo + r] = out[r];
-            }
+            tile_dot(type, w + lo * ws, ws, blocks, x, out, bias ? bias + lo : 0, WROWS, 1);
+            for (int r = 0; r < WROWS; r++) store(y, y_bf16, lo + r, out[r]);
         }
     }
     for (int j = lo; j < hi; j++)
         for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
             const int mr = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
-            const float bj = bias ? bias[j] : 0.f;
+            const float *bj = bias ? bias + j : 0;
 #define ROWS_CASE(R)                                                                                                   \
-    case R: row_dot(type, w + j * ws, blocks, x + i0, R, out, bj); break;
+    case R: tile_dot(type, w + j * ws, ws, blocks, x + i0, out, bj, 1, R); break;
             switch (mr) {
                 ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
             }
 #undef ROWS_CASE
-            for (int i = 0; i < mr; i++) {
-                const int64_t at = (int64_t)(i0 + i) * ys + j;
-                if (y_bf16)
-                    ((uint16_t *)y)[at] = f32_to_bf16(out[i]);
-                else
-                    ((float *)y)[at] = out[i];
-            }
+            for (int i = 0; i < mr; i++) store(y, y_bf16, (int64_t)(i0 + i) * ys + j, out[i]);
         }
 }
 
@@ -304,8 +297,8 @@ static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
         return -1;
 #if Q8_PATH
     const int padded = (k / 32 + GROUP - 1) / GROUP * GROUP;
-    const size_t row_bytes = (size_t)padded * 32 + sizeof(float) * (size_t)(8 * padded + padded);
-    uint8_t *buffer = aligned_alloc(64, (row_bytes * (size_t)m + 63) / 64 * 64);
+    const size_t bytes = row_bytes(padded);
+    uint8_t *buffer = aligned_alloc(64, (bytes * (size_t)m + 63) / 64 * 64);
     row_q8 *rows = malloc(sizeof(row_q8) * (size_t)m);
     float *widened = x_bf16 ? malloc(sizeof(float) * (size_t)k) : 0;
     if (!buffer || !rows || (x_bf16 && !widened)) {
@@ -313,8 +306,9 @@ static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
         return -1;
     }
     for (int i = 0; i < m; i++) {
-        uint8_t *r = buffer + row_bytes * i;
-        rows[i] = (row_q8){(int8_t *)r, (float *)(r + (size_t)padded * 32), (float *)(r + (size_t)padded * 64)};
+        uint8_t *r = buffer + bytes * i;
+        rows[i] = (row_q8){(int8_t *)r, (float *)(r + (size_t)padded * 32), (int32_t *)(r + (size_t)padded * 48),
+                           (float *)(r + (size_t)padded * 64)};
         const float *xi = (const float *)x + i * x_stride;
         if (x_bf16) { /* bfloat16 is float32's top half: widening is exact */
             const uint16_t *xb = (const uint16_t *)x + i * x_stride;
