@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +284,12 @@ class _Stream:
     unfinished: int  # completions that have not sent their last output
 
 
+def _put_all(deliveries: list[tuple[Outputs, RequestOutput]]) -> None:
+    """On the event loop: a step's outputs into their streams' queues, in the step's order."""
+    for outputs, out in deliveries:
+        outputs.put_nowait(out)
+
+
 class _EngineThread:
     """The engine thread's side: the engine, the streams of its requests and its failed steps in a row, touched by
     this thread alone. It answers callers on their event loop (call_soon_threadsafe) and publishes to the handle's
@@ -330,7 +336,7 @@ class _EngineThread:
         self.failed_steps = 0
         for out in result.outputs:
             h.tokens_generated += len(out.new_token_ids)
-            self._deliver(out)
+        self._deliver(result.outputs)
         if result.stats is not None:
             h.metrics.on_step(result.stats)
             stats = result.stats
@@ -381,8 +387,7 @@ class _EngineThread:
             elif isinstance(command, ChangeLora):
                 self._change_lora(command)
             elif command.request_id in self.streams:
-                for out in self.engine.abort(command.request_id):
-                    self._deliver(out)
+                self._deliver(self.engine.abort(command.request_id))
             try:
                 command = self.inbox.get_nowait()
             except queue.Empty:
@@ -435,14 +440,22 @@ class _EngineThread:
             return
         self.streams[command.request_id] = _Stream(command.outputs, completions_to_send(command.params, command.resume))
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, outs: Iterable[RequestOutput]) -> None:
+        """Hands a step's outputs to their streams in one callback on the event loop: each call_soon_threadsafe
+        writes to the loop's wake-up socket, and a call per output (one per stream per step) took ~4% of the
+        replica's samples at 8 streams, on cores the forward shares."""
+        ready = [delivery for out in outs if (delivery := self._delivery(out)) is not None]
+        if ready:
+            self.loop.call_soon_threadsafe(_put_all, ready)
+
+    def _delivery(self, out: RequestOutput) -> tuple[Outputs, RequestOutput] | None:
         # The metrics time each completion's tokens as a stream of its own.
         self.handle.metrics.on_output(
             out if out.index == 0 else dataclasses.replace(out, request_id=completion_key(out))
         )
         stream = self.streams.get(out.request_id)
         if stream is None:
-            return
+            return None
         if out.finished:
             stream.unfinished -= 1
             if stream.unfinished == 0:
@@ -451,7 +464,7 @@ class _EngineThread:
             # A stream sends deltas: the whole text, ids and logprobs so far, copied on every step and queued behind
             # a slow reader, would hold O(length^2). The last output keeps them, for Generate's answer.
             out = dataclasses.replace(out, text="", token_ids=[], logprobs=[])
-        self.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+        return stream.outputs, out
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.streams):
