@@ -207,7 +207,8 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
                 const __m512 scale = _mm512_permutexvar_ps(lanes, dw[r]);
                 if (4 * quad + 2 >= blocks) { /* a last quad of one or two blocks: their lanes, the lower half */
                     for (int i = 0; i < MR; i++) {
-                        const __m256i start = _mm256_maskz_loadu_epi32(0xFF, x[i].init + 16 * quad);
+                        const __m256i start = int_offset(type) ? _mm256_maskz_loadu_epi32(0xFF, x[i].init + 16 * quad)
+                                                               : _mm256_setzero_si256();
                         const __m256i dot = _mm256_dpbusd_epi32(
                             _mm256_dpbusd_epi32(start, _mm512_castsi512_si256(lo),
                                                 _mm256_loadu_si256((const __m256i *)(x[i].q + 128 * quad))),
@@ -222,7 +223,8 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
                     continue;
                 }
                 for (int i = 0; i < MR; i++) {
-                    const __m512i start = _mm512_maskz_loadu_epi32(0xFFFF, x[i].init + 16 * quad);
+                    const __m512i start = int_offset(type) ? _mm512_maskz_loadu_epi32(0xFFFF, x[i].init + 16 * quad)
+                                                           : _mm512_setzero_si512();
                     const __m512i dot = _mm512_dpbusd_epi32(
                         _mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(x[i].q + 128 * quad)), hi,
                         _mm512_loadu_si512(x[i].q + 128 * quad + 64));
