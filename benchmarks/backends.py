@@ -193,13 +193,15 @@ class OpenAIBackend:
                 break
             t = now()
             event = json.loads(data)
-            usage = event.get("usage")
-            if usage and not event.get("choices"):  # the usage-only event closes the stream
+            if event.get("choices"):
+                rec.token_times.extend([t] * tokens_in(event))
+            usage = event.get("usage")  # a usage-only event closes the stream (llama.cpp: its last choice carries it)
+            if usage:
+                # Tokens no event counted: several in one event's text (a server holds back bytes of an unfinished
+                # UTF-8 character, llama.cpp for dozens of tokens at times), timed as the last seen.
                 missing = usage.get("completion_tokens", 0) - len(rec.token_times)
                 if missing > 0 and rec.token_times:
                     rec.token_times.extend([rec.token_times[-1]] * missing)
-                continue
-            rec.token_times.extend([t] * tokens_in(event))
 
 
 def api_base(url: str) -> tuple[str, int, str]:

@@ -28,6 +28,9 @@ class FastGenLike(BaseHTTPRequestHandler):
     seen: list[dict]  # set per server: one entry per request
     connections: list[int]
     drop_after_response = False  # close the connection without saying so (a server's idle timeout)
+    usage_on_last_choice = (
+        False  # llama.cpp's shape: the usage rides on a last choice with no text, no usage-only event
+    )
 
     def setup(self):
         super().setup()
@@ -66,8 +69,13 @@ class FastGenLike(BaseHTTPRequestHandler):
         event(choice(" bc"))  # two tokens in one event (the first one's text was held back): usage fixes the count
         for i in range(n - 4):
             event(choice(f" t{i}"))
-        event(choice(" end", "length"))
-        event([], {"prompt_tokens": len(req["prompt"]), "completion_tokens": n, "total_tokens": len(req["prompt"]) + n})
+        usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": n, "total_tokens": len(req["prompt"]) + n}
+        if self.usage_on_last_choice:
+            event(choice(" end"))
+            event(choice("", "length"), usage)
+        else:
+            event(choice(" end", "length"))
+            event([], usage)
         self.chunk(b"data: [DONE]\n\n")
         self.chunk(b"")  # the chunked body's end
         if self.drop_after_response:
@@ -106,6 +114,15 @@ def test_openai_backend_reads_a_fastgen_stream(server, suffix):
     assert body["prompt"] == [5, 6, 7, 8] and body["model"] == "tiny" and body["stream"] is True
     assert body["max_tokens"] == body["min_tokens"] == 8 and body["ignore_eos"] is True and body["temperature"] == 0
     assert body["stream_options"] == {"include_usage": True}
+
+
+def test_openai_backend_counts_tokens_a_llama_cpp_stream_merged(server):
+    """llama.cpp sends the usage with its last choice (no usage-only event) and, holding back bytes of unfinished
+    UTF-8 characters, at times dozens of tokens in one event: the usage still fills the count."""
+    server.handler.usage_on_last_choice = True
+    rec = OpenAIBackend(url(server), "tiny").run_blocking(BenchRequest(0, [5, 6, 7, 8], 8))
+    assert rec.ok, rec.error
+    assert len(rec.token_times) == 8 and rec.token_times == sorted(rec.token_times)
 
 
 @pytest.mark.parametrize("keepalive, connections", [(True, 1), (False, 3)])
