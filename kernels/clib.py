@@ -54,6 +54,7 @@ SOURCES = [
         "linear_q8.c",
         "decode_layer.c",
         "moe.c",
+        "moe_bf16.c",
         "lora.c",
     )
 ]
@@ -139,6 +140,22 @@ QUANT_LINEAR = dict(
     n=INT,
     k=INT,
     type=INT,
+    threads=INT,
+)
+# The mixture-of-experts kernels, float32 (moe.c) and bfloat16 (moe_bf16.c).
+MOE = dict(
+    x=POINTER,
+    x_stride=INT64,
+    w13=POINTER,
+    w2=POINTER,
+    ids=POINTER,
+    weights=POINTER,
+    y=POINTER,
+    tokens=INT,
+    k=INT,
+    experts=INT,
+    hidden=INT,
+    inter=INT,
     threads=INT,
 )
 
@@ -307,21 +324,9 @@ class CLibrary:
         x=POINTER, x_stride=INT64, packed=POINTER, h=POINTER, h_stride=INT64, m=INT, inter=INT, k=INT, threads=INT
     )
     moe_f32_available: Callable[[], int] = entry()
-    moe_f32: Callable[..., int] = entry(
-        x=POINTER,
-        x_stride=INT64,
-        w13=POINTER,
-        w2=POINTER,
-        ids=POINTER,
-        weights=POINTER,
-        y=POINTER,
-        tokens=INT,
-        k=INT,
-        experts=INT,
-        hidden=INT,
-        inter=INT,
-        threads=INT,
-    )
+    moe_f32: Callable[..., int] = entry(**MOE)
+    moe_dpbf16_available: Callable[[], int] = entry()
+    moe_dpbf16: Callable[..., int] = entry(**MOE)
     lora_sgmv: Callable[..., int] = entry(
         y=POINTER,
         y_stride=INT64,

@@ -1,10 +1,12 @@
 """The CPU backend's mixture-of-experts layer: float32 experts packed once at load into csrc/linear_f32.c's panels and
-run by csrc/moe.c in one call per layer (grouping, every expert with tokens, the weighted sum); kernels/moe.py's torch
-reference wherever that kernel does not apply.
+run by csrc/moe.c in one call per layer (grouping, every expert with tokens, the weighted sum); bfloat16 experts on a
+CPU with AVX-512 BF16 and no AMX (AMD Zen 4, Zen 5) packed as dense bfloat16 layers are (packed_bf16.PackedLinear) and
+run by csrc/moe_bf16.c in one call per layer, on the dense layers' vdpbf16ps kernel; kernels/moe.py's torch
+reference wherever those kernels do not apply.
 
-bfloat16 experts are reordered once at load into oneDNN's blocked layout and run expert by expert (those with
-tokens) through oneDNN, as dense bf16 layers without AMX are: F.linear would reorder each weight on every call. No
-grouped bf16 kernel exists here yet (the only bf16 GEMM in csrc/, linear.c, needs AMX)."""
+With AMX, bfloat16 experts are reordered once at load into oneDNN's blocked layout and run expert by expert (those
+with tokens) through oneDNN, whose bfloat16 GEMMs use the matrix engine there: F.linear would reorder each weight on
+every call."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from . import clib, moe
 from .norm import silu_mul
+from .packed_bf16 import PackedLinear
 
 
 @functools.cache
@@ -23,6 +26,16 @@ def _moe_f32() -> clib.CLibrary | None:
     """The library where its float32 MoE kernel runs on this CPU (AVX-512, or AVX2 with FMA), else None."""
     library = clib.get_library()
     return library if library is not None and library.moe_f32_available() else None
+
+
+@functools.cache
+def _moe_dpbf16() -> clib.CLibrary | None:
+    """The library where its bfloat16 MoE kernel (csrc/moe_bf16.c) runs on this CPU and the CPU has no AMX, else None:
+    with AMX, oneDNN's per-expert GEMMs run on the matrix engine (prefill_attention_available() says AMX)."""
+    library = clib.get_library()
+    if library is None or not library.moe_dpbf16_available() or library.prefill_attention_available():
+        return None
+    return library
 
 
 @dataclass(frozen=True)
@@ -50,12 +63,12 @@ class PackedExperts:
         return torch.cat([gate, up], dim=1), w2
 
 
-def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | OneDnnExperts | None:
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | PackedBf16Experts | OneDnnExperts | None:
     """float32 experts packed for the MoE kernel, bfloat16 ones for oneDNN, or None where neither runs (no compiler, a
     CPU without AVX-512 or AVX2 or bf16 support, shapes that do not fit together): the reference reads the plain
     weights there."""
     if w13.dtype == torch.bfloat16:
-        return pack_onednn(w13, w2)
+        return pack_dpbf16(w13, w2) or pack_onednn(w13, w2)
     if (
         _moe_f32() is None
         or not (w13.dtype == w2.dtype == torch.float32)
@@ -73,6 +86,47 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | OneDnnE
     packed13 = pairs.flatten(2, 3).permute(0, 1, 3, 2).contiguous()
     down = F.pad(w2.detach(), (0, 0, 0, -hidden % 32)).view(experts, -1, 32, inter)
     return PackedExperts(packed13, down.permute(0, 1, 3, 2).contiguous(), hidden, inter)
+
+
+@dataclass(frozen=True)
+class PackedBf16Experts:
+    """A layer's bfloat16 experts packed once at load for csrc/moe_bf16.c: each expert's gate/up weight (gate rows,
+    then up rows) and its down weight in a dense layer's PackedLinear tiles, stacked by expert."""
+
+    w13: torch.Tensor  # (experts, 2 intermediate / 16, hidden / 32, 16, 16, 2)
+    w2: torch.Tensor  # (experts, ceil(hidden / 16), intermediate / 32, 16, 16, 2)
+    hidden: int
+    intermediate: int
+
+    @property
+    def holds_weight(self) -> bool:
+        return True
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 (experts, 2 intermediate, hidden) and w2 (experts, hidden, intermediate) again."""
+        hidden, inter = self.hidden, self.intermediate
+        w13 = torch.stack([PackedLinear(t, 2 * inter, hidden).unpacked() for t in self.w13])
+        return w13, torch.stack([PackedLinear(t, hidden, inter).unpacked() for t in self.w2])
+
+
+def pack_dpbf16(w13: torch.Tensor, w2: torch.Tensor) -> PackedBf16Experts | None:
+    """bfloat16 experts packed for csrc/moe_bf16.c, or None where it does not run (module docstring) or the shapes do
+    not fit it (hidden and intermediate multiples of 32)."""
+    if _moe_dpbf16() is None or not (w13.dtype == w2.dtype == torch.bfloat16 and w13.is_cpu and w2.is_cpu):
+        return None
+    if w13.dim() != 3 or w2.dim() != 3:
+        return None
+    experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if two_inter % 2 or w2.shape != (experts, hidden, inter) or hidden % 32 or inter % 32 or not (experts and inter):
+        return None
+    w13, w2 = w13.detach(), w2.detach()
+    return PackedBf16Experts(
+        torch.stack([PackedLinear.of(w).tiles for w in w13]),
+        torch.stack([PackedLinear.of(w).tiles for w in w2]),
+        hidden,
+        inter,
+    )
 
 
 @dataclass(frozen=True)
@@ -115,11 +169,12 @@ def fused_moe(
     packed: PackedExperts | None,
     routing: moe.Routing,
 ) -> torch.Tensor:
-    """Same contract as moe.fused_moe (w13 and w2 may be None: packed.holds_weight): float32 through csrc/moe.c, each
-    token's result bit for bit the dense float32 path's on its own; anything else through the reference."""
+    """Same contract as moe.fused_moe (w13 and w2 may be None: packed.holds_weight): float32 through csrc/moe.c and
+    bfloat16 through csrc/moe_bf16.c, each token's result bit for bit the dense path's (float32's; vdpbf16ps's) on its
+    own; anything else through the reference."""
     if isinstance(packed, OneDnnExperts):
         return _onednn_moe(x, packed, routing)
-    if isinstance(packed, PackedExperts):
+    if isinstance(packed, PackedExperts | PackedBf16Experts):
         y = _moe_kernel(x, packed, routing)
         if y is not None:
             return y
@@ -129,10 +184,13 @@ def fused_moe(
     return moe.fused_moe(x, w13, w2, None, routing)
 
 
-def _moe_kernel(x: torch.Tensor, packed: PackedExperts, routing: moe.Routing) -> torch.Tensor | None:
+def _moe_kernel(
+    x: torch.Tensor, packed: PackedExperts | PackedBf16Experts, routing: moe.Routing
+) -> torch.Tensor | None:
     ids, weights = routing.ids, routing.weights
+    dtype = torch.float32 if isinstance(packed, PackedExperts) else torch.bfloat16
     if (
-        x.dtype != torch.float32
+        x.dtype != dtype
         or not x.is_cpu
         or x.dim() != 2
         or x.stride(1) != 1
@@ -146,10 +204,11 @@ def _moe_kernel(x: torch.Tensor, packed: PackedExperts, routing: moe.Routing) ->
     tokens, k = ids.shape
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
-    y = torch.empty((tokens, packed.hidden), dtype=torch.float32)
-    library = _moe_f32()
-    assert library is not None, "PackedExperts are made only where the MoE kernel runs (pack_experts)"
-    status = library.moe_f32(
+    y = torch.empty((tokens, packed.hidden), dtype=dtype)
+    library = _moe_f32() if dtype == torch.float32 else _moe_dpbf16()
+    assert library is not None, "packed experts are made only where their MoE kernel runs (pack_experts)"
+    kernel = library.moe_f32 if dtype == torch.float32 else library.moe_dpbf16
+    status = kernel(
         x.data_ptr(),
         x.stride(0) if tokens > 1 else packed.hidden,  # a single row's stride is whatever torch chose: unused
         packed.w13.data_ptr(),

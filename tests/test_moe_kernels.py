@@ -1,9 +1,10 @@
-"""The mixture-of-experts layer: the CPU kernel (kernels/csrc/moe.c through kernels/cpu_moe.py) and the torch
-reference (kernels/moe.py) against a per-token loop written here, at skewed routings (every token to the same
+"""The mixture-of-experts layer: the CPU kernels (kernels/csrc/moe.c and moe_bf16.c through kernels/cpu_moe.py) and
+the torch reference (kernels/moe.py) against a per-token loop written here, at skewed routings (every token to the same
 experts, uniform, experts no token chose) and batch sizes from one decode token to a prompt. In float32 the kernel
 is also each token's dense float32 path bit for bit (it sums in linear_f32's order), on any thread count; an expert
 with no tokens is never read; the packed and plain weights give the same layer. The AVX2 build is compiled here and
-tested where this CPU runs it."""
+tested where this CPU runs it. In bfloat16, on CPUs with AVX-512 BF16 and no AMX, the grouped kernel is each token's
+dense bfloat16 path (vdpbf16ps) bit for bit likewise."""
 
 import ctypes
 import subprocess
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgen.kernels import clib, cpu, cpu_moe, moe
+from fastgen.kernels.packed_bf16 import PackedLinear
 
 from .helpers import require_tool
 
@@ -21,6 +23,9 @@ EXPERTS = 8
 # hidden 80, intermediate 40: last panels short of 32 and 16 features (masked); 640 x 600: both GEMMs in two k blocks
 # (more than linear_f32.h's KC steps), the gated sums kept in a scratch between them
 SHAPES = {"small": (80, 40), "large": (640, 600)}
+# bfloat16's kernel (csrc/moe_bf16.c) takes multiples of 32: 96 x 64, down's 6 column blocks in a group of 4 and a
+# short one of 2; 640 x 576, model sizes
+SHAPES_BF16 = {"small": (96, 64), "large": (640, 576)}
 KINDS = ["one", "uniform", "sparse"]
 TOKENS = [1, 3, 64, 300]
 # Three threads: shares that do not divide evenly; every output is one thread's, so the bits must not change.
@@ -256,3 +261,74 @@ def test_avx2_build_matches_the_native_build(kernel, tmp_path):
             torch.testing.assert_close(y, native, rtol=1e-5, atol=1e-5)
             assert first is None or torch.equal(y, first)
             first = y
+
+
+# ---- bfloat16: csrc/moe_bf16.c ----
+@pytest.fixture(scope="module")
+def bf16_kernel():
+    if cpu.load_library() is None:
+        require_tool(False, "no C compiler on this machine")
+    if cpu_moe._moe_dpbf16() is None:
+        pytest.skip("no AVX-512 BF16, or AMX (oneDNN's expert GEMMs run on it): the bfloat16 kernel is not taken")
+    return cpu_moe
+
+
+def dense_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r: moe.Routing) -> torch.Tensor:
+    """Each token alone through the dense bfloat16 path (the packed linear kernel, the elementwise SiLU(gate) * up,
+    the packed linear kernel) per slot, then combine."""
+    gate_up = [PackedLinear.of(w) for w in w13]
+    down = [PackedLinear.of(w) for w in w2]
+    rows = []
+    for t in range(x.shape[0]):
+        slots = [
+            cpu.linear_packed_bf16(
+                cpu.silu_mul_cpu(cpu.linear_packed_bf16(x[t : t + 1], gate_up[e], None)), down[e], None
+            )
+            for e in r.ids[t]
+        ]
+        rows.append(moe.combine(torch.cat(slots)[None], r.weights[t : t + 1], torch.bfloat16))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+@pytest.mark.parametrize("shape", list(SHAPES_BF16))
+def test_bfloat16_kernel_is_each_tokens_dense_path_bit_for_bit(bf16_kernel, forbid_reference, kind, tokens, shape):
+    """bfloat16 experts packed once as dense layers are, run in one call: a token's output is the dense bfloat16
+    path's for it alone, on one thread and several, within bfloat16's rounding of the float64 loop."""
+    hidden, inter = SHAPES_BF16[shape]
+    w13, w2 = layer(hidden, inter, seed=tokens, dtype=torch.bfloat16)
+    packed = cpu.CPU_KERNELS.pack_experts(w13, w2)
+    assert isinstance(packed, cpu_moe.PackedBf16Experts) and packed.holds_weight
+    assert all(torch.equal(a, b) for a, b in zip(packed.unpacked(), (w13, w2)))
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    r = routing(kind, tokens, 2, seed=tokens)
+    alone = dense_bf16(x, w13, w2, r)
+    for threads in (1, THREADS):
+        y = in_threads(threads, cpu.CPU_KERNELS.fused_moe, x, None, None, packed, r)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, alone), threads
+    torch.testing.assert_close(alone.double(), per_token(x, w13, w2, r), rtol=5e-2, atol=5e-2)
+
+
+def test_bfloat16_kernel_skips_unread_experts_and_other_ranks_slots(bf16_kernel, forbid_reference):
+    """NaN weights in the experts no token chose leave the output finite and the same; a slot of another rank's
+    expert (id = experts held) adds nothing, as moe.fused_moe's reference has it."""
+    hidden, inter = SHAPES_BF16["small"]
+    w13, w2 = layer(hidden, inter, dtype=torch.bfloat16)
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    r = routing("sparse", 5, 2)
+    unused = [e for e in range(EXPERTS) if e not in r.ids.unique().tolist()]
+    poisoned13, poisoned2 = w13.clone(), w2.clone()
+    poisoned13[unused], poisoned2[unused] = float("nan"), float("nan")
+    clean = cpu.CPU_KERNELS.fused_moe(x, None, None, cpu.CPU_KERNELS.pack_experts(w13, w2), r)
+    got = cpu.CPU_KERNELS.fused_moe(x, None, None, cpu.CPU_KERNELS.pack_experts(poisoned13, poisoned2), r)
+    assert torch.isfinite(got).all() and torch.equal(got, clean)
+    local = moe.Routing(r.weights, torch.where(r.ids < 4, r.ids, 4))  # this rank holds experts 0-3
+    mine = cpu.CPU_KERNELS.fused_moe(x, None, None, cpu.CPU_KERNELS.pack_experts(w13[:4], w2[:4]), local)
+    assert torch.equal(mine, REFERENCE(x, w13[:4], w2[:4], None, local))
+
+
+def test_bfloat16_shapes_the_kernel_does_not_take_go_to_onednn(bf16_kernel):
+    """hidden or intermediate not a multiple of 32: oneDNN per expert, as before the kernel."""
+    w13, w2 = layer(*SHAPES["small"], dtype=torch.bfloat16)
+    assert isinstance(cpu.CPU_KERNELS.pack_experts(w13, w2), cpu_moe.OneDnnExperts)

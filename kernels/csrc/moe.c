@@ -61,16 +61,6 @@ static void silu_mul_panels(const float *gu, int64_t gu_stride, float *h, int64_
 }
 #endif
 
-/* This thread's panels [*lo, *hi) of the expert whose panels start at `base` in the layer's cost order, each
- * costing `cost`: those whose start falls in part `part` of `parts` equal shares of the total. */
-static inline void share_panels(int64_t total, int part, int parts, int64_t base, int64_t cost, int panels, int *lo,
-                                int *hi) {
-    const int64_t c0 = total * part / parts - base, c1 = total * (part + 1) / parts - base;
-    const int64_t j0 = c0 <= 0 ? 0 : (c0 + cost - 1) / cost, j1 = c1 <= 0 ? 0 : (c1 + cost - 1) / cost;
-    *lo = j0 < panels ? (int)j0 : panels;
-    *hi = j1 < panels ? (int)j1 : panels;
-}
-
 int moe_f32_available(void) { return 1; }
 
 /* x (tokens, hidden) at row stride x_stride; w13: per expert ceil(inter / 16) gated panels of hidden steps (cpu_moe.py
@@ -138,7 +128,7 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
         for (int e = 0; e < experts; e++) {
             const int m = start[e + 1] - start[e];
             if (!m) continue;
-            share_panels(cost13, part, parts, base, m + MEMORY_ROWS, p13, &lo, &hi);
+            share_by_cost(cost13, part, parts, base, m + MEMORY_ROWS, p13, &lo, &hi);
             base += (int64_t)p13 * (m + MEMORY_ROWS);
             if (lo == hi) continue;
             const float *xe = xs + (int64_t)start[e] * hidden, *we = w13 + (int64_t)e * p13 * hidden * NP;
@@ -158,7 +148,7 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
         for (int e = 0; e < experts; e++) {
             const int m = start[e + 1] - start[e];
             if (!m) continue;
-            share_panels(cost2, part, parts, base, m + MEMORY_ROWS, p2, &lo, &hi);
+            share_by_cost(cost2, part, parts, base, m + MEMORY_ROWS, p2, &lo, &hi);
             base += (int64_t)p2 * (m + MEMORY_ROWS);
             if (lo == hi) continue;
             const float *he = h + (int64_t)start[e] * inter, *we = w2 + (int64_t)e * p2 * inter * NP;

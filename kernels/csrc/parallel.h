@@ -21,6 +21,17 @@ static inline void share(int n, int part, int parts, int *lo, int *hi) {
     *hi = (int)((int64_t)n * (part + 1) / parts);
 }
 
+/* This part's units [*lo, *hi) of a job whose `units` units each cost `cost` and start at `base` in a sequence of
+ * jobs costing `total` in all (a mixture of experts' phase: per expert with tokens, its column groups): those whose
+ * start falls in part `part` of `parts` equal shares of the total. */
+static inline void share_by_cost(int64_t total, int part, int parts, int64_t base, int64_t cost, int units, int *lo,
+                                 int *hi) {
+    const int64_t c0 = total * part / parts - base, c1 = total * (part + 1) / parts - base;
+    const int64_t j0 = c0 <= 0 ? 0 : (c0 + cost - 1) / cost, j1 = c1 <= 0 ? 0 : (c1 + cost - 1) / cost;
+    *lo = j0 < units ? (int)j0 : units;
+    *hi = j1 < units ? (int)j1 : units;
+}
+
 /* A kernel's thread count: at most `threads`, and one where the work is below `min_work` per extra thread (waking
  * a thread costs a few microseconds; elementwise work on a decode batch is smaller than that). */
 static inline int threads_for(int threads, int64_t work, int64_t min_work) {
