@@ -60,7 +60,16 @@ SOURCES = [
 ]
 HEADERS = [
     CSRC / name
-    for name in ("vector_math.h", "paged_cache.h", "amx.h", "parallel.h", "linear_f32.h", "entry_points.h", "bf16.h")
+    for name in (
+        "vector_math.h",
+        "paged_cache.h",
+        "amx.h",
+        "parallel.h",
+        "linear_f32.h",
+        "entry_points.h",
+        "bf16.h",
+        "moe_groups.h",
+    )
 ]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
 # softmax starts from -inf).

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "linear_f32.h"
+#include "moe_groups.h"
 
 #ifdef LINEAR_F32_KERNELS
 /* What streaming one panel's weight from memory costs, in rows of multiply-adds over it: the part of a panel's work
@@ -75,8 +76,7 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
     for (int i = 0; i < pairs; i++)
         if (ids[i] < 0 || ids[i] > experts) return -1;
 
-    /* Pair i (token i / k, slot i % k) goes to row at[i] of the sorted order, which holds token row_token[at[i]];
-     * expert e's rows are [start[e], start[e + 1]); a slot of another rank's expert has no row (at[i] = -1). */
+    /* the pairs sorted by expert (moe_groups.h) */
     int *start = calloc((size_t)experts + 2, sizeof(int)), *at = malloc(sizeof(int) * pairs);
     int *row_token = malloc(sizeof(int) * pairs), *next = malloc(sizeof(int) * experts);
     float *xs = malloc(sizeof(float) * pairs * hidden), *h = malloc(sizeof(float) * pairs * inter);
@@ -85,16 +85,7 @@ int moe_f32(const float *x, int64_t x_stride, const float *w13, const float *w2,
     float *scratch = 0;
     int most = 0, failed = !(start && at && row_token && next && xs && h && out);
     if (!failed) {
-        for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
-        for (int e = 0; e < experts; e++) {
-            most = start[e + 1] > most ? start[e + 1] : most;
-            start[e + 1] += start[e];
-            next[e] = start[e];
-        }
-        for (int i = 0; i < pairs; i++) {
-            at[i] = ids[i] < experts ? next[ids[i]]++ : -1;
-            if (at[i] >= 0) row_token[at[i]] = i / k;
-        }
+        most = group_pairs(ids, pairs, k, experts, start, at, row_token, next);
     }
     threads = threads_for(threads, (int64_t)pairs * 3 * inter * hidden, MIN_WORK_PER_THREAD);
 #if GATED

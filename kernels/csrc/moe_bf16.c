@@ -19,6 +19,7 @@
 
 #include "bf16.h"
 #include "entry_points.h"
+#include "moe_groups.h"
 #include "parallel.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -57,8 +58,7 @@ int moe_dpbf16(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const u
     const int g13 = ((2 * inter + 15) / 16 + 3) / 4, g2 = ((hidden + 15) / 16 + 3) / 4;
     const int64_t stride13 = (int64_t)(2 * inter + 15) / 16 * 16 * hidden, stride2 = (int64_t)(hidden + 15) / 16 * 16 * inter;
 
-    /* Pair i (token i / k, slot i % k) goes to row at[i] of the sorted order, which holds token row_token[at[i]];
-     * expert e's rows are [start[e], start[e + 1]); a slot of another rank's expert has no row (at[i] = -1). */
+    /* the pairs sorted by expert (moe_groups.h) */
     int *start = calloc((size_t)experts + 2, sizeof(int)), *at = malloc(sizeof(int) * pairs);
     int *row_token = malloc(sizeof(int) * pairs), *next = malloc(sizeof(int) * experts);
     uint16_t *xs = malloc(sizeof(uint16_t) * pairs * hidden), *gu = malloc(sizeof(uint16_t) * pairs * 2 * inter);
@@ -67,15 +67,7 @@ int moe_dpbf16(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const u
         free(start), free(at), free(row_token), free(next), free(xs), free(gu), free(h), free(out);
         return -1;
     }
-    for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
-    for (int e = 0; e < experts; e++) {
-        start[e + 1] += start[e];
-        next[e] = start[e];
-    }
-    for (int i = 0; i < pairs; i++) {
-        at[i] = ids[i] < experts ? next[ids[i]]++ : -1;
-        if (at[i] >= 0) row_token[at[i]] = i / k;
-    }
+    group_pairs(ids, pairs, k, experts, start, at, row_token, next);
     const int rows = start[experts];
     int64_t cost13 = 0, cost2 = 0;
     for (int e = 0; e < experts; e++) {
