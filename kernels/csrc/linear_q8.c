@@ -119,9 +119,9 @@ static void quantize_row(const float *x, int k, int type, row_q8 r, int padded_b
 }
 
 /* The 128 unsigned quants of the quad at w in the activations' order. Only its first `bytes` bytes are read (past the
- * row's last block the quants come out as zeros, multiplying the zeros x holds past k). Each block's 16 (Q8_0: 32)
- * bytes by its own load, set in place by inserts: a byte permute of two 64-byte loads (AVX-512 VBMI) took 1.1-1.3x
- * the time on a Zen 4, where it is slow. */
+ * row's last block the quants are fillers, 0 or Q8_0's 128, multiplying the zeros x holds past k). Each block's 16
+ * (Q8_0: 32) bytes by its own load, set in place by inserts: a byte permute of two 64-byte loads (AVX-512 VBMI) took
+ * 1.1-1.3x the time on a Zen 4, where it is slow. */
 static inline __attribute__((always_inline)) void quad_quants(int type, const uint8_t *w, int64_t bytes, __m512i *lo,
                                                               __m512i *hi) {
     const int bb = block_bytes(type), at = quants_at(type);
