@@ -285,9 +285,13 @@ class _Stream:
 
 
 def _put_all(deliveries: list[tuple[Outputs, RequestOutput]]) -> None:
-    """On the event loop: a step's outputs into their streams' queues, in the step's order."""
+    """On the event loop: a step's outputs into their streams' queues, in the step's order; one stream's failure (its
+    overflow callback raising) is logged and keeps none of the others from theirs."""
     for outputs, out in deliveries:
-        outputs.put_nowait(out)
+        try:
+            outputs.put_nowait(out)
+        except Exception:  # noqa: BLE001 - the step's other streams must still get their outputs
+            log.exception("delivering an output to request %s failed", outputs.key)
 
 
 class _EngineThread:

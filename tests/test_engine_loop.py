@@ -15,7 +15,8 @@ import pytest
 from fastgen.prefix_hash import extend_hashes
 from fastgen.replica import prefix_cache
 from fastgen.replica.engine import CacheChanges, CacheInfo
-from fastgen.replica.engine_loop import EngineDown, EngineLoop, QueueLimits, Watchdog
+from fastgen.replica.engine_loop import EngineDown, EngineLoop, Outputs, QueueLimits, Watchdog, _put_all
+from fastgen.replica.outputs import RequestOutput, RequestTimings
 from fastgen.replica.request import FinishReason, SamplingParams
 from fastgen.server.errors import QueueFullError
 
@@ -295,3 +296,21 @@ def test_the_service_reports_the_pool_and_feeds_watch_cache_from_the_engine(tiny
     status, first, hashes = asyncio.run(serve(prefix_caching=False))
     assert status.kv_block_size == BLOCK and not status.prefix_caching
     assert first == grpc.StatusCode.FAILED_PRECONDITION and hashes == set()
+
+
+def test_one_streams_failed_delivery_keeps_none_from_the_others(caplog):
+    """A step's outputs reach their streams in one callback: a stream whose overflow callback raises is logged, and
+    the streams after it in the step still get their outputs."""
+
+    def broken() -> None:
+        raise RuntimeError("cancel failed")
+
+    async def run():
+        bad, good = Outputs("bad", limit=0, on_overflow=broken), Outputs("good", limit=4)
+        out = RequestOutput("r", "x", [1], "x", [1], 1, FinishReason.LENGTH, RequestTimings(0.0), 0.0)
+        _put_all([(bad, out), (good, out)])
+        return await asyncio.wait_for(good.get(), 1)
+
+    with caplog.at_level("ERROR", logger="fastgen.replica"):
+        assert asyncio.run(run()).request_id == "r"
+    assert "request bad failed" in caplog.text
