@@ -18,6 +18,8 @@ run must learn things: are the kernels right, is the engine right, does it fit t
   kernels          decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
                step at batch 1 against the time to read the weights once, with CUDA graphs and without (--enforce-eager)
+  offline_int4 FastGen's side of the offline stage on the Llama-3-8B preset in AWQ int4 (Triton's int4 kernel):
+               throughput, and the decode step at batch 1 against the time to read its int4 weights once
   offline_moe  the offline stage on a mixture of experts (the Qwen3-30B-A3B preset, 128 experts, 8 per token): its
                decode step against the time to read the weights a token routes through once (attention and 8 of 128
                experts a layer)
@@ -95,6 +97,7 @@ class Plan:
     hf_batch: int = 16
     decode_steps: int = 32
     moe_model: str = "qwen3-30b-a3b"
+    int4_model: str = "llama-3-8b-awq"  # the same architecture as `model`, its layers AWQ int4 (group 128)
     moe_requests: int = 32  # transformers' experts loop makes its side of the comparison slow: fewer requests
     sla_requests: int = 64
     sla_clients: int = 32
@@ -106,12 +109,13 @@ class Plan:
 FULL = Plan()
 
 
-def dry_plan(folder: Path, moe_folder: Path) -> Plan:
+def dry_plan(folder: Path, moe_folder: Path, int4_folder: Path | None = None) -> Plan:
     return Plan(
         device="cpu",
         dtype=torch.float32,
         model=str(folder),
         moe_model=str(moe_folder),
+        int4_model=str(int4_folder or folder),
         moe_requests=4,
         copy_bytes=1 << 20,
         matmul_n=64,
@@ -137,8 +141,9 @@ def dry_plan(folder: Path, moe_folder: Path) -> Plan:
     )
 
 
-def toy_model(folder: Path) -> Path:
-    """The llama-3.2-1b preset shrunk to two small layers and a 4k vocabulary: its config, llama3 rope included."""
+def toy_model(folder: Path, quantization_config: dict | None = None) -> Path:
+    """The llama-3.2-1b preset shrunk to two small layers and a 4k vocabulary: its config, llama3 rope included (with
+    a quantization_config: its layers random int4, toy_int4_model)."""
     config = json.loads((preset_path("llama-3.2-1b") / "config.json").read_text())
     config.update(
         hidden_size=64,
@@ -152,9 +157,17 @@ def toy_model(folder: Path) -> Path:
         eos_token_id=2,
         max_position_embeddings=8192,  # the llama3 rope's original context
     )
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def toy_int4_model(folder: Path) -> Path:
+    """toy_model with the llama-3-8b-awq preset's quantization_config, in groups the toy's 64 features hold two of."""
+    awq = json.loads((preset_path("llama-3-8b-awq") / "config.json").read_text())["quantization_config"]
+    return toy_model(folder, {**awq, "group_size": 32})
 
 
 def toy_moe_model(folder: Path) -> Path:
@@ -645,6 +658,41 @@ def offline_moe(ctx: Context) -> dict:
     return offline(replace(ctx, plan=replace(p, model=p.moe_model, offline_requests=p.moe_requests)))
 
 
+def offline_int4(ctx: Context) -> dict:
+    """FastGen's side of the offline stage on the AWQ int4 preset (transformers cannot run AWQ without a kernel
+    package the machine lacks): throughput on the same requests, and the decode step at batch 1 against the time to
+    read its weights once in the form the kernels read (int4 quants, scales and zeros; the float LM head)."""
+    p = replace(ctx.plan, model=ctx.plan.int4_model)
+    vocab = json.loads((model_folder(p) / "config.json").read_text())["vocab_size"]
+    prompts = token_prompts(
+        p.offline_requests, lambda rng, n: [rng.randint(*p.offline_prompt) for _ in range(n)], vocab
+    )
+    pipe = build_pipeline(p, p.offline_budget)
+    model = pipe.engine.runner.model
+    form = type(model.layers[0].mlp.down_proj.packed).__name__  # Int4Linear on CUDA; GGUF blocks on the CPU
+    pipe(prompts[: min(4, len(prompts))], max_new_tokens=4)  # compiles the kernels for prompts and decodes
+    fastgen_s = run_fastgen(pipe, prompts, p.offline_gen)
+    step_ms = decode_step_ms(pipe.engine, p.decode_steps)
+    read_bytes = weights_read_bytes(model)
+    del pipe, model
+    release_memory(ctx)
+    copy, _ = ctx.peaks()
+    bound_ms = read_bytes / copy * 1e3
+    return dict(
+        model=p.int4_model,
+        dtype=str(p.dtype).removeprefix("torch."),
+        layer_form=form,
+        requests=p.offline_requests,
+        generated_tokens=p.offline_gen,
+        fastgen_s=round(fastgen_s, 3),
+        fastgen_tokens_per_s=round(p.offline_requests * p.offline_gen / fastgen_s, 1),
+        decode_step_ms=round(step_ms, 3),
+        weights_read_gb=round(read_bytes / 1e9, 2),
+        weights_read_bound_ms=round(bound_ms, 3),
+        decode_step_over_bound=round(step_ms / bound_ms, 2),
+    )
+
+
 def offline(ctx: Context) -> dict:
     p = ctx.plan
     vocab = json.loads((model_folder(p) / "config.json").read_text())["vocab_size"]
@@ -920,6 +968,7 @@ STAGES = {
     "kernel_tests": kernel_tests,
     "kernels": kernels,
     "offline": offline,
+    "offline_int4": offline_int4,
     "offline_moe": offline_moe,
     "sla": sla,
 }
@@ -935,6 +984,7 @@ ESTIMATE_S = {
     "kernel_tests": 180,
     "kernels": 45,
     "offline": 150,
+    "offline_int4": 60,  # FastGen's side only: a random 8B int4 build, 64 requests, the decode step
     "offline_moe": 240,
     "sla": 200,
 }
@@ -1028,7 +1078,12 @@ def run(
         failed=[],
     )
     with tempfile.TemporaryDirectory() as tmp:
-        plan = dry_plan(toy_model(Path(tmp) / "toy"), toy_moe_model(Path(tmp) / "toy-moe")) if dry_run else FULL
+        toys = Path(tmp)
+        plan = (
+            dry_plan(toy_model(toys / "toy"), toy_moe_model(toys / "toy-moe"), toy_int4_model(toys / "int4"))
+            if dry_run
+            else FULL
+        )
         if tests_timeout_s:
             plan = replace(plan, tests_timeout_s=tests_timeout_s)
         report["plan"] = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in asdict(plan).items()}

@@ -5,14 +5,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import Fp8Linear, fp8_linear
+
 
 def no_packing(weight: torch.Tensor) -> None:
     """Torch reads the plain weight: nothing to pack."""
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: object | None) -> torch.Tensor:
-    """x W^T + bias; `packed` is unused (no_packing made it)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: object | None
+) -> torch.Tensor:
+    """x W^T + bias: an fp8 layer (`--quantization fp8`) through torch's scaled matmul, any other through the plain
+    weight (no_packing made no packed form)."""
+    if isinstance(packed, Fp8Linear):
+        return fp8_linear(x, packed, bias)
+    assert weight is not None, "only a packed form that holds the weight lets a layer drop it"
     return F.linear(x, weight, bias)
 
 

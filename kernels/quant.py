@@ -253,7 +253,9 @@ def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) 
     one type: one kernel call)."""
     kernels = quant_kernels()
     parts = sorted(parts, key=lambda p: p[0])
-    if not parts or any(p.qtype not in kernels or not takes(p.qtype, p.shape[1]) for _, p in parts):
+    if not parts or any(
+        not isinstance(p, QuantizedTensor) or p.qtype not in kernels or not takes(p.qtype, p.shape[1]) for _, p in parts
+    ):
         return None
     in_features = parts[0][1].shape[1]
     slabs: list[tuple[int, list[QuantizedTensor]]] = []

@@ -13,6 +13,7 @@ import torch
 
 from .attention import paged_attention
 from .dense import argmax, linear, no_packing
+from .fp8 import pack_fp8
 from .lora import lora_sgmv
 from .moe import fused_moe, pack_experts
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
@@ -101,7 +102,7 @@ TORCH_KERNELS = Kernels(
     linear=linear,
     pack_gate_up=no_packing,
     linear_silu_mul=linear_silu_mul,
-    pack_quantized=lambda parts, out_features: None,
+    pack_quantized=pack_fp8,  # --quantization fp8 (torch's scaled matmul); any other format is dequantized
     pack_experts=pack_experts,
     fused_moe=fused_moe,
     argmax=argmax,

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_int4
 from .attention import AttentionMetadata
 from .norm import silu_mul
 from .table import TORCH_KERNELS, Kernels
@@ -816,8 +817,8 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], inter)
 
 
-# Linear layers (the gate/up one's SiLU * up too) and the argmax are torch's (cuBLAS and a max over the logits
-# serve on CUDA).
+# Float linear layers (the gate/up one's SiLU * up too) and the argmax are torch's (cuBLAS and a max over the logits
+# serve on CUDA); int4 ones are kernels/triton_int4.py's.
 TRITON_KERNELS = Kernels(
     name="triton",
     rotary_write_kv=rotary_write_kv,
@@ -829,10 +830,10 @@ TRITON_KERNELS = Kernels(
     layer_norm=layer_norm,
     add_layer_norm=add_layer_norm,
     pack_linear=TORCH_KERNELS.pack_linear,
-    linear=TORCH_KERNELS.linear,
+    linear=triton_int4.linear,
     pack_gate_up=TORCH_KERNELS.pack_gate_up,
-    linear_silu_mul=TORCH_KERNELS.linear_silu_mul,
-    pack_quantized=TORCH_KERNELS.pack_quantized,  # quantized checkpoints are dequantized on CUDA
+    linear_silu_mul=triton_int4.linear_silu_mul,
+    pack_quantized=triton_int4.pack_quantized,  # AWQ/GPTQ int4, fp8; GGUF blocks are dequantized on CUDA
     pack_experts=pack_experts,
     fused_moe=fused_moe,
     argmax=TORCH_KERNELS.argmax,

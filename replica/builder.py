@@ -10,6 +10,8 @@ import logging
 import torch
 
 from ..kernels import select_kernels
+from ..kernels.fp8 import fp8_supported, quantize_fp8
+from ..kernels.quant import quantize_per_channel
 from . import weights
 from .batch import Batch, ScheduledSeq
 from .batch_broadcast import BatchBroadcast
@@ -18,6 +20,7 @@ from .config import QUANTIZATIONS, EngineConfig, LoraConfig
 from .cuda_graphs import DecodeGraphs
 from .engine import Engine
 from .host_memory import keep_freed_memory
+from .int4_checkpoint import check_int4_method, int4_format, iter_int4
 from .kv_cache import DeviceMemory, allocate_kv_cache, bytes_per_block, gib, kv_blocks_for_device
 from .lora import LoraWeights
 from .lora_pool import LoraPool
@@ -97,15 +100,18 @@ def build_draft_runner(config: EngineConfig, target: ModelConfig, num_blocks: in
     return runner
 
 
+# `--quantization` modes that quantize a float checkpoint's layers at load, one scale per output channel
+PER_CHANNEL = {"int8": quantize_per_channel, "fp8": quantize_fp8}
+
+
 def quantized_source(config: EngineConfig, device: torch.device):
     """The GGUF file to read quantized (`quantization` auto of a GGUF model on the CPU), else None: the model loads
-    the dequantized folder (int8 quantizes it after loading). fp8 is refused until it exists, int8 off the CPU."""
+    the dequantized folder (int8 quantizes it after loading), or an AWQ/GPTQ folder's int4 layers (auto: as
+    shipped; none: dequantized). fp8 is refused where the GPU has no fp8 matrix units, int8 off the CPU."""
     if config.quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {config.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
-    if config.quantization == "fp8":
-        raise ValueError(
-            "quantization fp8 needs CUDA (float8 matrix units); on the CPU use auto (a GGUF's own blocks) or none"
-        )
+    if config.quantization == "fp8" and (reason := fp8_supported(device)) is not None:
+        raise ValueError(f"quantization fp8: {reason}; serve --quantization none or auto")
     if config.quantization == "int8" and device.type != "cpu":
         raise ValueError(
             "quantization int8 (weight-only) runs on the CPU's kernels; on CUDA serve --quantization none or auto"
@@ -124,8 +130,14 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     dtype = weights.parse_dtype(config.dtype, device)
     gguf = quantized_source(config, device)
     folder = weights.resolve_model(config.model, config.load_format)
-    model_config = ModelConfig.from_hf(weights.load_hf_config(folder))
+    hf_config = weights.load_hf_config(folder)
+    model_config = ModelConfig.from_hf(hf_config)
     kernels = select_kernels(config.kernels, device)
+    if config.quantization == "fp8" and kernels.name == "cpu":
+        raise ValueError(
+            "quantization fp8 needs CUDA (float8 matrix units) or --kernels torch (torch's reference of the same op, "
+            "slow: for checking); on the CPU's kernels use int8, or auto for a GGUF's own blocks"
+        )
     if device.type == "cpu":
         keep_freed_memory()
     # Before anything of ours is on the device (the CUDA context is, once asked): the baseline of the KV sizing.
@@ -138,16 +150,22 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
             model = DecoderModel(model_config, tp, kernels, config.enable_expert_parallel)
     finally:
         torch.set_default_dtype(previous)
+    int4 = int4_format(hf_config)
+    check_int4_method(config.quantization, int4, config.model)
     if config.load_format == "dummy":  # random weights made where the parameters live: no read, no CPU copy
         model.init_random_weights()
+        if int4 is not None and config.quantization not in ("none", *PER_CHANNEL):  # an AWQ/GPTQ preset: int4
+            model.init_random_int4(int4.group_size)
     elif gguf is not None:  # the file's blocks as they are: the layers keep what the kernels read quantized
-        hf_config = weights.load_hf_config(folder)
         model.load_weights(weights.iter_gguf(gguf, hf_config, progress=config.progress and tp.rank == 0))
     else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
-        model.load_weights(weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0))
+        tensors = weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0)
+        if int4 is not None:  # AWQ/GPTQ: int4 layers as shipped (auto, awq, gptq), else their values in --dtype
+            tensors = iter_int4(tensors, int4, dequantize=config.quantization in ("none", *PER_CHANNEL))
+        model.load_weights(tensors)
     model.eval()
-    if config.quantization == "int8":
-        model.quantize_int8()
+    if config.quantization in PER_CHANNEL:
+        model.quantize(PER_CHANNEL[config.quantization])
     lora = None
     if config.lora.enable_lora:  # before packing: an adapted gate/up layer keeps the activation apart
         lora = LoraWeights(model, config.lora.max_loras, config.lora.max_lora_rank)

@@ -19,9 +19,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where the 
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda where a GPU is found, else cpu (a replica also takes cuda:N)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")  # auto: triton on CUDA, cpu elsewhere
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names; dummy: random weights on the device, no checkpoint read
-# vLLM's flag. auto: a checkpoint served in the format it ships in (a GGUF's block types, on the CPU kernels); none:
-# dequantized to the dtype; int8: weight-only int8 of a float checkpoint; fp8: CUDA only.
-QUANTIZATIONS = ("auto", "none", "int8", "fp8")
+# vLLM's flag. auto: a checkpoint served in the format it ships in (a GGUF's block types on the CPU kernels, AWQ/GPTQ
+# int4); none: dequantized to the dtype; int8: weight-only int8 of a float checkpoint; fp8: E4M3 weights and per-token
+# activations (CUDA; the torch kernels on a CPU); awq, gptq: auto for a checkpoint that must be in that format (vLLM's
+# names for them).
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "awq", "gptq")
 # Real-size architectures shipped as config.json only (no weights): `--model llama-3-8b --load-format dummy`.
 PRESETS_DIR = Path(__file__).parent / "presets"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)

@@ -131,8 +131,10 @@ class EngineArgs:
     )
     quantization: str = arg(
         EngineConfig.quantization,
-        "auto: serve a GGUF in its own block types (CPU kernels); none: dequantize to --dtype; int8: weight-only "
-        "int8, per-channel scales (CPU); fp8: CUDA only (default: %(default)s)",
+        "auto: serve a checkpoint in the format it ships in (a GGUF's block types on the CPU, AWQ/GPTQ int4); none: "
+        "dequantize to --dtype; int8: weight-only int8, per-channel scales (CPU); fp8: E4M3 weights and per-token "
+        "activations (CUDA; --kernels torch on a CPU); awq, gptq: auto, for a checkpoint that must be in that format "
+        "(default: %(default)s)",
         choices=QUANTIZATIONS,
     )
     dtype: str = arg(

@@ -6,6 +6,7 @@ all-reduce their partial sums. The embedding splits the vocabulary; the LM head 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import TORCH_KERNELS, Kernels
-from ..kernels.quant import QuantizedTensor, quantize_per_channel
+from ..kernels.fp8 import Fp8Tensor
+from ..kernels.int4 import QUANTIZED, Int4Tensor
+from ..kernels.quant import QuantizedTensor
 
 if TYPE_CHECKING:
     from .lora import LoraLayer
@@ -76,9 +79,10 @@ class ParallelLinear(nn.Module):
     weight packed once at load for the kernels (`pack`; where the packed form holds the whole weight, the plain one is
     dropped and `weight` is None), and the kernels' matrix multiply (`project`).
 
-    A checkpoint's weight may come quantized (a GGUF block type, kernels/quant.py's QuantizedTensor): its rows are
-    kept as they are (`quantized`: first output row -> rows) and packed for the kernels' quantized linear, or, where
-    the kernels have none for it, dequantized into the plain weight at pack time.
+    A checkpoint's weight may come quantized (a GGUF block type, kernels/quant.py's QuantizedTensor; AWQ/GPTQ int4,
+    kernels/int4.py's Int4Tensor): its rows are kept as they are (`quantized`: first output row -> rows) and packed
+    for the kernels' quantized linear, or, where the kernels have none for it, dequantized into the plain weight at
+    pack time.
 
     With --enable-lora the projections adapters may adapt hold their LoRA slots (`lora`, replica/lora.py), which add
     each adapted row's delta to the output."""
@@ -90,12 +94,12 @@ class ParallelLinear(nn.Module):
         self.bias = bias
         self.kernels = kernels
         self.packed = None
-        self.quantized: list[tuple[int, QuantizedTensor]] = []
+        self.quantized: list[tuple[int, QuantizedTensor | Int4Tensor | Fp8Tensor]] = []
         self.lora: LoraLayer | None = None  # where LoRA adapters may adapt this layer
 
-    def put(self, name: str, start: int, rows: torch.Tensor | QuantizedTensor) -> None:
+    def put(self, name: str, start: int, rows: torch.Tensor | QuantizedTensor | Int4Tensor | Fp8Tensor) -> None:
         """Rows [start, start + len) of parameter `name` from a checkpoint's (already sharded) tensor."""
-        if isinstance(rows, QuantizedTensor):
+        if isinstance(rows, QUANTIZED):
             self.quantized.append((start, rows))
         else:
             getattr(self, name).data[start : start + rows.shape[0]].copy_(rows)
@@ -115,17 +119,18 @@ class ParallelLinear(nn.Module):
         if self.packed is not None and self.packed.holds_weight:
             self.weight = None  # two copies of every weight would double the model's memory
 
-    def quantize_int8(self) -> None:
-        """`--quantization int8`, before packing: the float weight becomes int8 rows with one scale per output
-        channel (kernels/quant.py's quantize_per_channel), which pack() then packs like a checkpoint's blocks."""
+    def quantize(self, per_channel: Callable[[torch.Tensor, torch.Tensor], QuantizedTensor | Fp8Tensor | None]) -> None:
+        """`--quantization int8|fp8`, before packing: the float weight becomes rows with one scale per output channel
+        (`per_channel(weight, each whole row's max |w|)`: kernels/quant.py's quantize_per_channel, kernels/fp8.py's
+        quantize_fp8), which pack() then packs like a checkpoint's."""
         if self.weight is not None and not self.quantized:
-            rows = quantize_per_channel(self.weight, self.row_absmax())
+            rows = per_channel(self.weight, self.row_absmax())
             if rows is not None:
                 self.quantized = [(0, rows)]
 
     def row_absmax(self) -> torch.Tensor:
         """max |w| of each output row: this rank's rows are whole."""
-        assert self.weight is not None, "asked before packing (quantize_int8), when the plain weight is there"
+        assert self.weight is not None, "asked before packing (quantize), when the plain weight is there"
         return self.weight.detach().abs().amax(dim=1).float()
 
     def packed_form(self, weight: torch.Tensor):
@@ -248,10 +253,8 @@ class RowParallelLinear(ParallelLinear):
             assert self.bias is not None, f"a checkpoint bias is loaded only into a layer made with one ({name})"
             self.bias.data.copy_(tensor)  # whole on every rank, added once after the all-reduce
         else:
-            if isinstance(tensor, QuantizedTensor) and not tensor.splits_at(
-                self.tp.rank * self.local_in, self.local_in
-            ):
-                tensor = tensor.dequantize()  # a shard boundary inside a block
+            if isinstance(tensor, QUANTIZED) and not tensor.splits_at(self.tp.rank * self.local_in, self.local_in):
+                tensor = tensor.dequantize()  # a shard boundary inside a block or group
             self.put(name, 0, tensor.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def row_absmax(self) -> torch.Tensor:

@@ -335,3 +335,22 @@ async def in_process_replica(build):
     finally:
         await server.stop(None)
         loop.stop()
+
+
+def run_on_triton(script: str, *args: object, timeout: float = 600) -> object:
+    """Runs `script` (python -c, its arguments JSON) in a subprocess on the Triton kernels: compiled on a GPU, under
+    TRITON_INTERPRET=1 on a CPU (set before triton is first imported, which a subprocess guarantees); returns the JSON
+    its last line prints."""
+    import torch
+
+    pytest.importorskip("triton")
+    env = dict(os.environ) if torch.cuda.is_available() else dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-c", script, *(json.dumps(a) for a in args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -26,6 +26,9 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert offline["decode_step_ms"] > 0 and offline["weights_read_bound_ms"] > 0
     moe = stages["offline_moe"]["results"]
     assert moe["fastgen_tokens_per_s"] > 0 and moe["weights_read_bound_ms"] > 0 and moe["model"].endswith("toy-moe")
+    int4 = stages["offline_int4"]["results"]
+    assert int4["model"].endswith("int4") and int4["layer_form"] == "QuantLinear"  # the CPU: GGUF blocks
+    assert int4["fastgen_tokens_per_s"] > 0 and int4["weights_read_bound_ms"] > 0
     systems = stages["sla"]["results"]["systems"]
     assert set(systems) == {"splitfuse", "prefill_first", "slo"}
     assert all(set(s["effective_rps"]) == {"2", "4", "6"} and s["failed"] == 0 for s in systems.values())
@@ -44,7 +47,7 @@ def test_a_failing_stage_is_recorded_and_the_suite_goes_on(tmp_path, monkeypatch
     monkeypatch.setitem(gpu_suite.STAGES, "boom", boom)
     monkeypatch.setitem(gpu_suite.STAGES, "after", lambda ctx: {"ran": True})
     monkeypatch.setattr(gpu_suite, "ESTIMATE_S", {"boom": 1, "after": 1})
-    monkeypatch.setattr(gpu_suite, "toy_model", lambda folder: folder)  # neither stage builds a model
+    monkeypatch.setattr(gpu_suite, "toy_model", lambda folder, quantization_config=None: folder)  # no stage builds one
     assert gpu_suite.main(["--out", str(tmp_path), "--dry-run", "--stages", "boom,after"]) == 1
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     boom_record, after = report["stages"]
@@ -131,7 +134,7 @@ def test_a_stage_over_its_estimate_makes_the_next_skip_at_run_time(tmp_path, mon
     monkeypatch.setitem(gpu_suite.STAGES, "after", lambda ctx: ran.append(1) or {})
     monkeypatch.setattr(gpu_suite, "ESTIMATE_S", {"slow": 1, "after": 1})
     monkeypatch.setattr(gpu_suite, "STARTUP_S", 0)
-    monkeypatch.setattr(gpu_suite, "toy_model", lambda folder: folder)
+    monkeypatch.setattr(gpu_suite, "toy_model", lambda folder, quantization_config=None: folder)
     args = ["--out", str(tmp_path), "--dry-run", "--stages", "slow,after", "--budget-s", "2.2"]
     assert gpu_suite.main(args) == 0 and not ran
     report = json.loads((tmp_path / "gpu_suite.json").read_text())

@@ -87,7 +87,7 @@ def test_layers_hold_int8_rows_and_the_head_stays_float(models):
     source, _ = models
     pipe = pipeline(str(source), dtype="float32", quantization="int8", progress=False)
     model = pipe.engine.runner.model
-    linears = [m for m in model.layers.modules() if hasattr(m, "quantize_int8")]
+    linears = [m for m in model.layers.modules() if hasattr(m, "quantize")]
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down in each of two layers
     if quant.quant_kernels():
         assert all(isinstance(m.packed, quant.QuantLinear) and m.weight is None for m in linears)

@@ -17,7 +17,7 @@ from fastgen.replica import pipeline
 from fastgen.replica.models import ARCHITECTURES, ModelConfig, config_from_hf
 from fastgen.replica.weights import load_hf_config
 
-from .helpers import assert_matches, hf_greedy
+from .helpers import assert_matches, hf_greedy, run_on_triton
 from .tp_ranks import engine_rank, run_ranks
 
 VOCAB = 512
@@ -265,19 +265,9 @@ print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new
 def test_families_match_on_the_triton_kernels(family_models, family):
     """Triton's window and soft-capping in the engine, graphed decode path included: interpreted on a CPU (a
     subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled on a GPU."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
     folder, prompts, refs = family_models[family]
-    env = dict(os.environ) if torch.cuda.is_available() else dict(os.environ, TRITON_INTERPRET="1")
-    arg = json.dumps([str(folder), prompts, NEW])
-    out = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, arg], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
+    assert isinstance(tokens, list)
     assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
 
 

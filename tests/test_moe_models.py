@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fastgen.replica.models import ModelConfig
 from fastgen.replica.weights import load_hf_config
 
-from .helpers import assert_matches
+from .helpers import assert_matches, run_on_triton
 from .test_model_families import NEW, hf_greedy_eager, make_family_model, prompts_for, run
 from .tp_ranks import engine_rank, run_ranks
 
@@ -180,19 +180,9 @@ def test_a_rank_skips_the_slots_of_experts_it_does_not_hold():
 def test_moe_matches_on_the_triton_kernels(moe_models):
     """Triton's fused experts in the engine, the graphed decode path included (its alignment reads nothing on the
     host): interpreted on a CPU, compiled on a GPU. Qwen2-MoE: a shared expert and a dense layer too."""
-    import os
-    import subprocess
-    import sys
-
     from .test_model_families import TRITON_SCRIPT
 
-    pytest.importorskip("triton")
     folder, prompts, refs = moe_models["qwen2-moe"]
-    env = dict(os.environ) if torch.cuda.is_available() else dict(os.environ, TRITON_INTERPRET="1")
-    arg = json.dumps([str(folder), prompts, NEW])
-    out = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, arg], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
+    assert isinstance(tokens, list)
     assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)

@@ -18,6 +18,7 @@ from fastgen.replica.parallel import TPGroup
 # Parameter counts as published on the models' cards; they pin every size the config sets.
 PUBLISHED_PARAMETERS = {
     "llama-3-8b": 8_030_261_248,
+    "llama-3-8b-awq": 8_030_261_248,  # the same architecture, its layers in AWQ int4 (4.5 bits a weight with scales)
     "llama-3-70b": 70_553_706_496,
     "llama-3.2-1b": 1_235_814_400,
     "mistral-7b": 7_241_732_096,

@@ -185,6 +185,7 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
             enable_expert_parallel=run.get("expert_parallel", False),
             lora=lora_config,
             quantization=run.get("quantization", EngineConfig.quantization),
+            kernels=run.get("kernels", EngineConfig.kernels),
         )
         if rank == 0:
             engine = build_engine(config, tp, channel)

@@ -7,7 +7,7 @@ how its checkpoint names tensors. Every linear layer is tensor-parallel (one ran
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from ...kernels import AttentionMetadata, Kernels, rope_cos_sin, rope_inv_freq
 from ...kernels.decode_layer import DecodeLayerParts
+from ...kernels.int4 import Int4Tensor, random_int4
 from ...kernels.quant import QuantizedTensor
 from ..parallel import (
     ColumnParallelLinear,
@@ -471,12 +472,13 @@ class DecoderModel(nn.Module):
             x = self.norm(x, residual)[0]
         return self.project_out(x) if self.config.embedding_dim else x
 
-    def quantize_int8(self) -> None:
-        """`--quantization int8`: every decoder layer's linear weights to int8 with per-channel scales, before
-        packing. The LM head (and the embedding it may share) stay in --dtype, as vLLM keeps them; so do MoE experts."""
+    def quantize(self, per_channel: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        """`--quantization int8|fp8`: every decoder layer's linear weights quantized with per-channel scales
+        (ParallelLinear.quantize), before packing. The LM head (and the embedding it may share) stay in --dtype, as
+        vLLM keeps them; so do MoE experts."""
         for module in self.layers.modules():
             if isinstance(module, ParallelLinear):
-                module.quantize_int8()
+                module.quantize(per_channel)
 
     def pack_weights(self) -> None:
         """Packs every linear layer's weight once, in the form the kernels' linear reads fastest (if any), then
@@ -510,6 +512,24 @@ class DecoderModel(nn.Module):
             else:
                 param.normal_(0.0, DUMMY_STD, generator=generator)
 
+    @torch.no_grad()
+    def init_random_int4(self, group_size: int, seed: int = DUMMY_SEED) -> None:
+        """load_format "dummy" of an AWQ/GPTQ config: each decoder layer's projections random int4 in place of their
+        float weights (kernels/int4.py's random_int4, values spread as N(0, DUMMY_STD)), so the layers hold and read
+        what the checkpoint's would. After init_random_weights, before pack_weights."""
+        generator = None
+        for layer in self.layers:
+            for module in layer.modules():
+                if not isinstance(module, ParallelLinear) or module.weight is None:
+                    continue
+                if module.in_features % group_size:
+                    continue  # a checkpoint could not group it either: it stays float
+                device = module.weight.device
+                if generator is None or generator.device != device:
+                    generator = torch.Generator(device).manual_seed(seed)
+                rows = random_int4(module.out_features, module.in_features, group_size, DUMMY_STD, generator, device)
+                module.quantized = [(0, rows)]
+
     def fused_parts(self, leaf: str, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """A checkpoint's fused tensor (rows first) as our parts: q, k, v or gate, up, each whole (every rank
         then takes its own shard of each part)."""
@@ -523,7 +543,7 @@ class DecoderModel(nn.Module):
         interleaved = tensor.unflatten(0, (cfg.num_heads, 3, d))  # (heads, q k v, head_dim, ...)
         return [interleaved[:, i].flatten(0, 1) for i in range(3)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor | Int4Tensor]]) -> None:
         """Loads Hugging Face tensor names; each layer takes its own shard."""
         fused = FUSED
         modules: dict[str, Any] = dict(self.named_modules())  # called by what each one is: load, parts, ...

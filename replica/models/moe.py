@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import Kernels
+from ...kernels.int4 import QUANTIZED
 from ...kernels.moe import Routing, route
-from ...kernels.quant import QuantizedTensor
 from ..parallel import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear, TPGroup, _divide
 
 # A checkpoint's per-expert tensor: <layer>.mlp.experts.<e>.<gate|up|down>_proj.weight (Mixtral's w1/w3/w2 renamed)
@@ -68,7 +68,7 @@ class FusedExperts(nn.Module):
         e = expert - self.first
         if not 0 <= e < self.local_experts:
             return []
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, QUANTIZED):  # experts are served in float
             tensor = tensor.dequantize()
         n, r = self.intermediate, self.row0
         assert self.w13 is not None and self.w2 is not None, "loaded before packing, which may drop them"
@@ -122,7 +122,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32), requires_grad=False)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> None:
-        self.weight.data.copy_(tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor)
+        self.weight.data.copy_(tensor.dequantize() if isinstance(tensor, QUANTIZED) else tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)  # (tokens, experts) float32

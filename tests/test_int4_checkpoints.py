@@ -1,0 +1,291 @@
+"""AWQ and GPTQ int4 checkpoints (replica/int4_checkpoint.py, kernels/int4.py, kernels/triton_int4.py): tiny random
+models quantized here into each layout (fastgen/int4_writer.py, AutoAWQ's and AutoGPTQ's packing), read back value
+for value, and served token for token as transformers serves the same model dequantized (float32): on the torch,
+C and Triton kernels, prompts split across passes, with preemption and under tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fastgen.int4_writer import write_int4_checkpoint
+from fastgen.kernels.int4 import Int4Tensor, pack_nibbles, unpack_nibbles
+from fastgen.kernels.quant import GGML_TYPES, QuantLinear
+from fastgen.replica import pipeline
+from fastgen.replica.int4_checkpoint import int4_format, iter_int4
+from fastgen.replica.weights import iter_safetensors, load_hf_config
+
+from .helpers import assert_matches, run_on_triton
+from .test_model_families import hf_greedy_eager, make_family_model, prompts_for
+from .tp_ranks import engine_rank, run_ranks
+
+# name -> (method, writer options): AWQ (zero points), GPTQ symmetric (every zero 8), GPTQ act-order, GPTQModel's v2
+VARIANTS = {
+    "awq": ("awq", {}),
+    "gptq-sym": ("gptq", dict(sym=True)),
+    "gptq-act-order": ("gptq", dict(act_order=True)),
+    "gptq-v2": ("gptq", dict(checkpoint_format="gptq_v2")),
+}
+NEW = 10
+
+
+def random_int4(rows: int, cols: int, group: int, seed: int = 0, sym: bool = False) -> tuple[Int4Tensor, torch.Tensor]:
+    """An Int4Tensor of random quants, and its values computed here from the unpacked parts."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols), generator=gen)
+    zeros = torch.full((rows, cols // group), 8) if sym else torch.randint(0, 16, (rows, cols // group), generator=gen)
+    scales = (torch.rand(rows, cols // group, generator=gen) * 0.05 + 0.001).half()
+    values = (q.view(rows, -1, group) - zeros[..., None]).float() * scales.float()[..., None]
+    return Int4Tensor(pack_nibbles(q), scales, zeros.to(torch.uint8), group), values.view(rows, cols)
+
+
+# ---- the layout ----------------------------------------------------------------------------------------------------
+def test_nibbles_pack_and_unpack_in_column_order():
+    q = torch.arange(16).repeat(3, 2)  # (3, 32)
+    words = pack_nibbles(q)
+    assert words.dtype == torch.int32 and words.shape == (3, 4)
+    assert words[0, 0].item() == 0x76543210 and words[0, 1].item() == 0xFEDCBA98 - 2**32  # nibble j: column 8c + j
+    assert torch.equal(unpack_nibbles(words), q)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_int4_values_and_slices(sym):
+    t, values = random_int4(24, 256, 64, sym=sym)
+    assert t.shape == (24, 256) and t.symmetric == sym
+    assert torch.equal(t.dequantize(), values)
+    assert torch.equal(t.narrow(0, 5, 7).dequantize(), values[5:12])
+    assert torch.equal(t.narrow(1, 128, 64).dequantize(), values[:, 128:192])
+    assert t.splits_at(0, 64, 128) and not t.splits_at(32)
+    with pytest.raises(ValueError, match="groups of 64"):
+        t.narrow(1, 32, 64)
+    index = torch.tensor([3, 0, 17])
+    assert torch.equal(t.index_rows(index).dequantize(), values[index])
+
+
+@pytest.mark.parametrize("sym, ggml", [(False, "Q5_0"), (True, "Q4_0")])
+def test_int4_becomes_gguf_blocks_bit_for_bit(sym, ggml):
+    """The CPU's form: Q5_0 (q - zero + 16 in 5 bits) holds any zero point exactly; Q4_0 holds symmetric weights. Both
+    read back through the C kernels' dequantizer and gguf's own reference."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t, values = random_int4(40, 384, 128, seed=1, sym=sym)
+    blocks = t.to_ggml()
+    assert blocks is not None and blocks.name == ggml and blocks.shape == (40, 384)
+    assert blocks.nbytes == 40 * 384 // 32 * GGML_TYPES[ggml][2]
+    assert torch.equal(blocks.dequantize(), values)
+    reference = dequantize(blocks.data.numpy(), GGMLQuantizationType(blocks.qtype))
+    assert torch.equal(torch.from_numpy(reference.copy()).reshape(40, 384), values)
+    small_groups, _ = random_int4(8, 64, 16)
+    assert small_groups.to_ggml() is None  # a group of 16 is not a whole block: dequantized instead
+    bf16_scales = Int4Tensor(t.qweight, t.scales.bfloat16(), t.zeros, t.group_size)
+    assert bf16_scales.to_ggml() is None
+
+
+# ---- reading checkpoints -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def int4_models(tmp_path_factory):
+    """variant -> (int4 folder, dequantized reference folder, prompts, transformers' tokens on the reference)."""
+    root = tmp_path_factory.mktemp("int4")
+    src = make_family_model(root / "float", "qwen3")
+    prompts = prompts_for(3)
+    out = {}
+    for i, (variant, (method, options)) in enumerate(VARIANTS.items()):
+        folder, reference = root / variant, root / f"{variant}-reference"
+        write_int4_checkpoint(src, folder, reference, method, seed=i, **options)
+        out[variant] = (folder, reference, prompts, hf_greedy_eager(reference, prompts, NEW))
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_layer_reads_as_its_dequantized_values(int4_models, variant):
+    folder, reference, _, _ = int4_models[variant]
+    fmt = int4_format(load_hf_config(folder))
+    assert fmt is not None and fmt.method == VARIANTS[variant][0] and fmt.group_size == 32
+    expected = safe_open(str(reference / "model.safetensors"), framework="pt")
+    kinds = set()
+    for name, value in iter_int4(iter_safetensors(folder, progress=False), fmt):
+        dense = value.dequantize() if isinstance(value, Int4Tensor) else value
+        assert torch.equal(dense, expected.get_tensor(name)), name
+        if name.endswith("proj.weight"):
+            kinds.add(type(value).__name__)
+    # act-order's layers have input columns out of group order: served at their float values
+    assert kinds == ({"Tensor"} if variant == "gptq-act-order" else {"Int4Tensor"})
+
+
+def test_what_the_reader_refuses(tmp_path):
+    for quant, message in (
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'.*AWQ and GPTQ"),
+        ({"quant_method": "gptq", "bits": 8}, "8-bit weights: FastGen reads 4-bit"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv' version: FastGen reads the GEMM"),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point true"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "format 'marlin'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            int4_format({"quantization_config": quant})
+    assert int4_format({}) is None
+    fmt = int4_format({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32}})
+    assert fmt is not None
+    layer = "model.layers.0.mlp.down_proj"
+    qweight = torch.zeros(64, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="down_proj has no qzeros"):
+        list(iter_int4([(f"{layer}.qweight", qweight), (f"{layer}.scales", torch.ones(2, 64).half())], fmt))
+    parts = {"qweight": qweight.float(), "qzeros": torch.zeros(2, 8, dtype=torch.int32), "scales": torch.ones(2, 64)}
+    with pytest.raises(ValueError, match="qweight is torch.float32: AWQ and GPTQ pack int4 values in int32"):
+        list(iter_int4([(f"{layer}.{k}", v) for k, v in parts.items()], fmt))
+    parts = {"qweight": qweight, "qzeros": torch.zeros(3, 8, dtype=torch.int32), "scales": torch.ones(3, 64).half()}
+    with pytest.raises(ValueError, match="do not fit 64 input features in groups of 32"):
+        list(iter_int4([(f"{layer}.{k}", v) for k, v in parts.items()], fmt))
+
+
+# ---- serving -------------------------------------------------------------------------------------------------------
+def run(folder, prompts, **options):
+    pipe = pipeline(str(folder), dtype="float32", progress=False, **options)
+    return pipe, pipe(prompts, max_new_tokens=NEW, min_new_tokens=NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_int4_checkpoints_match_transformers(int4_models, variant, kernels):
+    """`auto` serves the int4 layers as shipped (GGUF blocks on the C kernels, dequantized on torch's); `none`
+    dequantizes them at load: both are the reference's tokens, a budget of 7 splitting every prompt."""
+    folder, _, prompts, refs = int4_models[variant]
+    for quantization in ("auto", "none"):
+        pipe, outs = run(folder, prompts, kernels=kernels, quantization=quantization, max_batch_tokens=7)
+        assert_matches(outs, refs)
+        proj = pipe.engine.runner.model.layers[0].mlp.down_proj
+        as_shipped = kernels == "cpu" and quantization == "auto" and variant != "gptq-act-order"
+        assert isinstance(proj.packed, QuantLinear) == as_shipped
+        if as_shipped:  # the weight is the blocks: no float copy kept
+            assert proj.weight is None
+            block = proj.packed.slabs[0][1].name
+            assert block == ("Q4_0" if variant == "gptq-sym" else "Q5_0")
+
+
+@pytest.mark.slow
+def test_int4_checkpoints_match_with_preemption_and_tensor_parallelism(int4_models, tmp_path):
+    folder, _, prompts, refs = int4_models["awq"]
+    pipe, outs = run(folder, prompts, max_batch_tokens=16, block_size=4, num_blocks=14)
+    assert_matches(outs, refs)
+    assert pipe.engine.scheduler.num_preemptions > 0
+    runs, expected = [], []
+    for variant in ("awq", "gptq-sym"):  # each rank's shards cut at group boundaries, row- and column-parallel
+        folder, _, prompts, refs = int4_models[variant]
+        runs.append(dict(model=str(folder), prompts=prompts, new=NEW, budget=16, block_size=4, num_blocks=64))
+        expected.append(refs)
+    run_ranks(engine_rank, runs, str(tmp_path / "out"), timeout=300)
+    results = json.loads((tmp_path / "out.0").read_text())
+    for result, refs in zip(results, expected, strict=True):
+        assert_matches([SimpleNamespace(token_ids=t) for t in result["tokens"]], refs)
+
+
+TRITON_SCRIPT = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from fastgen.kernels.triton_int4 import Int4Linear
+from fastgen.replica import pipeline
+folder, prompts, new = json.loads(sys.argv[1])
+pipe = pipeline(folder, dtype="float32", kernels="triton", max_batch_tokens=16, block_size=8, progress=False)
+assert isinstance(pipe.engine.runner.model.layers[0].self_attn.qkv_proj.packed, Int4Linear)
+print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new_tokens=new)]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.cuda(interpreted=True)
+@pytest.mark.parametrize("variant", ["awq", "gptq-sym"])
+def test_int4_checkpoints_match_on_the_triton_kernels(int4_models, variant):
+    """The int4 kernel in the engine, decode (split over the input) and prompt tiles: interpreted on a CPU (a
+    subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled on a GPU."""
+    folder, _, prompts, refs = int4_models[variant]
+    tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
+    assert isinstance(tokens, list)
+    assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
+
+
+KERNEL_SCRIPT = """
+import json, sys
+import torch
+from fastgen.kernels.int4 import Int4Tensor, pack_nibbles, int4_linear_reference
+from fastgen.kernels.triton_int4 import _tiles, int4_linear, pack_int4
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+results = []
+for rows, out, fan_in, group, dtype, bias in json.loads(sys.argv[1]):
+    gen = torch.Generator().manual_seed(rows * 1000 + out)
+    q = torch.randint(0, 16, (out, fan_in), generator=gen)
+    zeros = torch.randint(0, 16, (out, fan_in // group), generator=gen).to(torch.uint8)
+    scales = (torch.rand(out, fan_in // group, generator=gen) * 0.05 + 0.001).half()
+    w = Int4Tensor(pack_nibbles(q), scales, zeros, group)
+    half = out // 2 // 8 * 8
+    packed = pack_int4([(half, w.narrow(0, half, out - half)), (0, w.narrow(0, 0, half))], out)
+    x = torch.randn(rows, fan_in, generator=gen).to(dtypes[dtype])
+    b = torch.randn(out, generator=gen).to(dtypes[dtype]) if bias else None
+    y = int4_linear(x.to(device), packed, None if b is None else b.to(device)).cpu()
+    ref = int4_linear_reference(x.double(), w, None if b is None else b.double())
+    err = ((y.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    results.append([list(_tiles(rows, out, fan_in, group)), err, y.dtype == x.dtype, list(y.shape)])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.cuda(interpreted=True)
+def test_the_triton_int4_kernel_matches_the_reference():
+    """Decode shapes split across the input (SPLIT_K > 1) and prompt tiles, bias or none, groups of 32 to 128, an
+    output not a multiple of the tile, parts joined out of order: float32 to rounding, float16 to its precision."""
+    cases = [
+        [1, 96, 256, 128, "float32", False],
+        [5, 80, 512, 64, "float16", True],
+        [16, 72, 128, 32, "float32", True],
+        [37, 200, 256, 32, "float32", True],
+        [40, 64, 256, 128, "float16", False],
+    ]
+    if torch.cuda.is_available():  # the interpreter gets bfloat16 wrong on a CPU (tests/test_triton_kernels.py)
+        cases.append([3, 96, 256, 128, "bfloat16", True])
+    results = run_on_triton(KERNEL_SCRIPT, cases)
+    assert isinstance(results, list)
+    tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+    for (rows, features, _, _, dtype, _), (tiles, err, same_dtype, shape) in zip(cases, results, strict=True):
+        assert same_dtype and shape == [rows, features]
+        assert err < tolerance[dtype], (rows, features, dtype, tiles, err)
+    splits = [tiles[3] for tiles, *_ in results]
+    assert splits[0] > 1 and splits[1] > 1 and splits[3] == 1  # both shapes of call ran
+
+
+def test_a_folder_is_found_int4_by_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    fmt = int4_format(load_hf_config(Path(tmp_path)))
+    assert fmt is not None and fmt.group_size == 128 and fmt.zeros_minus_one
+
+
+def test_quantization_awq_or_gptq_asks_for_that_format(int4_models):
+    folder, _, prompts, refs = int4_models["gptq-sym"]
+    with pytest.raises(ValueError, match=r"--quantization awq, but .*gptq-sym is a GPTQ checkpoint: pass"):
+        pipeline(str(folder), quantization="awq", progress=False)
+    pipe, outs = run(folder, prompts[:2], quantization="gptq", kernels="torch")
+    assert_matches(outs, refs[:2])
+
+
+def test_an_int4_config_with_dummy_weights_holds_int4_layers(tmp_path):
+    """load_format dummy of an AWQ config (the llama-3-8b-awq preset's case, shrunk): every projection of the decoder
+    layers random int4 in the kernels' form, the LM head float; the engine serves it."""
+    config = json.loads((Path(__file__).parents[1] / "replica/presets/llama-3-8b-awq/config.json").read_text())
+    config.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    config.update(num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    pipe = pipeline(str(tmp_path), load_format="dummy", dtype="float32", progress=False)
+    model = pipe.engine.runner.model
+    for proj in (model.layers[1].self_attn.qkv_proj, model.layers[1].mlp.down_proj):
+        assert isinstance(proj.packed, QuantLinear) and proj.weight is None
+        assert proj.packed.slabs[0][1].name == "Q4_0"  # zeros 8: symmetric
+    assert not isinstance(model.lm_head.packed, QuantLinear)
+    (out,) = pipe([[5, 6, 7]], max_new_tokens=4, min_new_tokens=4)
+    assert len(out.token_ids) == 4
