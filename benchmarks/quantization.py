@@ -11,6 +11,11 @@ mode within a repeat; prefix caching off):
   over the time from adding them to the last token;
 - prefill: one --prefill-tokens prompt, one token generated: prompt tokens / time to that token.
 Ratios against the first mode (the baseline, `none` by default) are taken within each repeat; medians reported.
+
+Modes `awq` and `gptq` serve the model's float checkpoint quantized here to int4 (round to nearest, groups of
+--int4-group, packed as AutoAWQ and AutoGPTQ write them: fastgen/int4_writer.py; gptq symmetric) with quantization
+auto: the speed of an AWQ/GPTQ checkpoint served on this CPU (its layers as GGUF blocks, kernels/int4.py), not the
+accuracy of a calibrated one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +52,19 @@ def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
         if isinstance(quantized, QuantizedTensor):
             blocks[quantized.data.data_ptr()] = quantized.nbytes
     return held + sum(blocks.values())
+
+
+INT4_MODES = {"awq": {}, "gptq": {"sym": True}}  # int4_writer options of each
+
+
+def int4_checkpoint(model: str, mode: str, group: int, root: Path) -> str:
+    """The model's float checkpoint written as an int4 one of `mode`'s layout under root."""
+    from ..int4_writer import write_int4_checkpoint
+    from ..replica.weights import resolve_model
+
+    folder = root / mode
+    write_int4_checkpoint(resolve_model(model), folder, root / f"{mode}-dequantized", mode, group, **INT4_MODES[mode])
+    return str(folder)
 
 
 def run(engine, prompts: list[list[int]], gen: int) -> list[list[float]]:
@@ -108,7 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--modes", default="none,int8,auto", help="quantization modes; the first is the baseline")
+    p.add_argument(
+        "--modes", default="none,int8,auto", help="quantization modes, awq and gptq too; the first is the baseline"
+    )
+    p.add_argument("--int4-group", type=int, default=64, help="input features per scale of the awq/gptq modes")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     add_workload_args(p)
     p.add_argument("--json", type=Path, default=None)
@@ -123,10 +145,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
-    engines = {
-        m: pipeline(args.model, dtype=args.dtype, quantization=m, prefix_caching=False, progress=False).engine
-        for m in modes
-    }
+    scratch = tempfile.TemporaryDirectory()
+    engines = {}
+    for m in modes:
+        model, quantization = args.model, m
+        if m in INT4_MODES:
+            model, quantization = int4_checkpoint(args.model, m, args.int4_group, Path(scratch.name)), "auto"
+        pipe = pipeline(model, dtype=args.dtype, quantization=quantization, prefix_caching=False, progress=False)
+        engines[m] = pipe.engine
     dtype = getattr(torch, args.dtype)
     held = {m: weight_bytes(e.runner.model, dtype) for m, e in engines.items()}
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}

@@ -105,7 +105,7 @@ def write_int4_checkpoint(
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps(folder_config, indent=1))
         for extra in src.iterdir():
-            if extra.name not in ("config.json", "model.safetensors"):
+            if extra.name not in ("config.json", "model.safetensors", "fastgen-sha256.json"):
                 shutil.copy(extra, folder / extra.name)
 
 
