@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             runs[mode].append(measure(engines[mode], args, random.Random(repeat)))
             print(f"repeat {repeat} {mode}: {runs[mode][-1]}", file=sys.stderr, flush=True)
     summary = {
-        "meta": run_info("fastgen.benchmarks.quantization", args.argv) | {"dtype": args.dtype, "threads": args.threads},
+        "meta": run_info("quantization", args.argv) | {"dtype": args.dtype, "threads": args.threads},
         "baseline": modes[0],
         "modes": summarize(runs, held, modes[0]),
     }
