@@ -118,7 +118,14 @@ def quantized_source(config: EngineConfig, device: torch.device):
         )
     if config.quantization != "auto" or config.load_format == "dummy" or device.type != "cpu":
         return None
-    return weights.gguf_file(config.model)
+    gguf = weights.gguf_file(config.model)
+    if gguf is None:
+        return None
+    architecture = weights.gguf_architecture(gguf)
+    if architecture not in weights.GGUF_DIRECT:
+        log.info("%s is a %r GGUF: served from its conversion, dequantized to the dtype", gguf.name, architecture)
+        return None
+    return gguf
 
 
 def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None):

@@ -56,7 +56,13 @@ def gguf_file(model: str) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-# GGUF tensor names (llama.cpp's) -> Hugging Face module names of a llama-family layer.
+# The GGUF architectures whose files iter_gguf reads tensor by tensor (`--quantization auto`), and whether llama.cpp's
+# converter permuted their q and k rows: transformers (the reference) undoes that for "llama" files alone. A file of
+# any other architecture is served from transformers' conversion (dequantized): Gemma's norms, Phi-3's fused
+# projections and the rest have their own rules there.
+GGUF_DIRECT = {"llama": True, "qwen2": False, "qwen3": False}
+
+# GGUF tensor names (llama.cpp's) -> Hugging Face module names of a llama-family layer (Qwen3's q/k norms too).
 _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -67,8 +73,17 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The file's general.architecture (its header only is read)."""
+    from gguf import GGUFReader
+
+    return str(GGUFReader(gguf).fields["general.architecture"].contents())
 
 
 def gguf_hf_name(name: str) -> str | None:
@@ -90,9 +105,10 @@ def unpermute_rows(heads: int, rows: int) -> torch.Tensor:
 def iter_gguf(
     gguf: Path, hf_config: dict, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """(Hugging Face name, tensor) for every tensor of a llama-family GGUF file, read directly: weights in a block type
-    the quantized kernels take stay in it (kernels/quant.py's QuantizedTensor, rows as stored), any other type is
-    dequantized to float32 with gguf's own dequantizers. q and k rows are put back in Hugging Face's order."""
+    """(Hugging Face name, tensor) for every tensor of a GGUF file of a GGUF_DIRECT architecture, read directly:
+    weights in a block type the quantized kernels take stay in it (kernels/quant.py's QuantizedTensor, rows as
+    stored), any other type is dequantized to float32 with gguf's own dequantizers. A "llama" file's q and k rows are
+    put back in Hugging Face's order."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
@@ -101,6 +117,10 @@ def iter_gguf(
     from ..kernels.quant import QuantizedTensor, takes
 
     reader = GGUFReader(gguf)
+    architecture = str(reader.fields["general.architecture"].contents())
+    if architecture not in GGUF_DIRECT:
+        raise ValueError(f"{gguf.name} is a {architecture!r} GGUF: read directly are {', '.join(GGUF_DIRECT)}")
+    permuted = GGUF_DIRECT[architecture]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress, file=sys.stderr):
@@ -120,7 +140,7 @@ def iter_gguf(
         else:
             data = dequantize(np.asarray(tensor.data), tensor.tensor_type)
             value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
-        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+        if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             order = unpermute_rows(heads if ".q_proj." in name else kv_heads, shape[0])
             value = value.index_rows(order) if isinstance(value, QuantizedTensor) else value[order]
         yield name, value

