@@ -18,8 +18,9 @@ run must learn things: are the kernels right, is the engine right, does it fit t
   kernels          decode attention and the fused kernels' bandwidth against the measured copy bandwidth
   offline      a Llama-3-8B preset with dummy weights in bf16: FastGen against transformers `generate`, and the decode
                step at batch 1 against the time to read the weights once, with CUDA graphs and without (--enforce-eager)
-  offline_int4 FastGen's side of the offline stage on the Llama-3-8B preset in AWQ int4 (Triton's int4 kernel):
-               throughput, and the decode step at batch 1 against the time to read its int4 weights once
+  offline_quantized  FastGen's side of the offline stage on the Llama-3-8B preset in AWQ int4 (Triton's int4
+               kernel) and with --quantization fp8 (torch._scaled_mm): throughput, and the decode step at batch 1
+               against the time to read its weights once
   offline_moe  the offline stage on a mixture of experts (the Qwen3-30B-A3B preset, 128 experts, 8 per token): its
                decode step against the time to read the weights a token routes through once (attention and 8 of 128
                experts a layer)
@@ -629,11 +630,15 @@ def build_pipeline(
     enforce_eager: bool = False,
     slo=None,
     gpu_memory_utilization: float | None = None,
+    quantization: str = "auto",
+    kernels: str = "auto",
 ):
     from ..replica import pipeline
 
     return pipeline(
         plan.model,
+        quantization=quantization,
+        kernels=kernels,
         dtype=str(plan.dtype).removeprefix("torch."),
         device=plan.device,
         load_format="dummy",
@@ -658,39 +663,41 @@ def offline_moe(ctx: Context) -> dict:
     return offline(replace(ctx, plan=replace(p, model=p.moe_model, offline_requests=p.moe_requests)))
 
 
-def offline_int4(ctx: Context) -> dict:
-    """FastGen's side of the offline stage on the AWQ int4 preset (transformers cannot run AWQ without a kernel
-    package the machine lacks): throughput on the same requests, and the decode step at batch 1 against the time to
-    read its weights once in the form the kernels read (int4 quants, scales and zeros; the float LM head)."""
-    p = replace(ctx.plan, model=ctx.plan.int4_model)
-    vocab = json.loads((model_folder(p) / "config.json").read_text())["vocab_size"]
-    prompts = token_prompts(
-        p.offline_requests, lambda rng, n: [rng.randint(*p.offline_prompt) for _ in range(n)], vocab
-    )
-    pipe = build_pipeline(p, p.offline_budget)
-    model = pipe.engine.runner.model
-    form = type(model.layers[0].mlp.down_proj.packed).__name__  # Int4Linear on CUDA; GGUF blocks on the CPU
-    pipe(prompts[: min(4, len(prompts))], max_new_tokens=4)  # compiles the kernels for prompts and decodes
-    fastgen_s = run_fastgen(pipe, prompts, p.offline_gen)
-    step_ms = decode_step_ms(pipe.engine, p.decode_steps)
-    read_bytes = weights_read_bytes(model)
-    del pipe, model
-    release_memory(ctx)
-    copy, _ = ctx.peaks()
-    bound_ms = read_bytes / copy * 1e3
-    return dict(
-        model=p.int4_model,
-        dtype=str(p.dtype).removeprefix("torch."),
-        layer_form=form,
-        requests=p.offline_requests,
-        generated_tokens=p.offline_gen,
-        fastgen_s=round(fastgen_s, 3),
-        fastgen_tokens_per_s=round(p.offline_requests * p.offline_gen / fastgen_s, 1),
-        decode_step_ms=round(step_ms, 3),
-        weights_read_gb=round(read_bytes / 1e9, 2),
-        weights_read_bound_ms=round(bound_ms, 3),
-        decode_step_over_bound=round(step_ms / bound_ms, 2),
-    )
+def offline_quantized(ctx: Context) -> dict:
+    """FastGen's side of the offline stage on quantized weights (transformers runs neither without kernel packages the
+    machine lacks): the AWQ int4 preset (Triton's int4 kernel) and the dense model with --quantization fp8 (E4M3
+    weights and per-token activations, torch._scaled_mm). Each: throughput on the offline stage's requests, and the
+    decode step at batch 1 against the time to read its weights once in the form the kernels read."""
+    p = ctx.plan
+    # (label, model, quantization, kernels): fp8 runs on the torch kernels' reference of the op on a CPU (dry run)
+    runs = [("awq", p.int4_model, "auto", "auto"), ("fp8", p.model, "fp8", "auto" if ctx.cuda else "torch")]
+    results = {}
+    for label, model, quantization, kernels in runs:
+        plan = replace(p, model=model)
+        vocab = json.loads((model_folder(plan) / "config.json").read_text())["vocab_size"]
+        prompts = token_prompts(
+            p.offline_requests, lambda rng, n: [rng.randint(*p.offline_prompt) for _ in range(n)], vocab
+        )
+        pipe = build_pipeline(plan, p.offline_budget, quantization=quantization, kernels=kernels)
+        form = type(pipe.engine.runner.model.layers[0].mlp.down_proj.packed).__name__
+        pipe(prompts[: min(4, len(prompts))], max_new_tokens=4)  # compiles the kernels for prompts and decodes
+        fastgen_s = run_fastgen(pipe, prompts, p.offline_gen)
+        step_ms = decode_step_ms(pipe.engine, p.decode_steps)
+        read_bytes = weights_read_bytes(pipe.engine.runner.model)
+        del pipe
+        release_memory(ctx)
+        bound_ms = read_bytes / ctx.peaks()[0] * 1e3
+        results[label] = dict(
+            model=model,
+            quantization=quantization,
+            layer_form=form,  # Int4Linear / Fp8Linear on CUDA; GGUF blocks (QuantLinear) for int4 on a CPU
+            fastgen_tokens_per_s=round(p.offline_requests * p.offline_gen / fastgen_s, 1),
+            decode_step_ms=round(step_ms, 3),
+            weights_read_gb=round(read_bytes / 1e9, 2),
+            weights_read_bound_ms=round(bound_ms, 3),
+            decode_step_over_bound=round(step_ms / bound_ms, 2),
+        )
+    return dict(dtype=str(p.dtype).removeprefix("torch."), requests=p.offline_requests, runs=results)
 
 
 def offline(ctx: Context) -> dict:
@@ -968,7 +975,7 @@ STAGES = {
     "kernel_tests": kernel_tests,
     "kernels": kernels,
     "offline": offline,
-    "offline_int4": offline_int4,
+    "offline_quantized": offline_quantized,
     "offline_moe": offline_moe,
     "sla": sla,
 }
@@ -984,7 +991,7 @@ ESTIMATE_S = {
     "kernel_tests": 180,
     "kernels": 45,
     "offline": 150,
-    "offline_int4": 60,  # FastGen's side only: a random 8B int4 build, 64 requests, the decode step
+    "offline_quantized": 110,  # FastGen's side only, twice: a random 8B build, 64 requests, the decode step
     "offline_moe": 240,
     "sla": 200,
 }

@@ -26,9 +26,10 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert offline["decode_step_ms"] > 0 and offline["weights_read_bound_ms"] > 0
     moe = stages["offline_moe"]["results"]
     assert moe["fastgen_tokens_per_s"] > 0 and moe["weights_read_bound_ms"] > 0 and moe["model"].endswith("toy-moe")
-    int4 = stages["offline_int4"]["results"]
-    assert int4["model"].endswith("int4") and int4["layer_form"] == "QuantLinear"  # the CPU: GGUF blocks
-    assert int4["fastgen_tokens_per_s"] > 0 and int4["weights_read_bound_ms"] > 0
+    quantized = stages["offline_quantized"]["results"]["runs"]
+    assert quantized["awq"]["model"].endswith("int4") and quantized["awq"]["layer_form"] == "QuantLinear"  # blocks
+    assert quantized["fp8"]["layer_form"] == "Fp8Linear"
+    assert all(r["fastgen_tokens_per_s"] > 0 and r["weights_read_bound_ms"] > 0 for r in quantized.values())
     systems = stages["sla"]["results"]["systems"]
     assert set(systems) == {"splitfuse", "prefill_first", "slo"}
     assert all(set(s["effective_rps"]) == {"2", "4", "6"} and s["failed"] == 0 for s in systems.values())
