@@ -10,10 +10,21 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i of a word holds column AWQ_ORDER[i]
+# projection -> the input it reads (act-order's column order is that input's); the others read their own
+SAME_INPUT = {
+    "q_proj": "attention input",
+    "k_proj": "attention input",
+    "v_proj": "attention input",
+    "o_proj": "attention output",
+    "gate_proj": "mlp input",
+    "up_proj": "mlp input",
+    "down_proj": "mlp activation",
+}
 
 
 def _words(values: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
@@ -68,7 +79,6 @@ def write_int4_checkpoint(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(seed)
     packed, dense = {}, {}
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         for name in f.keys():
@@ -78,7 +88,12 @@ def write_int4_checkpoint(
                 packed[name] = t
                 continue
             fan_out, fan_in = t.shape
-            order = torch.randperm(fan_in, generator=gen) if act_order else torch.arange(fan_in)
+            # act-order sorts input columns by the Hessian of the layer's input: the same for q, k and v, and for gate
+            # and up, which read the same input (each layer's own draw here, shared by those projections)
+            shares = SAME_INPUT.get(name.split(".")[-2], name.split(".")[-2])
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            draw = torch.Generator().manual_seed(zlib.crc32(f"{seed} {layer} {shares}".encode()))
+            order = torch.randperm(fan_in, generator=draw) if act_order else torch.arange(fan_in)
             group = torch.empty(fan_in, dtype=torch.int64)
             group[order] = torch.arange(fan_in) // group_size  # column order[k] falls in group k // group_size
             q, scales, zeros = quantize_groups(t, group, fan_in // group_size, sym)

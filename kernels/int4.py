@@ -40,12 +40,16 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Int4Tensor:
-    """A weight (rows, cols) of 4-bit quants: w[r, c] = (q[r, c] - zeros[r, c // g]) * scales[r, c // g]."""
+    """A weight (rows, cols) of 4-bit quants: w[r, c] = (q[r, c] - zeros[r, c // g]) * scales[r, c // g].
+
+    With `perm` (GPTQ's act-order: the groups hold input columns out of order), the columns are stored sorted by
+    group: stored column j is input column perm[j], and a product takes x[:, perm] in place of x."""
 
     qweight: torch.Tensor  # int32 (rows, cols / 8)
     scales: torch.Tensor  # float16, or bfloat16 where a checkpoint's are (rows, cols / group_size)
     zeros: torch.Tensor  # uint8 (rows, cols / group_size), each 0..15
     group_size: int
+    perm: torch.Tensor | None = None  # int64 (cols,): the input column of each stored one; None: in order
 
     name = "int4"
 
@@ -72,15 +76,18 @@ class Int4Tensor:
         return bool((self.zeros == 8).all())
 
     def splits_at(self, *columns: int) -> bool:
-        """Whether every one of these column offsets falls between groups (a shard may start or end there)."""
-        return all(c % self.group_size == 0 for c in columns)
+        """Whether every one of these column offsets falls between groups (a shard may start or end there); never
+        for permuted columns, whose groups span every shard."""
+        return self.perm is None and all(c % self.group_size == 0 for c in columns)
 
     def narrow(self, dim: int, start: int, length: int) -> Int4Tensor:
         """Rows (dim 0) or whole groups of columns (dim 1) [start, start + length)."""
         if dim == 0:
             return self._map_rows(lambda t: t.narrow(0, start, length))
         if not self.splits_at(start, length):
-            raise ValueError(f"an int4 weight in groups of {self.group_size} splits only at multiples of them")
+            raise ValueError(
+                f"an int4 weight in groups of {self.group_size} splits only at multiples of them, in order"
+            )
         g = self.group_size
         return Int4Tensor(
             self.qweight.narrow(1, start // NIBBLES, length // NIBBLES),
@@ -94,18 +101,21 @@ class Int4Tensor:
 
     def _map_rows(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> Int4Tensor:
         """The same rows of quants, scales and zeros."""
-        return Int4Tensor(rows(self.qweight), rows(self.scales), rows(self.zeros), self.group_size)
+        return Int4Tensor(rows(self.qweight), rows(self.scales), rows(self.zeros), self.group_size, self.perm)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (rows, cols): (q - zero) * scale, each exact in float32."""
         q = unpack_nibbles(self.qweight).unflatten(-1, (-1, self.group_size))  # (rows, groups, g)
-        w = (q - self.zeros.to(torch.int32).unsqueeze(-1)).float() * self.scales.float().unsqueeze(-1)
-        return w.flatten(-2)
+        w = ((q - self.zeros.to(torch.int32).unsqueeze(-1)).float() * self.scales.float().unsqueeze(-1)).flatten(-2)
+        if self.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.perm, w)  # stored column j back at input column perm[j]
 
     def to_ggml(self) -> QuantizedTensor | None:
         """The same values as GGUF blocks of 32 (Q4_0 where every zero is 8, else Q5_0), for the CPU's quantized
-        kernels; None where a group is not a whole number of blocks or the scales are not float16."""
-        if self.group_size % 32 or self.scales.dtype != torch.float16:
+        kernels; None where a group is not a whole number of blocks, the scales are not float16, or the columns are
+        permuted (the CPU kernels take x as it is)."""
+        if self.group_size % 32 or self.scales.dtype != torch.float16 or self.perm is not None:
             return None
         rows, cols = self.shape
         name = "Q4_0" if self.symmetric else "Q5_0"

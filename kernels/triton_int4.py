@@ -39,6 +39,7 @@ class Int4Linear:
     scales: torch.Tensor  # (out, in / group)
     zeros: torch.Tensor  # uint8 (out, in / group)
     group_size: int
+    perm: torch.Tensor | None = None  # int64 (in,): act-order's input column of each stored one (Int4Tensor.perm)
 
     @property
     def holds_weight(self) -> bool:
@@ -51,7 +52,7 @@ class Int4Linear:
 
 def pack_int4(parts: list[tuple[int, object]], out_features: int) -> Int4Linear | None:
     """A layer's quantized parts (first output row, weight) as one Int4Linear, or None where one is not int4 or the
-    parts differ in group size (the caller dequantizes)."""
+    parts differ in group size or column order (the caller dequantizes)."""
     parts = sorted(parts, key=lambda p: p[0])
     tensors = [p for _, p in parts]
     if not tensors or not all(isinstance(t, Int4Tensor) for t in tensors):
@@ -61,12 +62,18 @@ def pack_int4(parts: list[tuple[int, object]], out_features: int) -> Int4Linear 
     rows = [t.shape[0] for t in tensors if isinstance(t, Int4Tensor)]
     if len(groups) != 1 or starts != [sum(rows[:i]) for i in range(len(rows))] or sum(rows) != out_features:
         return None
+    perms = [t.perm for t in tensors if isinstance(t, Int4Tensor)]
+    perm = perms[0]
+    if any((p is None) != (perm is None) or (p is not None and not torch.equal(p, perm)) for p in perms):
+        return None  # q, k, v (or gate, up) quantized with act-order in different orders: one x cannot serve them
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def joined(field: str) -> torch.Tensor:
         return torch.cat([getattr(t, field) for t in tensors]).to(device).contiguous()
 
-    return Int4Linear(joined("qweight"), joined("scales"), joined("zeros"), groups.pop())
+    return Int4Linear(
+        joined("qweight"), joined("scales"), joined("zeros"), groups.pop(), None if perm is None else perm.to(device)
+    )
 
 
 def pack_quantized(parts: list[tuple[int, object]], out_features: int) -> Int4Linear | Fp8Linear | None:
@@ -143,7 +150,9 @@ def int4_linear(x: torch.Tensor, packed: Int4Linear, bias: torch.Tensor | None =
     """x (..., in) W^T + bias -> (..., out) in x's dtype."""
     features, fan_in = packed.shape
     x2 = x.reshape(-1, fan_in)
-    if x2.stride(-1) != 1:
+    if packed.perm is not None:
+        x2 = x2.index_select(1, packed.perm)  # act-order: the input in the stored columns' order
+    elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     block_m, block_n, block_k, split = _tiles(rows, features, fan_in, packed.group_size)

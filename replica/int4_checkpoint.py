@@ -9,20 +9,18 @@ The layouts (AutoAWQ's GEMM version; AutoGPTQ's and GPTQModel's `gptq` and `gptq
   i holds column 8c + AWQ_ORDER[i]); scales (in / g, out).
 - GPTQ: qweight int32 (in / 8, out), nibble i of word r holding input row 8r + i; qzeros int32 (in / g, out / 8)
   in plain order, stored as zero - 1 in the `gptq` format (zero itself in `gptq_v2`); scales (in / g, out); g_idx
-  (in,), each input row's group. A checkpoint made with act-order (desc_act) has rows out of group order: that
-  layer is dequantized at load (it is correct, at the float size), as nothing here reorders the activations."""
+  (in,), each input row's group. A checkpoint made with act-order (desc_act) has input rows out of group order: the
+  layer keeps them sorted by group with the order they came from (Int4Tensor.perm), and the kernels permute the
+  activations to match (CUDA), or the layer is dequantized at load (the CPU, and a row-parallel shard of it)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.int4 import NIBBLES, Int4Tensor, pack_nibbles, unpack_nibbles
-
-log = logging.getLogger(__name__)
 
 METHODS = ("awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
@@ -82,7 +80,7 @@ def iter_int4(
     tensors: Iterable[tuple[str, torch.Tensor]], fmt: Int4Format, dequantize: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | Int4Tensor]]:
     """The checkpoint's tensors with each quantized layer's parts joined into `<module>.weight`: an Int4Tensor, or
-    its float32 values where `dequantize` (quantization none) or where no Int4Tensor holds it (act-order)."""
+    its float32 values where `dequantize` (quantization none, int8, fp8)."""
     parts = PARTS[fmt.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
@@ -102,7 +100,7 @@ def iter_int4(
         raise ValueError(f"checkpoint is incomplete: {module} has no {missing}")
 
 
-def _read_layer(module: str, t: dict[str, torch.Tensor], fmt: Int4Format) -> Int4Tensor | torch.Tensor:
+def _read_layer(module: str, t: dict[str, torch.Tensor], fmt: Int4Format) -> Int4Tensor:
     for leaf, tensor in t.items():
         if tensor.dim() != (1 if leaf == "g_idx" else 2):
             raise ValueError(f"{module}.{leaf} has shape {tuple(tensor.shape)}: not an {fmt.method.upper()} layer's")
@@ -127,16 +125,17 @@ def _read_layer(module: str, t: dict[str, torch.Tensor], fmt: Int4Format) -> Int
             f"{module}: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not fit {fan_in} input "
             f"features in groups of {g}: is the config's group_size the checkpoint's?"
         )
+    perm = None
     if fmt.method == "gptq" and not torch.equal(t["g_idx"].long(), torch.arange(fan_in) // g):
-        # act-order: input rows in another order than their groups'; serve the layer's float values
-        log.info("%s was quantized with act-order (desc_act): dequantized at load", module)
-        q_in = unpack_nibbles(t["qweight"].t()).t()  # (in, out)
-        group = t["g_idx"].long()
-        return ((q_in - zeros[group]).float() * scales.float()[group]).t().contiguous()
+        # act-order: input rows in another order than their groups'; sorted by group, each group whole
+        perm = torch.argsort(t["g_idx"].long(), stable=True)
+        if not torch.equal(t["g_idx"].long()[perm], torch.arange(fan_in) // g):
+            raise ValueError(f"{module}.g_idx does not give each group {g} input rows: is group_size the checkpoint's?")
+        q = unpack_nibbles(t["qweight"].t()).t()[perm]  # (in, out), sorted by group
     qweight = pack_nibbles(q.t()) if q is not None else t["qweight"].t().contiguous()
     if scales.dtype != torch.float16 and torch.equal(scales.half().to(scales.dtype), scales):
         scales = scales.half()  # float16 where exact: the form GGUF's blocks take
-    return Int4Tensor(qweight, scales.t().contiguous(), zeros.t().to(torch.uint8).contiguous(), g)
+    return Int4Tensor(qweight, scales.t().contiguous(), zeros.t().to(torch.uint8).contiguous(), g, perm)
 
 
 def _awq_columns(words: torch.Tensor) -> torch.Tensor:

@@ -108,14 +108,16 @@ def test_each_layer_reads_as_its_dequantized_values(int4_models, variant):
     fmt = int4_format(load_hf_config(folder))
     assert fmt is not None and fmt.method == VARIANTS[variant][0] and fmt.group_size == 32
     expected = safe_open(str(reference / "model.safetensors"), framework="pt")
-    kinds = set()
+    layers = 0
     for name, value in iter_int4(iter_safetensors(folder, progress=False), fmt):
         dense = value.dequantize() if isinstance(value, Int4Tensor) else value
         assert torch.equal(dense, expected.get_tensor(name)), name
         if name.endswith("proj.weight"):
-            kinds.add(type(value).__name__)
-    # act-order's layers have input columns out of group order: served at their float values
-    assert kinds == ({"Tensor"} if variant == "gptq-act-order" else {"Int4Tensor"})
+            assert isinstance(value, Int4Tensor)
+            # act-order's input columns out of group order: kept sorted by group, with the order they came from
+            assert (value.perm is not None) == (variant == "gptq-act-order")
+            layers += 1
+    assert layers == 3 * 7
 
 
 def test_what_the_reader_refuses(tmp_path):
@@ -175,7 +177,9 @@ def test_int4_checkpoints_match_with_preemption_and_tensor_parallelism(int4_mode
     assert_matches(outs, refs)
     assert pipe.engine.scheduler.num_preemptions > 0
     runs, expected = [], []
-    for variant in ("awq", "gptq-sym"):  # each rank's shards cut at group boundaries, row- and column-parallel
+    # each rank's shards cut at group boundaries, row- and column-parallel; act-order's rows only (its row-parallel
+    # layers' groups span both ranks: dequantized)
+    for variant in ("awq", "gptq-sym", "gptq-act-order"):
         folder, _, prompts, refs = int4_models[variant]
         runs.append(dict(model=str(folder), prompts=prompts, new=NEW, budget=16, block_size=4, num_blocks=64))
         expected.append(refs)
@@ -200,10 +204,11 @@ print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new
 
 @pytest.mark.slow
 @pytest.mark.cuda(interpreted=True)
-@pytest.mark.parametrize("variant", ["awq", "gptq-sym"])
+@pytest.mark.parametrize("variant", ["awq", "gptq-sym", "gptq-act-order"])
 def test_int4_checkpoints_match_on_the_triton_kernels(int4_models, variant):
-    """The int4 kernel in the engine, decode (split over the input) and prompt tiles: interpreted on a CPU (a
-    subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled on a GPU."""
+    """The int4 kernel in the engine, decode (split over the input) and prompt tiles, act-order's permuted input
+    too: interpreted on a CPU (a subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled
+    on a GPU."""
     folder, _, prompts, refs = int4_models[variant]
     tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
     assert isinstance(tokens, list)
@@ -218,12 +223,13 @@ from fastgen.kernels.triton_int4 import _tiles, int4_linear, pack_int4
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 results = []
-for rows, out, fan_in, group, dtype, bias in json.loads(sys.argv[1]):
+for rows, out, fan_in, group, dtype, bias, act_order in json.loads(sys.argv[1]):
     gen = torch.Generator().manual_seed(rows * 1000 + out)
     q = torch.randint(0, 16, (out, fan_in), generator=gen)
     zeros = torch.randint(0, 16, (out, fan_in // group), generator=gen).to(torch.uint8)
     scales = (torch.rand(out, fan_in // group, generator=gen) * 0.05 + 0.001).half()
-    w = Int4Tensor(pack_nibbles(q), scales, zeros, group)
+    perm = torch.randperm(fan_in, generator=gen) if act_order else None
+    w = Int4Tensor(pack_nibbles(q), scales, zeros, group, perm)
     half = out // 2 // 8 * 8
     packed = pack_int4([(half, w.narrow(0, half, out - half)), (0, w.narrow(0, 0, half))], out)
     x = torch.randn(rows, fan_in, generator=gen).to(dtypes[dtype])
@@ -241,19 +247,19 @@ print(json.dumps(results))
 def test_the_triton_int4_kernel_matches_the_reference():
     """Decode shapes split across the input (SPLIT_K > 1) and prompt tiles, bias or none, groups of 32 to 128, an
     output not a multiple of the tile, parts joined out of order: float32 to rounding, float16 to its precision."""
-    cases = [
-        [1, 96, 256, 128, "float32", False],
-        [5, 80, 512, 64, "float16", True],
-        [16, 72, 128, 32, "float32", True],
-        [37, 200, 256, 32, "float32", True],
-        [40, 64, 256, 128, "float16", False],
+    cases = [  # rows, out, in, group, dtype, bias, act-order
+        [1, 96, 256, 128, "float32", False, False],
+        [5, 80, 512, 64, "float16", True, False],
+        [16, 72, 128, 32, "float32", True, True],
+        [37, 200, 256, 32, "float32", True, False],
+        [40, 64, 256, 128, "float16", False, True],
     ]
     if torch.cuda.is_available():  # the interpreter gets bfloat16 wrong on a CPU (tests/test_triton_kernels.py)
-        cases.append([3, 96, 256, 128, "bfloat16", True])
+        cases.append([3, 96, 256, 128, "bfloat16", True, False])
     results = run_on_triton(KERNEL_SCRIPT, cases)
     assert isinstance(results, list)
     tolerance = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-    for (rows, features, _, _, dtype, _), (tiles, err, same_dtype, shape) in zip(cases, results, strict=True):
+    for (rows, features, _, _, dtype, _, _), (tiles, err, same_dtype, shape) in zip(cases, results, strict=True):
         assert same_dtype and shape == [rows, features]
         assert err < tolerance[dtype], (rows, features, dtype, tiles, err)
     splits = [tiles[3] for tiles, *_ in results]
