@@ -41,10 +41,10 @@ from . import clib, cpu_lora, cpu_moe
 from .attention import AttentionMetadata, paged_attention, prefill_attention
 from .decode_layer import fuse_decode_layer_cpu
 from .dense import argmax
-from .int4 import as_ggml
+from .int4 import pack_for_cpu
 from .norm import add_layer_norm, add_rms_norm, gelu_tanh_mul, layer_norm, rms_norm, silu_mul
 from .packed_bf16 import PackedLinear
-from .quant import QuantLinear, pack_quantized, quant_linear
+from .quant import QuantLinear, quant_linear
 from .rotary import rotary_write_kv
 from .table import Kernels
 
@@ -773,7 +773,7 @@ CPU_KERNELS = Kernels(
     linear=linear,
     pack_gate_up=pack_gate_up,
     linear_silu_mul=linear_silu_mul,
-    pack_quantized=lambda parts, out_features: pack_quantized(as_ggml(parts), out_features),  # int4 as GGUF blocks
+    pack_quantized=pack_for_cpu,  # GGUF blocks; AWQ/GPTQ int4 converted to them
     pack_experts=cpu_moe.pack_experts,
     fused_moe=cpu_moe.fused_moe,
     argmax=argmax_rows,

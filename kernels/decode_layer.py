@@ -113,7 +113,7 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     ):
         return None
     projections = (qkv, o, gate_up, down)
-    if not all(p.int8 and len(p.calls) == 1 for p in projections):
+    if not all(p.int8 and len(p.calls) == 1 and p.perm is None for p in projections):
         return None
     hidden = o.out_features
     q_width = parts.heads * parts.head_dim

@@ -9,19 +9,20 @@ columns, as for a GGUF weight (kernels/quant.py's QuantizedTensor, which it stan
 
 Where it is served:
 - CUDA: kernels/triton_int4.py reads it as it is (dequantized in registers, one GEMM or GEMV per call).
-- CPU: it becomes GGUF blocks the C kernels read (`to_ggml`), exactly: Q5_0 holds d * (q5 - 16) with q5 in 0..31, so
-  q5 = q - zero + 16 and d = scale give every weight its value bit for bit at 5.5 bits a weight; where every zero is
-  8 (GPTQ's symmetric checkpoints) Q4_0, d * (q - 8), holds it at 4.5 bits.
+- CPU: it becomes GGUF blocks the C kernels read (`to_ggml`, `pack_for_cpu`), exactly: Q5_0 holds d * (q5 - 16)
+  with q5 in 0..31, so q5 = q - zero + 16 and d = scale give every weight its value bit for bit at 5.5 bits a
+  weight; where every zero is 8 (GPTQ's symmetric checkpoints) Q4_0, d * (q - 8), holds it at 4.5 bits.
 - elsewhere, or for a layout no kernel takes: dequantized to the layer's dtype at load (`dequantize`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .quant import GGML_TYPES, QuantizedTensor
+from .quant import GGML_TYPES, QuantizedTensor, QuantLinear, pack_quantized
 
 NIBBLES = 8  # 4-bit values per int32 word
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble j of a word sits at bit 4j
@@ -113,9 +114,9 @@ class Int4Tensor:
 
     def to_ggml(self) -> QuantizedTensor | None:
         """The same values as GGUF blocks of 32 (Q4_0 where every zero is 8, else Q5_0), for the CPU's quantized
-        kernels; None where a group is not a whole number of blocks, the scales are not float16, or the columns are
-        permuted (the CPU kernels take x as it is)."""
-        if self.group_size % 32 or self.scales.dtype != torch.float16 or self.perm is not None:
+        kernels, the columns in their stored order (a permuted layer's packed form keeps `perm`: pack_for_cpu); None
+        where a group is not a whole number of blocks or the scales are not float16."""
+        if self.group_size % 32 or self.scales.dtype != torch.float16:
             return None
         rows, cols = self.shape
         name = "Q4_0" if self.symmetric else "Q5_0"
@@ -164,15 +165,38 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Tensor, bias: torch.Tensor | N
     return y
 
 
-def as_ggml(parts: list[tuple[int, QuantizedTensor | Int4Tensor]]) -> list[tuple[int, QuantizedTensor]]:
-    """A layer's quantized parts with each int4 one as GGUF blocks where it converts (the CPU kernels' input)."""
-    out = []
+class MixedOrders(ValueError):
+    """A layer's int4 parts store their columns in different orders: one input cannot serve them all."""
+
+
+def common_perm(parts: Sequence[tuple[int, object]]) -> torch.Tensor | None:
+    """The column order every int4 part of a layer shares (None: in order); MixedOrders where they differ, as q, k
+    and v quantized with act-order never do (GPTQ orders each by the Hessian of their one input)."""
+    perms = [rows.perm for _, rows in parts if isinstance(rows, Int4Tensor)]
+    first = perms[0] if perms else None
+    if any(not (p is first or (p is not None and first is not None and torch.equal(p, first))) for p in perms):
+        raise MixedOrders("the layer's parts store their columns in different orders")
+    if first is not None and len(perms) != len(parts):
+        raise MixedOrders("the layer mixes permuted int4 parts with other formats")
+    return first
+
+
+def pack_for_cpu(parts: list[tuple[int, QuantizedTensor | Int4Tensor]], out_features: int) -> QuantLinear | None:
+    """The CPU backend's packed form of a layer's quantized parts: GGUF blocks for kernels/quant.py's kernels, each
+    int4 part converted (to_ggml), act-order's column order kept for the input (QuantLinear.perm); None where a part
+    converts to no blocks or the parts' orders differ (the layer dequantizes)."""
+    try:
+        perm = common_perm(parts)
+    except MixedOrders:
+        return None
+    blocks = []
     for start, rows in parts:
-        blocks = rows.to_ggml() if isinstance(rows, Int4Tensor) else rows
-        if blocks is None:
-            return []  # no blocks hold it: no CPU kernel for the layer, which dequantizes
-        out.append((start, blocks))
-    return out
+        converted = rows.to_ggml() if isinstance(rows, Int4Tensor) else rows
+        if converted is None:
+            return None
+        blocks.append((start, converted))
+    packed = pack_quantized(blocks, out_features)
+    return packed if packed is None or perm is None else dataclasses.replace(packed, perm=perm)
 
 
 QUANTIZED = (QuantizedTensor, Int4Tensor)  # what a checkpoint's loader may hand a layer in place of a float tensor

@@ -192,6 +192,8 @@ class QuantLinear:
     slabs: tuple[tuple[int, QuantizedTensor, QuantKernel], ...]
     out_features: int
     in_features: int
+    # GPTQ act-order (kernels/int4.py): the input column of each stored one; quant_linear takes x in that order
+    perm: torch.Tensor | None = None
 
     holds_weight = True
 
@@ -347,6 +349,8 @@ def fused_bf16_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor |
 def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
     """x (rows, in_features) W^T + bias through the quantized kernels, in x's dtype (float32 inside, except
     bfloat16 decode batches, int8 activations, and bfloat16 prompts, a bfloat16 GEMM: see the module's docstring)."""
+    if packed.perm is not None:
+        x = x.index_select(-1, packed.perm)
     dtype = x.dtype
     rows = x.shape[0]
     if dtype == torch.bfloat16 and (threshold := bf16_gemm_rows()) is not None and rows >= threshold:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import dense
 from .fp8 import Fp8Linear, pack_fp8
-from .int4 import Int4Tensor
+from .int4 import Int4Tensor, MixedOrders, common_perm
 from .norm import silu_mul
 
 DECODE_ROWS = 16
@@ -62,10 +62,10 @@ def pack_int4(parts: list[tuple[int, object]], out_features: int) -> Int4Linear 
     rows = [t.shape[0] for t in tensors if isinstance(t, Int4Tensor)]
     if len(groups) != 1 or starts != [sum(rows[:i]) for i in range(len(rows))] or sum(rows) != out_features:
         return None
-    perms = [t.perm for t in tensors if isinstance(t, Int4Tensor)]
-    perm = perms[0]
-    if any((p is None) != (perm is None) or (p is not None and not torch.equal(p, perm)) for p in perms):
-        return None  # q, k, v (or gate, up) quantized with act-order in different orders: one x cannot serve them
+    try:
+        perm = common_perm(parts)
+    except MixedOrders:
+        return None
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def joined(field: str) -> torch.Tensor:

@@ -252,6 +252,8 @@ class RowParallelLinear(ParallelLinear):
         if name == "bias":
             assert self.bias is not None, f"a checkpoint bias is loaded only into a layer made with one ({name})"
             self.bias.data.copy_(tensor)  # whole on every rank, added once after the all-reduce
+        elif self.tp.size == 1:
+            self.put(name, 0, tensor)  # whole: even a layer whose columns split nowhere (act-order int4)
         else:
             if isinstance(tensor, QUANTIZED) and not tensor.splits_at(self.tp.rank * self.local_in, self.local_in):
                 tensor = tensor.dequantize()  # a shard boundary inside a block or group

@@ -162,12 +162,13 @@ def test_int4_checkpoints_match_transformers(int4_models, variant, kernels):
         pipe, outs = run(folder, prompts, kernels=kernels, quantization=quantization, max_batch_tokens=7)
         assert_matches(outs, refs)
         proj = pipe.engine.runner.model.layers[0].mlp.down_proj
-        as_shipped = kernels == "cpu" and quantization == "auto" and variant != "gptq-act-order"
+        as_shipped = kernels == "cpu" and quantization == "auto"
         assert isinstance(proj.packed, QuantLinear) == as_shipped
         if as_shipped:  # the weight is the blocks: no float copy kept
             assert proj.weight is None
             block = proj.packed.slabs[0][1].name
             assert block == ("Q4_0" if variant == "gptq-sym" else "Q5_0")
+            assert (proj.packed.perm is not None) == (variant == "gptq-act-order")  # x taken in the stored order
 
 
 @pytest.mark.slow
