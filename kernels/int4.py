@@ -26,6 +26,7 @@ from .quant import GGML_TYPES, QuantizedTensor, QuantLinear, pack_quantized
 
 NIBBLES = 8  # 4-bit values per int32 word
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # nibble j of a word sits at bit 4j
+_BIT_OF_BYTE = torch.arange(8, dtype=torch.uint8)
 
 
 def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -125,17 +126,20 @@ class Int4Tensor:
         return QuantizedTensor(data, GGML_TYPES[name][0], (rows, cols))
 
     def _blocks(self, name: str) -> torch.Tensor:
-        """uint8 (rows, bytes of a row): each row's blocks of 32 in ggml's layout of type `name`."""
+        """uint8 (rows, bytes of a row): each row's blocks of 32 in ggml's layout of type `name`. In bytes throughout:
+        a load converts every weight of the model."""
         rows, cols = self.shape
-        q = unpack_nibbles(self.qweight).view(rows, cols // 32, 32)
+        words = self.qweight.contiguous().view(torch.uint8)  # little-endian: byte b of a word holds nibbles 2b, 2b + 1
+        q = torch.stack([words & 0xF, words >> 4], dim=-1).view(rows, cols // 32, 32)
         per_group = self.group_size // 32
         d = self.scales.repeat_interleave(per_group, dim=1).contiguous().view(torch.uint8).view(rows, -1, 2)
         if name == "Q4_0":
             blocks = torch.cat([d, _low_high(q)], dim=-1)
         else:
-            q5 = q - self.zeros.to(torch.int32).repeat_interleave(per_group, dim=1).unsqueeze(-1) + 16  # 1..31
-            bits = ((q5 >> 4) & 1).to(torch.int64) << torch.arange(32, dtype=torch.int64)
-            qh = bits.sum(-1).to(torch.int32).unsqueeze(-1).view(torch.uint8)  # the 5th bits, a little-endian uint32
+            zeros = self.zeros.repeat_interleave(per_group, dim=1).unsqueeze(-1)
+            q5 = q + 16 - zeros  # 1..31, never below 0 in uint8
+            high = (q5 >> 4).view(rows, cols // 32, 4, 8) << _BIT_OF_BYTE  # the 5th bits, 8 to a byte
+            qh = high.sum(-1, dtype=torch.uint8)  # a little-endian uint32: bit j is value j's
             blocks = torch.cat([d, qh, _low_high(q5 & 0xF)], dim=-1)
         assert blocks.shape[-1] == GGML_TYPES[name][2]
         return blocks.reshape(rows, -1)
@@ -156,7 +160,7 @@ def random_int4(
 
 def _low_high(values: torch.Tensor) -> torch.Tensor:
     """(..., 32) 4-bit values -> (..., 16) bytes, byte j = value j | value j + 16 << 4 (ggml's nibble order)."""
-    return (values[..., :16] | (values[..., 16:] << 4)).to(torch.uint8)
+    return (values[..., :16] | (values[..., 16:] << 4)).to(torch.uint8)  # uint8 in, uint8 out
 
 
 def int4_linear_reference(x: torch.Tensor, w: Int4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
