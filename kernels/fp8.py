@@ -108,9 +108,11 @@ def fp8_linear(x: torch.Tensor, packed: Fp8Linear, bias: torch.Tensor | None = N
     features, fan_in = packed.values.shape
     x2 = x.reshape(-1, fan_in)
     xq, x_scales = quantize_rows(x2)
+    # CUDA's row-wise scaled fp8 GEMM writes bfloat16 only: other dtypes are rounded from it (torch's CPU op any)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
-        xq, packed.values.t(), scale_a=x_scales, scale_b=packed.scales, out_dtype=x.dtype
-    )
+        xq, packed.values.t(), scale_a=x_scales, scale_b=packed.scales, out_dtype=out_dtype
+    ).to(x.dtype)
     if bias is not None:  # after the rounding: row-wise scaled fp8 products take no bias on every torch build
         y = y + bias
     return y.view(*x.shape[:-1], features)

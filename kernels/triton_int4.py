@@ -2,10 +2,10 @@
 (+ bias) with W a kernels/int4.py Int4Tensor, dequantized in registers tile by tile, never written out.
 
 A program computes a (BLOCK_M rows, BLOCK_N output features) tile over a range of the input features: each BLOCK_K
-step loads the int32 words of its (BLOCK_K, BLOCK_N) weight tile (each word read once per row tile, broadcast to its
-eight nibbles), shifts out the nibbles, takes the tile's one (scale, zero) per output feature (BLOCK_K divides the
-group), and multiplies the dequantized tile, rounded to x's dtype as the reference's `dequantize().to(x.dtype)` is,
-with tl.dot.
+step loads the int32 words of its (BLOCK_K, BLOCK_N) weight tile (a word's address repeated for its eight nibbles:
+one read from memory, the rest from cache), shifts out the nibbles, takes the tile's one (scale, zero) per output
+feature (BLOCK_K divides the group), and multiplies the dequantized tile, rounded to x's dtype as the reference's
+`dequantize().to(x.dtype)` is, with tl.dot.
 
 Two shapes of call:
 - prompts (more than DECODE_ROWS rows): tall tiles over the whole input, one program per output tile;
@@ -51,8 +51,9 @@ class Int4Linear:
 
 
 def pack_int4(parts: list[tuple[int, object]], out_features: int) -> Int4Linear | None:
-    """A layer's quantized parts (first output row, weight) as one Int4Linear, or None where one is not int4 or the
-    parts differ in group size or column order (the caller dequantizes)."""
+    """A layer's quantized parts (first output row, weight) as one Int4Linear, or None where one is not int4, the
+    parts differ in group size or column order, or a group is not a multiple of 16 (tl.dot's least K; the caller
+    dequantizes)."""
     parts = sorted(parts, key=lambda p: p[0])
     tensors = [p for _, p in parts]
     if not tensors or not all(isinstance(t, Int4Tensor) for t in tensors):
@@ -61,6 +62,8 @@ def pack_int4(parts: list[tuple[int, object]], out_features: int) -> Int4Linear 
     starts = [s for s, _ in parts]
     rows = [t.shape[0] for t in tensors if isinstance(t, Int4Tensor)]
     if len(groups) != 1 or starts != [sum(rows[:i]) for i in range(len(rows))] or sum(rows) != out_features:
+        return None
+    if next(iter(groups)) % 16:
         return None
     try:
         perm = common_perm(parts)
@@ -135,7 +138,7 @@ def _int4_matmul_kernel(
 
 def _tiles(rows: int, features: int, fan_in: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for a call; BLOCK_K divides the group, SPLIT_K the input's K steps."""
-    block_k = next(b for b in (128, 64, 32, 16, 8) if group % b == 0)
+    block_k = next(b for b in (128, 64, 32, 16) if group % b == 0)
     if rows > DECODE_ROWS:
         block_m = 64 if rows <= 256 else 128
         return block_m, 128, min(block_k, 64), 1
