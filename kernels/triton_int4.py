@@ -185,6 +185,7 @@ def int4_linear(x: torch.Tensor, packed: Int4Linear, bias: torch.Tensor | None =
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PRECISION=precision,
+        enable_fp_fusion=True,  # said, not defaulted: the dequantized products are exact either way
     )
     if split > 1:
         y = out.sum(0)  # the splits in a fixed order, in float32
