@@ -25,7 +25,9 @@ from ..kernels.int4 import NIBBLES, Int4Tensor, pack_nibbles, unpack_nibbles
 METHODS = ("awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
 _AWQ_UNDO = torch.tensor([AWQ_ORDER.index(j) for j in range(NIBBLES)])  # column j is nibble _AWQ_UNDO[j]
-PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
+PARTS = ("qweight", "qzeros", "scales")  # every int4 layer's
+# GPTQ's g_idx, where a checkpoint has it (some writers leave it out when the groups are in order); a module's names
+# sort g_idx first, so it is there when the last of PARTS arrives
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def iter_int4(
 ) -> Iterator[tuple[str, torch.Tensor | Int4Tensor]]:
     """The checkpoint's tensors with each quantized layer's parts joined into `<module>.weight`: an Int4Tensor, or
     its float32 values where `dequantize` (quantization none, int8, fp8)."""
-    parts = PARTS[fmt.method]
+    parts = (*PARTS, "g_idx") if fmt.method == "gptq" else PARTS
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         module, _, leaf = name.rpartition(".")
@@ -90,13 +92,13 @@ def iter_int4(
             continue
         got = pending.setdefault(module, {})
         got[leaf] = tensor
-        if len(got) == len(parts):
+        if all(p in got for p in PARTS):
             del pending[module]
             weight = _read_layer(module, got, fmt)
             yield f"{module}.weight", weight.dequantize() if dequantize and isinstance(weight, Int4Tensor) else weight
     if pending:
         module, got = next(iter(pending.items()))
-        missing = ", ".join(p for p in parts if p not in got)
+        missing = ", ".join(p for p in PARTS if p not in got)
         raise ValueError(f"checkpoint is incomplete: {module} has no {missing}")
 
 
@@ -126,7 +128,7 @@ def _read_layer(module: str, t: dict[str, torch.Tensor], fmt: Int4Format) -> Int
             f"features in groups of {g}: is the config's group_size the checkpoint's?"
         )
     perm = None
-    if fmt.method == "gptq" and not torch.equal(t["g_idx"].long(), torch.arange(fan_in) // g):
+    if "g_idx" in t and not torch.equal(t["g_idx"].long(), torch.arange(fan_in) // g):
         # act-order: input rows in another order than their groups'; sorted by group, each group whole
         perm = torch.argsort(t["g_idx"].long(), stable=True)
         if not torch.equal(t["g_idx"].long()[perm], torch.arange(fan_in) // g):

@@ -360,3 +360,17 @@ def test_the_int4_kernel_compiles_for_gpus_and_reads_nothing_on_the_host(monkeyp
         args = [torch.empty(1, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
         for capability in (90, 80):
             assert _compile_for_gpu(recorder.kernel, args, kwargs, capability).asm["cubin"]
+
+
+def test_a_gptq_checkpoint_without_g_idx_reads_in_group_order(int4_models):
+    """Some writers leave g_idx out where the groups are in order: the layers read as with it."""
+    folder, reference, _, _ = int4_models["gptq-sym"]
+    fmt = int4_format(load_hf_config(folder))
+    assert fmt is not None
+    tensors = [(n, t) for n, t in iter_safetensors(folder, progress=False) if not n.endswith(".g_idx")]
+    expected = safe_open(str(reference / "model.safetensors"), framework="pt")
+    read = dict(iter_int4(tensors, fmt))
+    assert all(
+        torch.equal(v.dequantize() if isinstance(v, Int4Tensor) else v, expected.get_tensor(n)) for n, v in read.items()
+    )
+    assert sum(isinstance(v, Int4Tensor) for v in read.values()) == 3 * 7
