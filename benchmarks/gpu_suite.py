@@ -674,16 +674,9 @@ def offline_quantized(ctx: Context) -> dict:
     results = {}
     for label, model, quantization, kernels in runs:
         plan = replace(p, model=model)
-        vocab = json.loads((model_folder(plan) / "config.json").read_text())["vocab_size"]
-        prompts = token_prompts(
-            p.offline_requests, lambda rng, n: [rng.randint(*p.offline_prompt) for _ in range(n)], vocab
-        )
         pipe = build_pipeline(plan, p.offline_budget, quantization=quantization, kernels=kernels)
         form = type(pipe.engine.runner.model.layers[0].mlp.down_proj.packed).__name__
-        pipe(prompts[: min(4, len(prompts))], max_new_tokens=4)  # compiles the kernels for prompts and decodes
-        fastgen_s = run_fastgen(pipe, prompts, p.offline_gen)
-        step_ms = decode_step_ms(pipe.engine, p.decode_steps)
-        read_bytes = weights_read_bytes(pipe.engine.runner.model)
+        fastgen_s, step_ms, read_bytes = fastgen_figures(pipe, offline_prompts(plan), p)
         del pipe
         release_memory(ctx)
         bound_ms = read_bytes / ctx.peaks()[0] * 1e3
@@ -700,19 +693,26 @@ def offline_quantized(ctx: Context) -> dict:
     return dict(dtype=str(p.dtype).removeprefix("torch."), requests=p.offline_requests, runs=results)
 
 
+def offline_prompts(p: Plan) -> list[list[int]]:
+    """The offline stages' requests: random token ids of the plan's lengths, below the model's vocabulary."""
+    vocab = json.loads((model_folder(p) / "config.json").read_text())["vocab_size"]
+    return token_prompts(p.offline_requests, lambda rng, n: [rng.randint(*p.offline_prompt) for _ in range(n)], vocab)
+
+
+def fastgen_figures(pipe, prompts: list[list[int]], p: Plan) -> tuple[float, float, int]:
+    """(seconds for the requests, the decode step at batch 1 in ms, bytes a decode step reads), after a warm-up."""
+    pipe(prompts[: min(4, len(prompts))], max_new_tokens=4)  # compiles the kernels for prompts and decodes
+    fastgen_s = run_fastgen(pipe, prompts, p.offline_gen)
+    return fastgen_s, decode_step_ms(pipe.engine, p.decode_steps), weights_read_bytes(pipe.engine.runner.model)
+
+
 def offline(ctx: Context) -> dict:
     p = ctx.plan
-    vocab = json.loads((model_folder(p) / "config.json").read_text())["vocab_size"]
-    prompts = token_prompts(
-        p.offline_requests, lambda rng, n: [rng.randint(*p.offline_prompt) for _ in range(n)], vocab
-    )
+    prompts = offline_prompts(p)
     tokens = p.offline_requests * p.offline_gen
 
     pipe = build_pipeline(p, p.offline_budget)
-    pipe(prompts[: min(4, len(prompts))], max_new_tokens=4)  # compiles the kernels for prompts and decodes
-    fastgen_s = run_fastgen(pipe, prompts, p.offline_gen)
-    step_ms = decode_step_ms(pipe.engine, p.decode_steps)
-    read_bytes = weights_read_bytes(pipe.engine.runner.model)
+    fastgen_s, step_ms, read_bytes = fastgen_figures(pipe, prompts, p)
     del pipe
     release_memory(ctx)
     pipe = build_pipeline(p, p.offline_budget, enforce_eager=True)  # the same decode step without CUDA graphs
