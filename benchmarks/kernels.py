@@ -120,6 +120,38 @@ def run_checks(triton_k, torch_k, device: str = DEVICE) -> list[tuple[str, str, 
         rows.append(("add_rms_norm (out, residual)", name, err, tol))
         err = rel_err(triton_k.rms_norm(x, weight, 1e-5), torch_k.rms_norm(x, weight, 1e-5))
         rows.append(("rms_norm", name, err, tol))
+        rows += quantized_linear_checks(triton_k, dtype, device)
+    return rows
+
+
+def quantized_linear_checks(
+    triton_k, dtype: torch.dtype, device: str, features: int = 4096
+) -> list[tuple[str, str, float, float]]:
+    """The quantized linear layers at a Llama-3-8B projection's shape (features x features), a decode batch and a
+    prompt: AWQ-style int4 in groups of 128 (in order, and in act-order's permuted order) against F.linear on its
+    values in the dtype; fp8 against the same E4M3 operands multiplied in float64."""
+    from fastgen.kernels.fp8 import fp8_linear_reference, quantize_fp8
+    from fastgen.kernels.int4 import Int4Tensor, pack_nibbles
+
+    name, tol, rows = str(dtype).removeprefix("torch."), TOLERANCE[dtype], []
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (features, features), generator=gen)
+    zeros = torch.randint(0, 16, (features, features // 128), generator=gen).to(torch.uint8)
+    scales = (torch.rand(features, features // 128, generator=gen) * 0.004 + 0.001).half()
+    for order, perm in (("in order", None), ("act-order", torch.randperm(features, generator=gen))):
+        weight = Int4Tensor(pack_nibbles(q), scales, zeros, 128, perm)
+        packed = triton_k.pack_quantized([(0, weight)], features)
+        dense = weight.dequantize().to(device=device, dtype=dtype)
+        for tokens in (1, 300):
+            x = torch.randn(tokens, features, dtype=dtype, device=device)
+            err = rel_err(triton_k.linear(x, None, None, packed), F.linear(x, dense))
+            rows.append((f"int4 linear, {order}, {tokens} rows", name, err, tol))
+    fp8 = quantize_fp8(torch.randn(features, features, device=device) * 0.02)
+    packed = triton_k.pack_quantized([(0, fp8)], features)
+    for tokens in (1, 300):
+        x = torch.randn(tokens, features, dtype=dtype, device=device)
+        err = rel_err(triton_k.linear(x, None, None, packed), fp8_linear_reference(x, packed))
+        rows.append((f"fp8 linear, {tokens} rows", name, err, tol))
     return rows
 
 

@@ -374,3 +374,22 @@ def test_a_gptq_checkpoint_without_g_idx_reads_in_group_order(int4_models):
         torch.equal(v.dequantize() if isinstance(v, Int4Tensor) else v, expected.get_tensor(n)) for n, v in read.items()
     )
     assert sum(isinstance(v, Int4Tensor) for v in read.values()) == 3 * 7
+
+
+CHECKS_SCRIPT = """
+import json, torch
+from fastgen.benchmarks.kernels import quantized_linear_checks
+from fastgen.kernels import select_kernels
+device = "cuda" if torch.cuda.is_available() else "cpu"
+print(json.dumps(quantized_linear_checks(select_kernels("triton", device), torch.float16, device, 256)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.cuda(interpreted=True)
+def test_the_gpu_suites_quantized_checks_run():
+    """The GPU suite's kernel_accuracy rows for int4 and fp8 (benchmarks/kernels.py), at a small size: they run and
+    pass here, so the one GPU run does not spend its time on a broken check."""
+    rows = run_on_triton(CHECKS_SCRIPT)
+    assert isinstance(rows, list) and len(rows) == 6
+    assert all(err < tol for _, _, err, tol in rows), rows
