@@ -6,7 +6,8 @@ Stages, each isolated (a stage that fails records its error and the next one sti
 run must learn things: are the kernels right, is the engine right, does it fit the memory, then how fast it is.
   environment      the GPU, driver, torch/triton/transformers versions, memory, measured copy bandwidth and bf16 matmul
                    rate
-  kernel_accuracy  the Triton kernels against the torch references in bf16 and fp16 at the real model's shape
+  kernel_accuracy  the Triton kernels (the int4 and fp8 linear layers too) against references in bf16 and fp16
+                   at the real model's shape
   engine_tests     `pytest -m cuda` but the kernel tests, in a subprocess: the engine on CUDA, CUDA graphs replayed,
                    against transformers (full output in DIR/engine_tests.log)
   memory           a Llama-3-8B preset with dummy weights, its KV pool sized from device memory (0.9): what the
