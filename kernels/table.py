@@ -56,9 +56,10 @@ class Kernels:
     pack_gate_up: Callable[[torch.Tensor], Packed | None]
     # (x, weight or None (packed.holds_weight), packed or None) -> SiLU(x Wg^T) * (x Wu^T), (tokens, intermediate)
     linear_silu_mul: Callable[..., torch.Tensor]
-    # A layer's quantized weight, [(first output row, QuantizedTensor)] covering its out_features rows, packed once at
-    # load for this backend's quantized kernel of each part's format on this CPU (kernels/quant.py); None where it
-    # has none, and the layer dequantizes. `linear` and `linear_silu_mul` read what this returns.
+    # A layer's quantized weight, [(first output row, QuantizedTensor | Int4Tensor | Fp8Tensor)] covering its
+    # out_features rows (a GGUF block type, AWQ/GPTQ int4, fp8 made at load), packed once at load for this backend's
+    # kernel of that format (kernels/quant.py, int4.py, triton_int4.py, fp8.py); None where it has none, and the
+    # layer dequantizes. `linear` and `linear_silu_mul` read what this returns.
     pack_quantized: Callable[[list, int], Packed | None]
     # A mixture-of-experts layer's weights, w13 (experts, 2 intermediate, hidden) (gate rows, then up rows) and w2
     # (experts, hidden, intermediate), packed once at load for this backend's fused_moe; None where the plain ones serve

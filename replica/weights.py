@@ -80,10 +80,16 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 
 
 def gguf_architecture(gguf: Path) -> str:
-    """The file's general.architecture (its header only is read)."""
+    """The file's general.architecture, with " (mixture of experts)" after it where the file holds experts (llama.cpp
+    writes Mixtral as "llama"): its header only is read."""
     from gguf import GGUFReader
 
-    return str(GGUFReader(gguf).fields["general.architecture"].contents())
+    fields = GGUFReader(gguf).fields
+    architecture = str(fields["general.architecture"].contents())
+    experts = fields.get(f"{architecture}.expert_count")
+    return (
+        f"{architecture} (mixture of experts)" if experts is not None and int(experts.contents()) > 0 else architecture
+    )
 
 
 def gguf_hf_name(name: str) -> str | None:
@@ -116,11 +122,11 @@ def iter_gguf(
 
     from ..kernels.quant import QuantizedTensor, takes
 
-    reader = GGUFReader(gguf)
-    architecture = str(reader.fields["general.architecture"].contents())
+    architecture = gguf_architecture(gguf)
     if architecture not in GGUF_DIRECT:
         raise ValueError(f"{gguf.name} is a {architecture!r} GGUF: read directly are {', '.join(GGUF_DIRECT)}")
     permuted = GGUF_DIRECT[architecture]
+    reader = GGUFReader(gguf)
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress, file=sys.stderr):

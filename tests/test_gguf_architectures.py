@@ -54,3 +54,11 @@ def test_other_gguf_architectures_are_served_from_their_conversion(tmp_path):
     assert quantized_source(EngineConfig(model=str(path)), torch.device("cpu")) is None
     with pytest.raises(ValueError, match="'gemma2' GGUF: read directly are llama, qwen2, qwen3"):
         next(iter_gguf(path, {"num_attention_heads": 1}, progress=False))
+    mixtral = tmp_path / "mixtral.gguf"  # llama.cpp writes Mixtral as a "llama" file with experts
+    writer = GGUFWriter(str(mixtral), arch="llama")
+    writer.add_expert_count(8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert gguf_architecture(mixtral) == "llama (mixture of experts)"
+    assert quantized_source(EngineConfig(model=str(mixtral)), torch.device("cpu")) is None
