@@ -8,7 +8,7 @@ word c holding column 8c + j, so a row's quants are contiguous and a shard is a 
 columns, as for a GGUF weight (kernels/quant.py's QuantizedTensor, which it stands beside in the layers).
 
 Where it is served:
-- CUDA: kernels/triton_int4.py reads it as it is (dequantized in registers, one GEMM or GEMV per call).
+- CUDA: kernels/triton_int4.py reads it as it is (dequantized in registers, one kernel per call).
 - CPU: it becomes GGUF blocks the C kernels read (`to_ggml`, `pack_for_cpu`), exactly: Q5_0 holds d * (q5 - 16)
   with q5 in 0..31, so q5 = q - zero + 16 and d = scale give every weight its value bit for bit at 5.5 bits a
   weight; where every zero is 8 (GPTQ's symmetric checkpoints) Q4_0, d * (q - 8), holds it at 4.5 bits.

@@ -10,8 +10,8 @@ The layouts (AutoAWQ's GEMM version; AutoGPTQ's and GPTQModel's `gptq` and `gptq
 - GPTQ: qweight int32 (in / 8, out), nibble i of word r holding input row 8r + i; qzeros int32 (in / g, out / 8)
   in plain order, stored as zero - 1 in the `gptq` format (zero itself in `gptq_v2`); scales (in / g, out); g_idx
   (in,), each input row's group. A checkpoint made with act-order (desc_act) has input rows out of group order: the
-  layer keeps them sorted by group with the order they came from (Int4Tensor.perm), and the kernels permute the
-  activations to match (CUDA), or the layer is dequantized at load (the CPU, and a row-parallel shard of it)."""
+  layer keeps them sorted by group with the order they came from (Int4Tensor.perm), and the kernels (Triton's, the
+  CPU's) permute the activations to match; a row-parallel shard of such a layer is dequantized at load."""
 
 from __future__ import annotations
 
