@@ -23,8 +23,8 @@ from fastgen.replica.int4_checkpoint import int4_format, iter_int4
 from fastgen.replica.weights import iter_safetensors, load_hf_config
 
 from .helpers import assert_matches, run_on_triton
-from .test_model_families import hf_greedy_eager, make_family_model, prompts_for
-from .tp_ranks import engine_rank, run_ranks
+from .test_model_families import hf_greedy_eager, make_family_model, prompts_for, triton_tokens
+from .tp_ranks import engine_tokens
 
 # name -> (method, writer options): AWQ (zero points), GPTQ symmetric (every zero 8), GPTQ act-order, GPTQModel's v2
 VARIANTS = {
@@ -186,23 +186,8 @@ def test_int4_checkpoints_match_with_preemption_and_tensor_parallelism(int4_mode
         folder, _, prompts, refs = int4_models[variant]
         runs.append(dict(model=str(folder), prompts=prompts, new=NEW, budget=16, block_size=4, num_blocks=64))
         expected.append(refs)
-    run_ranks(engine_rank, runs, str(tmp_path / "out"), timeout=300)
-    results = json.loads((tmp_path / "out.0").read_text())
-    for result, refs in zip(results, expected, strict=True):
-        assert_matches([SimpleNamespace(token_ids=t) for t in result["tokens"]], refs)
-
-
-TRITON_SCRIPT = """
-import json, sys
-import torch
-torch.set_num_threads(1)
-from fastgen.kernels.triton_int4 import Int4Linear
-from fastgen.replica import pipeline
-folder, prompts, new = json.loads(sys.argv[1])
-pipe = pipeline(folder, dtype="float32", kernels="triton", max_batch_tokens=16, block_size=8, progress=False)
-assert isinstance(pipe.engine.runner.model.layers[0].self_attn.qkv_proj.packed, Int4Linear)
-print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new_tokens=new)]))
-"""
+    for tokens, refs in zip(engine_tokens(runs, tmp_path / "out"), expected, strict=True):
+        assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
 
 
 @pytest.mark.slow
@@ -213,8 +198,8 @@ def test_int4_checkpoints_match_on_the_triton_kernels(int4_models, variant):
     too: interpreted on a CPU (a subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled
     on a GPU."""
     folder, _, prompts, refs = int4_models[variant]
-    tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
-    assert isinstance(tokens, list)
+    tokens, qkv_form = triton_tokens(folder, prompts, NEW)
+    assert qkv_form == "Int4Linear"  # served in int4, not dequantized
     assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
 
 

@@ -18,7 +18,7 @@ from fastgen.replica.models import ARCHITECTURES, ModelConfig, config_from_hf
 from fastgen.replica.weights import load_hf_config
 
 from .helpers import assert_matches, hf_greedy, run_on_triton
-from .tp_ranks import engine_rank, run_ranks
+from .tp_ranks import engine_tokens
 
 VOCAB = 512
 WINDOW = 8  # shorter than every prompt: the sliding-window layers must mask
@@ -242,12 +242,11 @@ def test_families_match_under_tensor_parallelism(family_models, tmp_path):
     for folder, prompts, refs in family_models.values():
         runs.append(dict(model=str(folder), prompts=prompts, new=NEW, budget=16, block_size=4, num_blocks=14))
         expected.append(refs)
-    run_ranks(engine_rank, runs, str(tmp_path / "out"), timeout=300)
-    results = json.loads((tmp_path / "out.0").read_text())
-    for result, refs in zip(results, expected, strict=True):
-        assert_matches([SimpleNamespace(token_ids=t) for t in result["tokens"]], refs)
+    for tokens, refs in zip(engine_tokens(runs, tmp_path / "out"), expected, strict=True):
+        assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
 
 
+# Prints {"tokens": per prompt, "qkv_form": the type of layer 0's packed q/k/v projection} (None: the plain weight)
 TRITON_SCRIPT = """
 import json, sys
 import torch
@@ -255,8 +254,17 @@ torch.set_num_threads(1)
 from fastgen.replica import pipeline
 folder, prompts, new = json.loads(sys.argv[1])
 pipe = pipeline(folder, dtype="float32", kernels="triton", max_batch_tokens=16, block_size=8, progress=False)
-print(json.dumps([o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new_tokens=new)]))
+tokens = [o.token_ids for o in pipe(prompts, max_new_tokens=new, min_new_tokens=new)]
+packed = pipe.engine.runner.model.layers[0].self_attn.qkv_proj.packed
+print(json.dumps({"tokens": tokens, "qkv_form": None if packed is None else type(packed).__name__}))
 """
+
+
+def triton_tokens(folder, prompts: list[list[int]], new: int) -> tuple[list[list[int]], str | None]:
+    """(tokens per prompt, layer 0's q/k/v packed form) of TRITON_SCRIPT's run on the Triton kernels."""
+    out = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, new])
+    assert isinstance(out, dict)
+    return out["tokens"], out["qkv_form"]
 
 
 @pytest.mark.slow
@@ -266,8 +274,7 @@ def test_families_match_on_the_triton_kernels(family_models, family):
     """Triton's window and soft-capping in the engine, graphed decode path included: interpreted on a CPU (a
     subprocess, so TRITON_INTERPRET=1 is set before triton is first imported), compiled on a GPU."""
     folder, prompts, refs = family_models[family]
-    tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
-    assert isinstance(tokens, list)
+    tokens, _ = triton_tokens(folder, prompts, NEW)
     assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)
 
 

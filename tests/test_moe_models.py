@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fastgen.replica.models import ModelConfig
 from fastgen.replica.weights import load_hf_config
 
-from .helpers import assert_matches, run_on_triton
+from .helpers import assert_matches
 from .test_model_families import NEW, hf_greedy_eager, make_family_model, prompts_for, run
 from .tp_ranks import engine_rank, run_ranks
 
@@ -180,9 +180,8 @@ def test_a_rank_skips_the_slots_of_experts_it_does_not_hold():
 def test_moe_matches_on_the_triton_kernels(moe_models):
     """Triton's fused experts in the engine, the graphed decode path included (its alignment reads nothing on the
     host): interpreted on a CPU, compiled on a GPU. Qwen2-MoE: a shared expert and a dense layer too."""
-    from .test_model_families import TRITON_SCRIPT
+    from .test_model_families import triton_tokens
 
     folder, prompts, refs = moe_models["qwen2-moe"]
-    tokens = run_on_triton(TRITON_SCRIPT, [str(folder), prompts, NEW])
-    assert isinstance(tokens, list)
+    tokens, _ = triton_tokens(folder, prompts, NEW)
     assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)

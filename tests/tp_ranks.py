@@ -204,6 +204,12 @@ def engine_rank(rank: int, world: int, port: int, runs: list[dict], out: str) ->
     dist.destroy_process_group()
 
 
+def engine_tokens(runs: list[dict], out: Path, timeout: float = 300) -> list[list[list[int]]]:
+    """Each run's tokens from a two-rank engine_rank: rank 0's results, one list of token ids per prompt."""
+    run_ranks(engine_rank, runs, str(out), timeout=timeout)
+    return [result["tokens"] for result in json.loads(Path(f"{out}.0").read_text())]
+
+
 # ---- how a rank process ends --------------------------------------------------------------------------------------
 FINALIZING = "interpreter finalization"  # what an exit_rank process prints if it ends through Py_Finalize
 
