@@ -18,7 +18,7 @@ import torch.nn.functional as F
 class AttentionMetadata:
     query_start: torch.Tensor  # (seqs + 1,) int32: offsets of each sequence's new tokens in the batch
     seq_lens: torch.Tensor  # (seqs,) int32: cached tokens per sequence, this step's included
-    block_tables: torch.Tensor  # (seqs, max_blocks) int32: cache blocks of each sequence, padded with 0
+    block_tables: torch.Tensor  # (seqs, max_blocks) int32: cache blocks of each sequence; past them any valid id
     slot_mapping: torch.Tensor  # (tokens,) int64: cache slot (block * block_size + offset) of each new token
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     max_query_len: int

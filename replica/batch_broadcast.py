@@ -2,7 +2,8 @@
 
 The batch travels as flat int64 tensors (a length, then the payload) over a gloo group of its own, on the CPU even
 where the model's collectives run on NCCL: the other ranks rebuild the same `Batch` and run the same
-`ModelRunner.prepare`, so every rank builds identical input tensors without a device round trip. The first
+`ModelRunner.prepare`, so every rank builds identical input tensors without a device round trip. Block tables go as
+changes to what the last steps sent (replica/block_tables.py): a decode step's tables add nothing. The first
 broadcast has a fixed size that holds most batches whole (a decode step of 64 sequences needs about 600 numbers):
 one round trip per step, where a separate length would cost two. A length of -1 says stop.
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import Batch, ScheduledSeq
+from .block_tables import BlockTableRows
 
 log = logging.getLogger("fastgen.replica")
 
@@ -31,7 +33,8 @@ INLINE = 1024  # int64 numbers in the first broadcast of a message: its length, 
 IDLE_TIMEOUT = timedelta(days=365)
 # Exit status of a rank whose group broke (a peer died, or this rank failed between two collectives).
 EXIT_GROUP_BROKEN = 3
-_SEQ_HEADER = 6  # seq_id, start, flags (sample, all_logits, num_draft << 2), LoRA slot, tokens, blocks
+# seq_id, start, flags (sample, all_logits, num_draft << 2), LoRA slot, tokens, kept blocks, new blocks
+_SEQ_HEADER = 7
 
 
 def exit_now(code: int) -> NoReturn:
@@ -46,25 +49,29 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def encode_batch(batch: Batch) -> list[int]:
+def encode_batch(batch: Batch, sent: BlockTableRows | None = None) -> list[int]:
     """[seqs, decodes, preempted, copies, LoRA loads, *preempted ids, *copies as src, dst pairs, *loads as slot,
-    length, *path's code points, then per sequence: seq_id, start, flags, LoRA slot, tokens, blocks, *token_ids,
-    *block_table]."""
+    length, *path's code points, then per sequence: seq_id, start, flags, LoRA slot, tokens, kept blocks, new
+    blocks, *token_ids, *new blocks]: its block table is the first `kept` entries the receiver's rows hold for it,
+    then the new ones. `sent`: the tables sent before, updated; None: a receiver that holds none."""
+    sent = BlockTableRows() if sent is None else sent
+    changes = sent.changes([(s.seq_id, s.block_table) for s in batch.seqs])
     flat = [len(batch.seqs), batch.num_decodes, len(batch.preempted), len(batch.copies), len(batch.lora_loads)]
     flat += batch.preempted
     for src, dst in batch.copies:
         flat += (src, dst)
     for slot, path in batch.lora_loads:
         flat += (slot, len(path), *map(ord, path))
-    for s in batch.seqs:
+    for s, change in zip(batch.seqs, changes):
         flags = int(s.sample) | int(s.all_logits) << 1 | s.num_draft << 2
-        flat += (s.seq_id, s.start, flags, s.lora_slot, len(s.token_ids), len(s.block_table))
+        flat += (s.seq_id, s.start, flags, s.lora_slot, len(s.token_ids), change.kept, len(change.tail))
         flat += s.token_ids
-        flat += s.block_table
+        flat += change.tail
     return flat
 
 
-def decode_batch(flat: list[int]) -> Batch:
+def decode_batch(flat: list[int], received: BlockTableRows | None = None) -> Batch:
+    """encode_batch's other side; `received` must have seen what the sender's `sent` saw."""
     num_seqs, num_decodes, num_preempted, num_copies, num_loads = flat[:5]
     i = 5 + num_preempted
     preempted = flat[5:i]
@@ -75,13 +82,21 @@ def decode_batch(flat: list[int]) -> Batch:
         slot, length = flat[i : i + 2]
         loads.append((slot, "".join(map(chr, flat[i + 2 : i + 2 + length]))))
         i += 2 + length
-    seqs = []
+    headers, tokens, changes = [], [], []
     for _ in range(num_seqs):
-        seq_id, start, sample, slot, num_tokens, num_blocks = flat[i : i + _SEQ_HEADER]
+        header = flat[i : i + _SEQ_HEADER]
+        num_tokens, kept, num_new = header[4:]
         i += _SEQ_HEADER
-        tokens, blocks = flat[i : i + num_tokens], flat[i + num_tokens : i + num_tokens + num_blocks]
-        i += num_tokens + num_blocks
-        seqs.append(ScheduledSeq(seq_id, tokens, start, blocks, bool(sample & 1), bool(sample & 2), sample >> 2, slot))
+        tokens.append(flat[i : i + num_tokens])
+        changes.append((kept, flat[i + num_tokens : i + num_tokens + num_new]))
+        headers.append(header)
+        i += num_tokens + num_new
+    received = BlockTableRows() if received is None else received
+    tables = received.apply([header[0] for header in headers], changes)
+    seqs = [
+        ScheduledSeq(seq_id, ids, start, table, bool(flags & 1), bool(flags & 2), flags >> 2, slot)
+        for (seq_id, start, flags, slot, *_), ids, table in zip(headers, tokens, tables)
+    ]
     return Batch(seqs, num_decodes, preempted, copies, lora_loads=loads)
 
 
@@ -94,9 +109,10 @@ class BatchBroadcast:
         # Every rank is a member (no ranks list), so this is a ProcessGroup, never the int torch's typing also allows
         # (GroupMember.NON_GROUP_MEMBER).
         self.group = cast("dist.ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
+        self.tables = BlockTableRows()  # the block tables rank 0 sent: on rank 0 what it sent, elsewhere what came
 
     def send(self, batch: Batch) -> None:
-        flat = encode_batch(batch)
+        flat = encode_batch(batch, self.tables)
         self._send([len(flat), *flat])
 
     def stop(self) -> bool:
@@ -120,7 +136,7 @@ class BatchBroadcast:
             rest = torch.empty(1 + length - INLINE, dtype=torch.int64)
             self._broadcast(rest)
             flat += rest.tolist()
-        return decode_batch(flat)
+        return decode_batch(flat, self.tables)
 
     def abandon(self, exc: BaseException) -> NoReturn:
         """Ends this process at once with EXIT_GROUP_BROKEN: its ranks are out of step (a peer died, or a step

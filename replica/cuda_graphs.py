@@ -19,8 +19,9 @@ import torch
 
 from ..kernels import AttentionMetadata
 from .batch import Batch
+from .block_tables import DeviceBlockTables
 from .models.llama import LlamaModel
-from .step_lists import padded_tables, step_lists, to_device
+from .step_lists import step_lists, to_device
 
 log = logging.getLogger("fastgen.replica")
 
@@ -101,12 +102,12 @@ class DecodeGraphs:
             and max(len(s.block_table) for s in batch.seqs) <= self.max_blocks
         )
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, tables: DeviceBlockTables) -> torch.Tensor:
         """Logits (sequences, vocab) of a batch that `fits`: a view of the one output buffer, valid until the next
-        step."""
+        step. `tables`: the runner's, which the batch's block tables come from."""
         n = len(batch.seqs)
         bucket = next(b for b in self.buckets if b >= n)
-        self._load(batch, bucket)
+        self._load(batch, bucket, tables)
         entry = self.captured[bucket]
         if entry.graph is None:
             return self._forward(entry.meta, bucket)[:n]
@@ -114,12 +115,12 @@ class DecodeGraphs:
         assert self.logits is not None, "made by the forward pass the graph captured"
         return self.logits[:n]
 
-    def _load(self, batch: Batch, bucket: int) -> None:
+    def _load(self, batch: Batch, bucket: int, tables: DeviceBlockTables) -> None:
         """Copies the batch into the static buffers' first rows and padding into the rest of the bucket: one
         host-to-device copy, then copies on the device."""
         n, pad = len(batch.seqs), bucket - len(batch.seqs)
         lists = step_lists(batch, self.block_size)  # one token per sequence: rows are sequences
-        width, tables = padded_tables(batch)
+        update = tables.update(batch.seqs)
         flat = to_device(
             lists.tokens
             + [0] * pad
@@ -129,15 +130,15 @@ class DecodeGraphs:
             + [self.pad_slot] * pad
             + lists.seq_lens
             + [1] * pad
-            + tables,
+            + update.numbers(),
             self.device,
         )
-        ids, pos, slot, lens, table = flat.split([bucket] * 4 + [n * width])
+        ids, pos, slot, lens, changes = flat.split([bucket] * 4 + [sum(update.sizes)])
         self.input_ids[:bucket].copy_(ids)
         self.positions[:bucket].copy_(pos)
         self.slot_mapping[:bucket].copy_(slot)
         self.seq_lens[:bucket].copy_(lens)
-        self.block_tables[:n, :width].copy_(table.view(n, width))
+        self.block_tables[:n, : update.width].copy_(tables.apply(update, changes))
         if pad:  # padding rows read their one key from the pad block
             self.block_tables[n:bucket, 0].fill_(self.pad_slot // self.block_size)
 

@@ -17,9 +17,10 @@ from ..kernels import AttentionMetadata, Kernels
 from ..kernels.lora import LoraSegments
 from .batch import Batch
 from .batch_broadcast import BatchBroadcast
+from .block_tables import DeviceBlockTables
 from .kv_cache import copy_blocks
 from .models import DecoderModel
-from .step_lists import padded_tables, step_lists, to_device
+from .step_lists import step_lists, to_device
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
@@ -55,6 +56,7 @@ class ModelRunner:
         self.broadcast = broadcast  # set on every rank of a tensor-parallel group
         self.graphs = graphs  # decode-only steps replay from these when set (CUDA)
         self.lora = lora  # the model's LoRA slots, with --enable-lora
+        self.block_tables = DeviceBlockTables(device)  # the running sequences', updated with each step's changes
 
     @property
     def kernels(self) -> Kernels:
@@ -90,7 +92,7 @@ class ModelRunner:
             assert self.lora is not None, "a batch loads adapters only with --enable-lora"
             self.lora.load(slot, path)
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, self.block_tables)
         step = self.prepare(batch)
         if self.lora is not None:
             self.lora.step.segments = step.lora
@@ -98,10 +100,11 @@ class ModelRunner:
         return self.model.logits(hidden[step.sample_rows])
 
     def prepare(self, batch: Batch) -> StepInputs:
-        """The batch's tensors, every one a view of a single host-to-device copy: the attention kernels' per-step
-        table (the Triton tile map) too, which they would otherwise copy from pageable memory in the first layer."""
+        """The batch's tensors, every one a view of a single host-to-device copy (or made from one on the device):
+        the attention kernels' per-step table (the Triton tile map) too, which they would otherwise copy from
+        pageable memory in the first layer, and the changes to the block tables kept on the device."""
         lists = step_lists(batch, self.block_size)
-        width, tables = padded_tables(batch)
+        tables = self.block_tables.update(batch.seqs)
         max_query_len = max(len(s.token_ids) for s in batch.seqs)
         attn = self.model.layers[0].self_attn
         plan = self.kernels.attention_plan(
@@ -110,7 +113,7 @@ class ModelRunner:
         extra = plan[1] if plan is not None else []
         flat = to_device(
             [*lists.tokens, *lists.positions, *lists.slots, *lists.query_start, *lists.seq_lens, *lists.sample_rows]
-            + tables
+            + tables.numbers()
             + extra
             + lists.lora_rows
             + [v for column in zip(*lists.lora_segments) for v in column],  # slots, then starts, then ends
@@ -119,13 +122,19 @@ class ModelRunner:
         parts = flat.split(
             [len(lists.tokens)] * 3
             + [len(lists.query_start), len(lists.seq_lens)]
-            + [len(lists.sample_rows), len(tables), len(extra), len(lists.lora_rows), 3 * len(lists.lora_segments)]
+            + [
+                len(lists.sample_rows),
+                sum(tables.sizes),
+                len(extra),
+                len(lists.lora_rows),
+                3 * len(lists.lora_segments),
+            ]
         )
-        input_ids, positions, slots, query_start, seq_lens, sample_rows, tables, extra, lora_rows, lora_table = parts
+        input_ids, positions, slots, query_start, seq_lens, sample_rows, changes, extra, lora_rows, lora_table = parts
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
-            block_tables=tables.view(len(batch.seqs), width).to(torch.int32),
+            block_tables=self.block_tables.apply(tables, changes),
             slot_mapping=slots,
             num_decodes=batch.num_decodes,
             max_query_len=max_query_len,

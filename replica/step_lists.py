@@ -47,12 +47,6 @@ def step_lists(batch: Batch, block_size: int) -> StepLists:
     return out
 
 
-def padded_tables(batch: Batch) -> tuple[int, list[int]]:
-    """(width, every sequence's block table padded with 0 to width, flattened row after row)."""
-    width = max(len(s.block_table) for s in batch.seqs)
-    return width, [b for s in batch.seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-
-
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """One int64 tensor on the device. On CUDA it crosses in one copy from pinned memory that does not wait for the
     device (torch's caching host allocator keeps the pinned buffer until the copy is done)."""

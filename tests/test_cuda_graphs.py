@@ -65,8 +65,8 @@ def test_graph_replay_gives_the_logits_of_eager_steps(model):
     runner = pipe.engine.runner
     graphs, replay, sizes = runner.graphs, runner.graphs.run, set()
 
-    def replay_and_compare(batch):
-        logits = replay(batch).clone()
+    def replay_and_compare(batch, tables):
+        logits = replay(batch, tables).clone()
         runner.graphs = None  # the same batch eagerly: it writes the same cache slots again
         try:
             eager = runner.forward(batch)
@@ -93,7 +93,7 @@ def test_every_bucket_writes_one_logits_buffer(model):
     )
     for n in (8, 1, 3):  # the largest bucket first, as capture runs them; then ones that pad
         batch = Batch([ScheduledSeq(i, [5 + i], 0, [1 + i], True) for i in range(n)], n, [])
-        logits = graphs.run(batch)
+        logits = graphs.run(batch, runner.block_tables)
         assert logits.shape == (n, graphs.logits.shape[1]) and logits.data_ptr() == graphs.logits.data_ptr()
         assert graphs.logits.shape[0] == 8
         bucket = next(b for b in graphs.buckets if b >= n)  # the padded rows run too: meta spans the bucket

@@ -34,7 +34,7 @@ BATCHES = [
     Batch([ScheduledSeq(3, list(range(100)), 16, [2, 6, 5, 8, 9, 11, 12, 13], True)], 0, [7, 2]),
     Batch([], 0, [1]),
     Batch([ScheduledSeq(4, list(range(2000)), 0, list(range(125)), True)], 0, []),  # beyond the first broadcast
-    Batch([ScheduledSeq(5, list(range(1011)), 0, [9], False)], 0, []),  # exactly fills the first broadcast
+    Batch([ScheduledSeq(5, list(range(1010)), 0, [9], False)], 0, []),  # exactly fills the first broadcast
 ]
 # LoRA slots per sequence and the adapters to load (folders as text, any characters)
 LORA_BATCH = Batch(
