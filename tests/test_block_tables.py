@@ -104,3 +104,16 @@ def test_the_broadcast_sends_a_long_decode_step_in_one_message():
     following = Batch([ScheduledSeq(s.seq_id, [5], 2001, s.block_table, True) for s in seqs], 64, [])
     message = encode_batch(following, sender)
     assert decode_batch(message, receiver) == following and 1 + len(message) <= INLINE
+
+
+def test_the_benchmark_checks_both_ways_agree(monkeypatch, tmp_path, capsys):
+    import json
+
+    from fastgen.benchmarks import block_tables as benchmark
+
+    monkeypatch.setattr(benchmark, "SHAPES", [(4, 3)])
+    monkeypatch.setattr(benchmark, "CALLS", 2)
+    benchmark.main(["--repeats", "1", "--json", str(tmp_path / "b.json")])
+    (row,) = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert row["broadcast_kept"] == row["broadcast_whole"] - 4 * 3
+    assert "| 4 x 3 |" in capsys.readouterr().out
