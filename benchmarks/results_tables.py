@@ -664,6 +664,22 @@ def served_vllm() -> str:
     return rows(head + ["gap p95 ms", "p99 ms", "floors"], body)
 
 
+# ---- 18. block tables ----
+def block_tables() -> str:
+    d = load("block_tables.json")
+    body = [
+        [
+            f"{r['seqs']} × {r['blocks']}",
+            f"{num(r['whole_us'], 0)} · {num(r['kept_us'], 0)}; **{num(r['whole_us'] / r['kept_us'])}×**",
+            f"{num(r['encode_whole_us'], 0)} · {num(r['encode_kept_us'], 0)}",
+            f"{r['broadcast_whole']} · {r['broadcast_kept']}",
+        ]
+        for r in d["rows"]
+    ]
+    head = ["sequences × blocks", "tables µs, whole · kept; ratio", "broadcast encoding µs", "numbers broadcast"]
+    return rows(head, body)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "offline-transformers": offline_transformers,
     "offline-vllm": offline_vllm,
@@ -686,6 +702,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "lora": lora,
     "structured": structured,
     "served-vllm": served_vllm,
+    "block-tables": block_tables,
 }
 
 
