@@ -148,6 +148,11 @@ class DeviceBlockTables:
             self.table.view(-1).index_copy_(0, slots, values.to(torch.int32))
         return self.table[:, : update.width].index_select(0, rows)
 
+    def forget(self) -> None:
+        """After a step that failed between `update` and `apply`: the rows may claim entries the device never got, so
+        the next step sends every table whole."""
+        self.rows = BlockTableRows(self.rows.num_rows)
+
     def _fit(self, rows: int, width: int) -> None:
         have_rows, have_width = self.table.shape
         if rows <= have_rows and width <= have_width:

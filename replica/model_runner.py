@@ -91,9 +91,13 @@ class ModelRunner:
         for slot, path in batch.lora_loads:
             assert self.lora is not None, "a batch loads adapters only with --enable-lora"
             self.lora.load(slot, path)
-        if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch, self.block_tables)
-        step = self.prepare(batch)
+        try:
+            if self.graphs is not None and self.graphs.fits(batch):
+                return self.graphs.run(batch, self.block_tables)
+            step = self.prepare(batch)
+        except BaseException:
+            self.block_tables.forget()  # a step that failed may have sent the device fewer changes than it counted
+            raise
         if self.lora is not None:
             self.lora.step.segments = step.lora
         hidden = self.model(step.input_ids, step.positions, step.meta, self.kv_caches)  # (tokens, hidden)

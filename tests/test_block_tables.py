@@ -117,3 +117,27 @@ def test_the_benchmark_checks_both_ways_agree(monkeypatch, tmp_path, capsys):
     (row,) = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert row["broadcast_kept"] == row["broadcast_whole"] - 4 * 3
     assert "| 4 x 3 |" in capsys.readouterr().out
+
+
+def test_a_step_that_fails_before_its_changes_land_sends_the_next_whole(tiny_model_dir, monkeypatch):
+    """prepare counts a step's changes as sent before they reach the device; should the step fail in between, the
+    next one must not trust them."""
+    from fastgen.replica import model_runner, pipeline
+
+    runner = pipeline(str(tiny_model_dir), dtype="float32", progress=False).engine.runner
+    first = Batch([ScheduledSeq(0, [5, 6, 7], 0, [3], True)], 0, [])
+    second = Batch([ScheduledSeq(0, [8], 3, [3], True)], 1, [])  # the same table: a change of nothing
+    expected = runner.forward(first), runner.forward(second)
+    runner.block_tables.table.fill_(0)  # another step's leftovers
+    runner.block_tables.forget()
+
+    def fail(values, device):
+        raise RuntimeError("the copy failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(model_runner, "to_device", fail)
+        try:
+            runner.forward(first)
+        except RuntimeError:
+            pass
+    assert torch.equal(runner.forward(first), expected[0]) and torch.equal(runner.forward(second), expected[1])
