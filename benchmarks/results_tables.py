@@ -495,7 +495,12 @@ def moe() -> str:
 
 
 # ---- 12. quantized weights against llama.cpp ----
-LLAMA_CPP = ["llama_cpp/smollm2_q4_1_spr.json", "llama_cpp/smollm2_q4_1_zen5.json", "llama_cpp/smollm2_q4_1_zen4.json"]
+LLAMA_CPP = [
+    "llama_cpp/smollm2_q4_1_spr.json",
+    "llama_cpp/smollm2_q4_1_zen5.json",
+    "llama_cpp/smollm2_q4_1_zen4.json",
+    "llama_cpp/smollm2_q4_1_zen3.json",
+]
 LLAMA_CPP_MEASURES = {
     "decode": "one stream, decode",
     "concurrent": "8 concurrent streams",
