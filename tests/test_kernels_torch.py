@@ -341,7 +341,7 @@ def test_cpu_elementwise_f32_kernels_match_torch(hidden, forbid):
     from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
 
     if cpu._elementwise_for(torch.float32) is None:
-        pytest.skip("no C compiler, or a CPU without AVX-512: the torch kernels serve there")
+        pytest.skip("no C compiler, or a CPU without AVX-512 or AVX2: the torch kernels serve there")
     torch.manual_seed(hidden)
     rows = 2000  # enough work that the kernels split it over threads
     wide = torch.randn(rows, hidden * 3) * 3
@@ -592,6 +592,79 @@ def test_cpu_linear_f32_avx2_build_gives_the_native_builds_bits(tmp_path):
                 args = (x.data_ptr(), x.stride(0), packed.panels.data_ptr(), bias.data_ptr(), y.data_ptr())
                 status = avx2.linear_f32(*args, out_features, rows, out_features, in_features, threads)
                 assert status == 0 and torch.equal(y, native), (out_features, in_features, rows, threads)
+
+
+def test_cpu_elementwise_f32_avx2_build_gives_the_native_builds_bits(tmp_path):
+    """csrc/elementwise_f32.c built for AVX2 (AVX-512 turned off, as on an AMD Zen 3): SiLU(gate)·up, GELU(gate)·up and
+    rotary + cache write give the native build's bits (the same operations on 8 lanes, scalef as two exact powers of
+    two); the norm sums its squares over 8 lanes, so it is held to torch's within a few float32 steps instead, with
+    the residual sum exact. Masked tails, on one thread or several. On an AVX-512 CPU this is the AVX2 path's only
+    test."""
+    import ctypes
+    import subprocess
+
+    from fastgen.kernels import clib, cpu, norm
+
+    compiler = clib.find_compiler()
+    if compiler is None or cpu._elementwise_for(torch.float32) is None:
+        pytest.skip("no C compiler, or a CPU without AVX-512 or AVX2: the torch kernels serve there")
+    built = tmp_path / "elementwise_f32_avx2.so"
+    source = str(clib.CSRC / "elementwise_f32.c")
+    command = [compiler, *clib.FLAGS, "-mno-avx512f", *clib.OPENMP, "-I", str(clib.CSRC), "-o", str(built), source]
+    subprocess.run(command, check=True, capture_output=True)
+    avx2 = ctypes.CDLL(str(built))
+    native = cpu._elementwise_for(torch.float32)
+    assert avx2.elementwise_f32_available() == 1 and native is not None
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    for name in ("silu_mul_f32", "gelu_tanh_mul_f32"):
+        getattr(avx2, name).argtypes = [p, p, i, i, i64, i]
+    avx2.add_rms_norm_f32.argtypes = [p, p, p, p, p, i, i, i64, ctypes.c_float, i]
+    avx2.rotary_write_kv_f32.argtypes = [p] * 3 + [i64] + [p] * 6 + [i] * 6
+    torch.manual_seed(3)
+    for hidden, threads in ((576, THREADS), (40, 1), (13, THREADS)):
+        rows = 300
+        gate_up = torch.randn(rows, 2 * hidden) * 4
+        gate_up[0, :3] = torch.tensor([-100.0, 90.0, -87.5])[: min(3, hidden)]  # exp's underflow, subnormal sigmoids
+        for name, ours in (("silu_mul_f32", native.silu_mul), ("gelu_tanh_mul_f32", native.gelu_tanh_mul)):
+            got, expected = torch.empty(rows, hidden), torch.empty(rows, hidden)
+            assert getattr(avx2, name)(gate_up.data_ptr(), got.data_ptr(), rows, hidden, 2 * hidden, threads) == 0
+            assert ours(gate_up.data_ptr(), expected.data_ptr(), rows, hidden, 2 * hidden, 1) == 0
+            assert torch.equal(got, expected), name
+        x, r, w = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.randn(hidden)
+        out, total = torch.empty(rows, hidden), torch.empty(rows, hidden)
+        args = (x.data_ptr(), r.data_ptr(), w.data_ptr(), out.data_ptr(), total.data_ptr(), rows, hidden, hidden)
+        assert avx2.add_rms_norm_f32(*args, 1e-5, threads) == 0
+        ref_out, ref_total = norm.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(total, ref_total) and torch.allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+        head_dim, heads, kv_heads, tokens = 2 * hidden, 3, 1, 50
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+        cos_sin = torch.randn(64, head_dim)
+        positions, slots = torch.randint(0, 64, (tokens,)), torch.randperm(128)[:tokens]
+        outs = []
+        for lib in (avx2, None):
+            q_out = torch.empty(tokens, heads, head_dim)
+            k_cache, v_cache = torch.zeros(128, kv_heads, head_dim), torch.zeros(128, kv_heads, head_dim)
+            q, k, v = (qkv[:, j * head_dim :].data_ptr() for j in (0, heads, heads + kv_heads))
+            call = lib.rotary_write_kv_f32 if lib else native.rotary_write_kv
+            addresses = (cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), q_out.data_ptr())
+            status = call(
+                q,
+                k,
+                v,
+                qkv.stride(0),
+                *addresses,
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                tokens,
+                heads,
+                kv_heads,
+                head_dim,
+                head_dim,
+                threads if lib else 1,
+            )
+            assert status == 0
+            outs.append((q_out, k_cache, v_cache))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 # 1536 x 576: SmolLM2's MLP (more panels than one group); 20: a last panel short of 16 features (masked); 9 x 1030:

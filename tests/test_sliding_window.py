@@ -186,7 +186,7 @@ def test_c_gelu_tanh_mul_matches_torch(dtype, inter):
 
     require_tool(clib.get_library() is not None, "no C compiler")
     if cpu._elementwise_for(dtype) is None:  # a CPU's lack, not a tool's: skipped in CI too
-        pytest.skip(f"a CPU without the {dtype} elementwise kernels (AVX-512, with BF16 for bfloat16)")
+        pytest.skip(f"a CPU without the {dtype} elementwise kernels (bfloat16: AVX-512 BF16; float32: AVX2)")
     gate_up = (torch.randn(9, 2 * inter + 8) * 3).to(dtype)[:, : 2 * inter]  # rows with a stride of their own
     ref = gelu_tanh_mul(gate_up.float()).to(dtype) if dtype == torch.float32 else gelu_tanh_mul(gate_up)
     out = cpu.gelu_tanh_mul_cpu(gate_up)

@@ -1,19 +1,20 @@
-/* The elementwise work between the matrix multiplies, fused, for float32 activations on CPUs with AVX-512F: residual
- * add + RMSNorm, SiLU(gate) * up, and rotary embedding (full or partial) with the KV cache write. Torch runs each as
- * several passes over memory with a temporary per step; here every element is read once. Each row is computed by one
- * thread in one order, so results depend neither on the batch nor on the thread count.
+/* The elementwise work between the matrix multiplies, fused, for float32 activations on CPUs with AVX-512F or AVX2 with
+ * FMA: residual add + RMSNorm, SiLU(gate) * up, and rotary embedding (full or partial) with the KV cache write. Torch
+ * runs each as several passes over memory with a temporary per step; here every element is read once. Each row is
+ * computed by one thread in one order, so results depend neither on the batch nor on the thread count.
  *
  * Rotary embedding does torch's arithmetic exactly (x1 cos - x2 sin with both products rounded), so it matches the
- * torch kernel, and Hugging Face, bit for bit. The norm sums its squares in an order of its own and SiLU's exponential
- * is a polynomial: both within a few float32 rounding steps of torch's.
+ * torch kernel, and Hugging Face, bit for bit. The norm sums its squares in an order of its own (16 lanes on AVX-512,
+ * 8 on AVX2) and SiLU's exponential is a polynomial: both within a few float32 rounding steps of torch's.
  *
- * The _round intrinsics keep each product rounded on its own: plain vector products may be contracted into fused
- * multiply-adds by the compiler, which would round differently from torch. */
+ * The functions are written once over `vf`, a register of LANES floats. Its products are rounded on their own (the
+ * _round intrinsics on AVX-512, mul_exact8 on AVX2): plain vector products may be contracted into fused multiply-adds
+ * by the compiler, which would round differently from torch. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 #include "parallel.h"
@@ -25,13 +26,50 @@ int elementwise_f32_available(void) { return 1; }
  * cost more than it saves). */
 #define MIN_ELEMENTS_PER_THREAD 32768
 #define ROWS_IN_PARALLEL _Pragma("omp parallel for num_threads(threads) if (threads > 1) schedule(static)")
+
+#if defined(__AVX512F__)
+#define LANES 16
 #define EXACT _MM_FROUND_CUR_DIRECTION
-
+typedef __m512 vf;
 static inline __mmask16 first(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-static inline __m512 load(const float *p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
-
-static inline void store(float *p, __m512 x, int n) { _mm512_mask_storeu_ps(p, first(n), x); }
+static inline vf load(const float *p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+static inline void store(float *p, vf x, int n) { _mm512_mask_storeu_ps(p, first(n), x); }
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_round_ps(a, b, EXACT); }
+static inline vf vsub_exact(vf a, vf b) { return _mm512_sub_round_ps(a, b, EXACT); }
+static inline vf vadd_exact(vf a, vf b) { return _mm512_add_round_ps(a, b, EXACT); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vsilu(vf x) { return silu_ps(x); }
+static inline vf vgelu_tanh(vf x) { return gelu_tanh_ps(x); }
+#else
+#define LANES 8
+typedef __m256 vf;
+static inline __m256i first(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf load(const float *p, int n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(n)); }
+static inline void store(float *p, vf x, int n) {
+    if (n >= 8) _mm256_storeu_ps(p, x);
+    else _mm256_maskstore_ps(p, first(n), x);
+}
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vmul(vf a, vf b) { return mul_exact8(a, b); }
+static inline vf vsub_exact(vf a, vf b) { return _mm256_sub_ps(a, b); } /* its operands are rounded products */
+static inline vf vadd_exact(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float vsum(vf a) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+static inline vf vsilu(vf x) { return silu_ps8(x); }
+static inline vf vgelu_tanh(vf x) { return gelu_tanh_ps8(x); }
+#endif
 
 /* out = weight * (s * (1 / sqrt(mean(s^2) + eps))) with s = x + residual, stored to residual_out; without a residual
  * (NULL), s = x and nothing is stored. Rows of x have x_stride elements; the other tensors are contiguous. */
@@ -41,27 +79,27 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
     ROWS_IN_PARALLEL
     for (int r = 0; r < rows; r++) {
         const float *s_row = x + r * x_stride; /* where s lies once the first pass is done */
-        __m512 squares = _mm512_setzero_ps();
+        vf squares = vzero();
         if (residual) {
             const float *xr = s_row, *rr = residual + (int64_t)r * hidden;
             float *sr = residual_out + (int64_t)r * hidden;
-            for (int d = 0; d < hidden; d += 16) {
-                __m512 s = _mm512_add_ps(load(xr + d, hidden - d), load(rr + d, hidden - d));
+            for (int d = 0; d < hidden; d += LANES) {
+                vf s = vadd(load(xr + d, hidden - d), load(rr + d, hidden - d));
                 store(sr + d, s, hidden - d);
-                squares = _mm512_fmadd_ps(s, s, squares);
+                squares = vfmadd(s, s, squares);
             }
             s_row = sr;
         } else {
-            for (int d = 0; d < hidden; d += 16) {
-                __m512 s = load(s_row + d, hidden - d);
-                squares = _mm512_fmadd_ps(s, s, squares);
+            for (int d = 0; d < hidden; d += LANES) {
+                vf s = load(s_row + d, hidden - d);
+                squares = vfmadd(s, s, squares);
             }
         }
-        __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / hidden + eps));
+        vf inv = vset1(1.f / sqrtf(vsum(squares) / hidden + eps));
         float *o = out + (int64_t)r * hidden;
-        for (int d = 0; d < hidden; d += 16) {
-            __m512 y = _mm512_mul_round_ps(load(s_row + d, hidden - d), inv, EXACT);
-            store(o + d, _mm512_mul_round_ps(load(weight + d, hidden - d), y, EXACT), hidden - d);
+        for (int d = 0; d < hidden; d += LANES) {
+            vf y = vmul(load(s_row + d, hidden - d), inv);
+            store(o + d, vmul(load(weight + d, hidden - d), y), hidden - d);
         }
     }
     return 0;
@@ -76,28 +114,26 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
         for (int r = 0; r < rows; r++) {                                                                       \
             const float *gate = gate_up + r * in_stride, *up = gate + inter;                                   \
             float *o = out + (int64_t)r * inter;                                                               \
-            for (int d = 0; d < inter; d += 16) {                                                              \
+            for (int d = 0; d < inter; d += LANES) {                                                              \
                 int n = inter - d;                                                                             \
-                store(o + d, _mm512_mul_round_ps(ACT(load(gate + d, n)), load(up + d, n), EXACT), n);          \
+                store(o + d, vmul(ACT(load(gate + d, n)), load(up + d, n)), n);          \
             }                                                                                                  \
         }                                                                                                      \
         return 0;                                                                                              \
     }
-DEFINE_GATED(silu_mul_f32, silu_ps)
-DEFINE_GATED(gelu_tanh_mul_f32, gelu_tanh_ps)
+DEFINE_GATED(silu_mul_f32, vsilu)
+DEFINE_GATED(gelu_tanh_mul_f32, vgelu_tanh)
 
 /* One head of one token rotated (rotate-half layout) as torch does it: out[i] = x1 cos - x2 sin, out[i + half] =
  * x2 cos + x1 sin for i < half, every product rounded, with cos_sin = (cos[half], sin[half]); dims from 2 half to
  * head_dim (partial rotary) are copied as they are. */
 static inline void rotate(const float *x, const float *cos_sin, int half, int head_dim, float *out) {
-    for (int i = 0; i < half; i += 16) {
+    for (int i = 0; i < half; i += LANES) {
         int n = half - i;
-        __m512 c = load(cos_sin + i, n), s = load(cos_sin + half + i, n);
-        __m512 x1 = load(x + i, n), x2 = load(x + half + i, n);
-        store(out + i,
-              _mm512_sub_round_ps(_mm512_mul_round_ps(x1, c, EXACT), _mm512_mul_round_ps(x2, s, EXACT), EXACT), n);
-        store(out + half + i,
-              _mm512_add_round_ps(_mm512_mul_round_ps(x2, c, EXACT), _mm512_mul_round_ps(x1, s, EXACT), EXACT), n);
+        vf c = load(cos_sin + i, n), s = load(cos_sin + half + i, n);
+        vf x1 = load(x + i, n), x2 = load(x + half + i, n);
+        store(out + i, vsub_exact(vmul(x1, c), vmul(x2, s)), n);
+        store(out + half + i, vadd_exact(vmul(x2, c), vmul(x1, s)), n);
     }
     if (head_dim > 2 * half) memcpy(out + 2 * half, x + 2 * half, sizeof(float) * (head_dim - 2 * half));
 }

@@ -1,4 +1,4 @@
-/* Vector math shared by the CPU kernels (AVX-512). */
+/* Vector math shared by the CPU kernels (AVX-512; AVX2 for the float32 elementwise kernels). */
 #ifndef FASTGEN_VECTOR_MATH_H
 #define FASTGEN_VECTOR_MATH_H
 #ifdef __AVX512F__
@@ -78,4 +78,63 @@ static inline void transpose16_ps(__m512 r[16]) {
 }
 
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The same functions on 8 lanes for AVX2 (no AVX-512), the same operations in the same order, so the same bits: where
+ * AVX-512 has an instruction AVX2 lacks, the replacement computes the same value. */
+
+/* A product rounded on its own: the empty asm keeps the compiler from contracting it into a fused multiply-add. */
+static inline __m256 mul_exact8(__m256 a, __m256 b) {
+    __m256 p = _mm256_mul_ps(a, b);
+    __asm__("" : "+x"(p));
+    return p;
+}
+
+static inline __m256 abs8(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+
+/* exp_nonpositive on 8 lanes. scalef (p 2^n, one rounding) as two products by powers of two: the first, by
+ * 2^(n - n/2) >= 2^-75, is exact; the second rounds once, as scalef does, into the subnormals too. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half),
+                                                                            _mm256_set1_epi32(127)), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    return mul_exact8(mul_exact8(p, a), b);
+}
+
+static inline __m256 silu_ps8(__m256 g) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    __m256 e = exp_nonpositive8(_mm256_sub_ps(zero, abs8(g)));
+    __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    sig = _mm256_blendv_ps(sig, mul_exact8(sig, e), _mm256_cmp_ps(g, zero, _CMP_LT_OQ));
+    return mul_exact8(g, sig);
+}
+
+static inline __m256 tanh_ps8(__m256 y) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    __m256 e = exp_nonpositive8(mul_exact8(_mm256_set1_ps(-2.f), abs8(y)));
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_blendv_ps(t, _mm256_sub_ps(zero, t), _mm256_cmp_ps(y, zero, _CMP_LT_OQ));
+}
+
+static inline __m256 gelu_tanh_ps8(__m256 x) {
+    __m256 inner = _mm256_fmadd_ps(mul_exact8(_mm256_set1_ps(0.044715f), x), mul_exact8(x, x), x);
+    __m256 t = tanh_ps8(mul_exact8(_mm256_set1_ps(0.7978845608028654f), inner));
+    return mul_exact8(mul_exact8(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.f), t));
+}
+#endif
+
 #endif
