@@ -594,77 +594,72 @@ def test_cpu_linear_f32_avx2_build_gives_the_native_builds_bits(tmp_path):
                 assert status == 0 and torch.equal(y, native), (out_features, in_features, rows, threads)
 
 
-def test_cpu_elementwise_f32_avx2_build_gives_the_native_builds_bits(tmp_path):
-    """csrc/elementwise_f32.c built for AVX2 (AVX-512 turned off, as on an AMD Zen 3): SiLU(gate)·up, GELU(gate)·up and
-    rotary + cache write give the native build's bits (the same operations on 8 lanes, scalef as two exact powers of
-    two); the norm sums its squares over 8 lanes, so it is held to torch's within a few float32 steps instead, with
-    the residual sum exact. Masked tails, on one thread or several. On an AVX-512 CPU this is the AVX2 path's only
-    test."""
+def test_cpu_elementwise_f32_avx2_build_gives_the_native_builds_bits(tmp_path, monkeypatch):
+    """csrc/elementwise_f32.c built for AVX2 (AVX-512 turned off, as on an AMD Zen 3), called through kernels/cpu.py as
+    the native build is: SiLU(gate)·up, GELU(gate)·up and rotary + cache write give the native build's bits (the same
+    operations on 8 lanes, scalef as two exact powers of two), exp's underflow included; the norm sums its squares
+    over 8 lanes, so it is held to torch's within a few float32 steps, its residual sum exact. Masked tails, on one
+    thread or several. On an AVX-512 CPU this is the AVX2 path's only test."""
     import ctypes
     import subprocess
 
     from fastgen.kernels import clib, cpu, norm
+    from fastgen.kernels.rotary import rope_cos_sin, rope_inv_freq
 
     compiler = clib.find_compiler()
-    if compiler is None or cpu._elementwise_for(torch.float32) is None:
+    native = cpu._elementwise_for(torch.float32)
+    if compiler is None or native is None:
         pytest.skip("no C compiler, or a CPU without AVX-512 or AVX2: the torch kernels serve there")
     built = tmp_path / "elementwise_f32_avx2.so"
     source = str(clib.CSRC / "elementwise_f32.c")
     command = [compiler, *clib.FLAGS, "-mno-avx512f", *clib.OPENMP, "-I", str(clib.CSRC), "-o", str(built), source]
     subprocess.run(command, check=True, capture_output=True)
-    avx2 = ctypes.CDLL(str(built))
-    native = cpu._elementwise_for(torch.float32)
-    assert avx2.elementwise_f32_available() == 1 and native is not None
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    for name in ("silu_mul_f32", "gelu_tanh_mul_f32"):
-        getattr(avx2, name).argtypes = [p, p, i, i, i64, i]
-    avx2.add_rms_norm_f32.argtypes = [p, p, p, p, p, i, i, i64, ctypes.c_float, i]
-    avx2.rotary_write_kv_f32.argtypes = [p] * 3 + [i64] + [p] * 6 + [i] * 6
+    library = ctypes.CDLL(str(built))
+    assert library.elementwise_f32_available() == 1
+    names = ("add_rms_norm", "silu_mul", "gelu_tanh_mul", "rotary_write_kv")
+    for name, native_function in zip(
+        names, (native.add_rms_norm, native.silu_mul, native.gelu_tanh_mul, native.rotary_write_kv)
+    ):
+        getattr(library, f"{name}_f32").argtypes = native_function.argtypes
+    called = set()
+
+    def counted(name):
+        function = getattr(library, f"{name}_f32")
+        return lambda *args: called.add(name) or function(*args)
+
+    avx2 = cpu.Elementwise(torch.float32, *map(counted, names))
+
+    def both(threads, function, *args):
+        """function(*args) on `threads` threads, on the AVX2 build, then on the native one."""
+        results = []
+        for kernels in (avx2, native):
+            monkeypatch.setattr(cpu, "_elementwise_for", lambda dtype, kernels=kernels: kernels)
+            results.append(in_threads(threads, function, *args))
+        return results
+
     torch.manual_seed(3)
+    cos_sin = rope_cos_sin(rope_inv_freq(64, 10000.0), 512)
     for hidden, threads in ((576, THREADS), (40, 1), (13, THREADS)):
-        rows = 300
-        gate_up = torch.randn(rows, 2 * hidden) * 4
+        gate_up = torch.randn(300, 2 * hidden) * 4
         gate_up[0, :3] = torch.tensor([-100.0, 90.0, -87.5])[: min(3, hidden)]  # exp's underflow, subnormal sigmoids
-        for name, ours in (("silu_mul_f32", native.silu_mul), ("gelu_tanh_mul_f32", native.gelu_tanh_mul)):
-            got, expected = torch.empty(rows, hidden), torch.empty(rows, hidden)
-            assert getattr(avx2, name)(gate_up.data_ptr(), got.data_ptr(), rows, hidden, 2 * hidden, threads) == 0
-            assert ours(gate_up.data_ptr(), expected.data_ptr(), rows, hidden, 2 * hidden, 1) == 0
-            assert torch.equal(got, expected), name
-        x, r, w = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.randn(hidden)
-        out, total = torch.empty(rows, hidden), torch.empty(rows, hidden)
-        args = (x.data_ptr(), r.data_ptr(), w.data_ptr(), out.data_ptr(), total.data_ptr(), rows, hidden, hidden)
-        assert avx2.add_rms_norm_f32(*args, 1e-5, threads) == 0
+        for function in (cpu.silu_mul_cpu, cpu.gelu_tanh_mul_cpu):
+            got, expected = both(threads, function, gate_up)
+            assert torch.equal(got, expected), function.__name__
+        x, r, w = torch.randn(300, hidden), torch.randn(300, hidden), torch.randn(hidden)
+        (out, total), _ = both(threads, cpu.add_rms_norm_cpu, x, r, w, 1e-5)
         ref_out, ref_total = norm.add_rms_norm(x, r, w, 1e-5)
         assert torch.equal(total, ref_total) and torch.allclose(out, ref_out, rtol=1e-6, atol=1e-6)
-        head_dim, heads, kv_heads, tokens = 2 * hidden, 3, 1, 50
-        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
-        cos_sin = torch.randn(64, head_dim)
-        positions, slots = torch.randint(0, 64, (tokens,)), torch.randperm(128)[:tokens]
-        outs = []
-        for lib in (avx2, None):
-            q_out = torch.empty(tokens, heads, head_dim)
-            k_cache, v_cache = torch.zeros(128, kv_heads, head_dim), torch.zeros(128, kv_heads, head_dim)
-            q, k, v = (qkv[:, j * head_dim :].data_ptr() for j in (0, heads, heads + kv_heads))
-            call = lib.rotary_write_kv_f32 if lib else native.rotary_write_kv
-            addresses = (cos_sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), q_out.data_ptr())
-            status = call(
-                q,
-                k,
-                v,
-                qkv.stride(0),
-                *addresses,
-                k_cache.data_ptr(),
-                v_cache.data_ptr(),
-                tokens,
-                heads,
-                kv_heads,
-                head_dim,
-                head_dim,
-                threads if lib else 1,
-            )
-            assert status == 0
-            outs.append((q_out, k_cache, v_cache))
-        assert all(torch.equal(a, b) for a, b in zip(*outs))
+    q, k, v = torch.randn(50, 5 * 64).split([3 * 64, 64, 64], -1)
+    q, k, v = q.view(-1, 3, 64), k.view(-1, 1, 64), v.view(-1, 1, 64)
+    positions, slots = torch.randint(0, 512, (50,)), torch.randperm(128)[:50]
+
+    def rotate(q, k, v):
+        caches = torch.zeros(128, 1, 1, 64), torch.zeros(128, 1, 1, 64)
+        return cpu.rotary_write_kv_cpu(q, k, v, cos_sin, positions, *caches, slots), *caches
+
+    got, expected = both(THREADS, rotate, q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert called == set(names)  # the C kernels ran, not torch's fallbacks
 
 
 # 1536 x 576: SmolLM2's MLP (more panels than one group); 20: a last panel short of 16 features (masked); 9 x 1030:
