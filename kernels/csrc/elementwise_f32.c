@@ -106,7 +106,7 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
 }
 
 /* out (rows, inter) = act(gate) * up, gate and up the two halves of each gate_up row (rows of in_stride elements):
- * silu_mul_f32 (SiLU, torch's bits) and gelu_tanh_mul_f32 (GeGLU, tanh GELU within a few ulp of torch's). */
+ * silu_mul_f32 (SiLU) and gelu_tanh_mul_f32 (GeGLU, tanh GELU), each within a few ulp of torch's. */
 #define DEFINE_GATED(NAME, ACT)                                                                                \
     int NAME(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads) {         \
         threads = threads_for(threads, (int64_t)rows * inter, MIN_ELEMENTS_PER_THREAD);                        \
@@ -114,9 +114,9 @@ int add_rms_norm_f32(const float *x, const float *residual, const float *weight,
         for (int r = 0; r < rows; r++) {                                                                       \
             const float *gate = gate_up + r * in_stride, *up = gate + inter;                                   \
             float *o = out + (int64_t)r * inter;                                                               \
-            for (int d = 0; d < inter; d += LANES) {                                                              \
+            for (int d = 0; d < inter; d += LANES) {                                                           \
                 int n = inter - d;                                                                             \
-                store(o + d, vmul(ACT(load(gate + d, n)), load(up + d, n)), n);          \
+                store(o + d, vmul(ACT(load(gate + d, n)), load(up + d, n)), n);                                \
             }                                                                                                  \
         }                                                                                                      \
         return 0;                                                                                              \
