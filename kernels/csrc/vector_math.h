@@ -1,6 +1,15 @@
 /* Vector math shared by the CPU kernels (AVX-512; AVX2 for the float32 elementwise kernels). */
 #ifndef FASTGEN_VECTOR_MATH_H
 #define FASTGEN_VECTOR_MATH_H
+
+/* exp_nonpositive's constants, one set for its AVX-512 and AVX2 forms, which must agree bit for bit: log2(e), ln 2
+ * split in two (its high part exact in few bits, so n ln2_hi is exact), and the polynomial's coefficients, highest
+ * degree first. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.428606765330187e-06f
+static const float EXP_POLY[7] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -8,17 +17,12 @@
  * degree 6; relative error ~2e-7, and 0 for x below about -87 (-inf included). */
 static inline __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -97,17 +101,12 @@ static inline __m256 abs8(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.
  * 2^(n - n/2) >= 2^-75, is exact; the second rounds once, as scalef does, into the subnormals too. */
 static inline __m256 exp_nonpositive8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
     const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
     const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half),
                                                                             _mm256_set1_epi32(127)), 23));
