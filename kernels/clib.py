@@ -64,6 +64,7 @@ HEADERS = [
         "vector_math.h",
         "paged_cache.h",
         "amx.h",
+        "amx_linear.h",
         "parallel.h",
         "linear_f32.h",
         "entry_points.h",
@@ -151,7 +152,7 @@ QUANT_LINEAR = dict(
     type=INT,
     threads=INT,
 )
-# The mixture-of-experts kernels, float32 (moe.c) and bfloat16 (moe_bf16.c).
+# The mixture-of-experts kernels, float32 (moe.c) and bfloat16 (moe_bf16.c: AMX, vdpbf16ps).
 MOE = dict(
     x=POINTER,
     x_stride=INT64,
@@ -336,6 +337,8 @@ class CLibrary:
     moe_f32: Callable[..., int] = entry(**MOE)
     moe_dpbf16_available: Callable[[], int] = entry()
     moe_dpbf16: Callable[..., int] = entry(**MOE)
+    moe_amx_bf16_available: Callable[[], int] = entry()
+    moe_amx_bf16: Callable[..., int] = entry(**MOE)
     lora_sgmv: Callable[..., int] = entry(
         y=POINTER,
         y_stride=INT64,

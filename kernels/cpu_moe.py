@@ -1,16 +1,15 @@
 """The CPU backend's mixture-of-experts layer: float32 experts packed once at load into csrc/linear_f32.c's panels and
-run by csrc/moe.c in one call per layer (grouping, every expert with tokens, the weighted sum); bfloat16 experts on a
-CPU with AVX-512 BF16 and no AMX (AMD Zen 4, Zen 5) packed as dense bfloat16 layers are (packed_bf16.PackedLinear) and
-run by csrc/moe_bf16.c in one call per layer, on the dense layers' vdpbf16ps kernel; kernels/moe.py's torch
-reference wherever those kernels do not apply.
-
-With AMX, bfloat16 experts are reordered once at load into oneDNN's blocked layout and run expert by expert (those
-with tokens) through oneDNN, whose bfloat16 GEMMs use the matrix engine there: F.linear would reorder each weight on
-every call."""
+run by csrc/moe.c in one call per layer (grouping, every expert with tokens, the weighted sum); bfloat16 experts
+packed as dense bfloat16 layers are (packed_bf16.PackedLinear) and run by csrc/moe_bf16.c in one call per layer, on
+the dense layers' own GEMM: the matrix engine's tiles on a CPU with AMX (Intel Xeon), vdpbf16ps on one with AVX-512
+BF16 and no AMX (AMD Zen 4, Zen 5). Elsewhere bfloat16 experts are reordered once at load into oneDNN's blocked
+layout and run expert by expert (those with tokens) through oneDNN (F.linear would reorder each weight on every
+call), and kernels/moe.py's torch reference serves what no kernel takes."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +28,16 @@ def _moe_f32() -> clib.CLibrary | None:
 
 
 @functools.cache
-def _moe_dpbf16() -> clib.CLibrary | None:
-    """The library where its bfloat16 MoE kernel (csrc/moe_bf16.c) runs on this CPU and the CPU has no AMX, else None:
-    with AMX, oneDNN's per-expert GEMMs run on the matrix engine (prefill_attention_available() says AMX)."""
+def _moe_bf16() -> Callable[..., int] | None:
+    """csrc/moe_bf16.c's entry point for the GEMM engine the dense bfloat16 layers use on this CPU (kernels/cpu.py
+    _packed_bf16_kernel): the matrix engine where the CPU has AMX and the process may use it, else vdpbf16ps, else
+    None. The same choice as the dense layers' keeps a token's expert output that path's bits."""
     library = clib.get_library()
-    if library is None or not library.moe_dpbf16_available() or library.prefill_attention_available():
+    if library is None:
         return None
-    return library
+    if library.moe_amx_bf16_available():
+        return library.moe_amx_bf16
+    return library.moe_dpbf16 if library.moe_dpbf16_available() else None
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,11 @@ class PackedExperts:
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | PackedBf16Experts | OneDnnExperts | None:
-    """float32 experts packed for the MoE kernel, bfloat16 ones for oneDNN, or None where neither runs (no compiler, a
-    CPU without AVX-512 or AVX2 or bf16 support, shapes that do not fit together): the reference reads the plain
-    weights there."""
+    """float32 experts packed for the MoE kernel, bfloat16 ones for csrc/moe_bf16.c or else oneDNN, or None where
+    none runs (no compiler, a CPU without AVX-512 or AVX2 or bf16 support, shapes that do not fit together): the
+    reference reads the plain weights there."""
     if w13.dtype == torch.bfloat16:
-        return pack_dpbf16(w13, w2) or pack_onednn(w13, w2)
+        return pack_bf16(w13, w2) or pack_onednn(w13, w2)
     if (
         _moe_f32() is None
         or not (w13.dtype == w2.dtype == torch.float32)
@@ -90,8 +92,9 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | PackedB
 
 @dataclass(frozen=True)
 class PackedBf16Experts:
-    """A layer's bfloat16 experts packed once at load for csrc/moe_bf16.c: each expert's gate/up weight (gate rows,
-    then up rows) and its down weight in a dense layer's PackedLinear tiles, stacked by expert."""
+    """A layer's bfloat16 experts packed once at load for csrc/moe_bf16.c (both engines read one tile order): each
+    expert's gate/up weight (gate rows, then up rows) and its down weight in a dense layer's PackedLinear tiles,
+    stacked by expert."""
 
     w13: torch.Tensor  # (experts, 2 intermediate / 16, hidden / 32, 16, 16, 2)
     w2: torch.Tensor  # (experts, ceil(hidden / 16), intermediate / 32, 16, 16, 2)
@@ -109,10 +112,10 @@ class PackedBf16Experts:
         return w13, torch.stack([PackedLinear(t, hidden, inter).unpacked() for t in self.w2])
 
 
-def pack_dpbf16(w13: torch.Tensor, w2: torch.Tensor) -> PackedBf16Experts | None:
+def pack_bf16(w13: torch.Tensor, w2: torch.Tensor) -> PackedBf16Experts | None:
     """bfloat16 experts packed for csrc/moe_bf16.c, or None where it does not run (module docstring) or the shapes do
     not fit it (hidden and intermediate multiples of 32)."""
-    if _moe_dpbf16() is None or not (w13.dtype == w2.dtype == torch.bfloat16 and w13.is_cpu and w2.is_cpu):
+    if _moe_bf16() is None or not (w13.dtype == w2.dtype == torch.bfloat16 and w13.is_cpu and w2.is_cpu):
         return None
     if w13.dim() != 3 or w2.dim() != 3:
         return None
@@ -170,8 +173,8 @@ def fused_moe(
     routing: moe.Routing,
 ) -> torch.Tensor:
     """Same contract as moe.fused_moe (w13 and w2 may be None: packed.holds_weight): float32 through csrc/moe.c and
-    bfloat16 through csrc/moe_bf16.c, each token's result bit for bit the dense path's (float32's; vdpbf16ps's) on its
-    own; anything else through the reference."""
+    bfloat16 through csrc/moe_bf16.c, each token's result bit for bit the dense path's (float32's; the matrix engine's
+    or vdpbf16ps's) on its own; anything else through the reference."""
     if isinstance(packed, OneDnnExperts):
         return _onednn_moe(x, packed, routing)
     if isinstance(packed, PackedExperts | PackedBf16Experts):
@@ -205,9 +208,9 @@ def _moe_kernel(
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     y = torch.empty((tokens, packed.hidden), dtype=dtype)
-    library = _moe_f32() if dtype == torch.float32 else _moe_dpbf16()
-    assert library is not None, "packed experts are made only where their MoE kernel runs (pack_experts)"
-    kernel = library.moe_f32 if dtype == torch.float32 else library.moe_dpbf16
+    library = _moe_f32()
+    kernel = library.moe_f32 if dtype == torch.float32 and library is not None else _moe_bf16()
+    assert kernel is not None, "packed experts are made only where their MoE kernel runs (pack_experts)"
     status = kernel(
         x.data_ptr(),
         x.stride(0) if tokens > 1 else packed.hidden,  # a single row's stride is whatever torch chose: unused

@@ -3,8 +3,8 @@ the torch reference (kernels/moe.py) against a per-token loop written here, at s
 experts, uniform, experts no token chose) and batch sizes from one decode token to a prompt. In float32 the kernel
 is also each token's dense float32 path bit for bit (it sums in linear_f32's order), on any thread count; an expert
 with no tokens is never read; the packed and plain weights give the same layer. The AVX2 build is compiled here and
-tested where this CPU runs it. In bfloat16, on CPUs with AVX-512 BF16 and no AMX, the grouped kernel is each token's
-dense bfloat16 path (vdpbf16ps) bit for bit likewise."""
+tested where this CPU runs it. In bfloat16 the grouped kernel is each token's dense bfloat16 path bit for bit likewise,
+on the engine this CPU's dense layers use: AMX's tiles, or AVX-512 BF16's vdpbf16ps."""
 
 import ctypes
 import subprocess
@@ -155,9 +155,9 @@ def test_torch_reference_matches_the_per_token_loop(dtype, tokens, k, kind):
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_bfloat16_experts_run_through_onednn_packed_once(tokens, kind):
-    """bfloat16 experts (cpu_moe.py says why not one grouped kernel): packed once for oneDNN where the CPU has bf16
-    (the plain weights dropped), expert by expert; within bfloat16's rounding of the per-token loop, as the
-    reference is. Where oneDNN has no bf16, nothing is packed and the reference serves."""
+    """bfloat16 experts the grouped kernel does not take (80 x 40: not multiples of 32): packed once for oneDNN where
+    the CPU has bf16 (the plain weights dropped), expert by expert; within bfloat16's rounding of the per-token loop,
+    as the reference is. Where oneDNN has no bf16, nothing is packed and the reference serves."""
     w13, w2 = layer(*SHAPES["small"], dtype=torch.bfloat16)
     x = torch.randn(tokens, SHAPES["small"][0]).bfloat16()
     r = routing(kind, tokens, 2)
@@ -264,18 +264,29 @@ def test_avx2_build_matches_the_native_build(kernel, tmp_path):
 
 
 # ---- bfloat16: csrc/moe_bf16.c ----
-@pytest.fixture(scope="module")
-def bf16_kernel():
-    if cpu.load_library() is None:
+@pytest.fixture(params=["amx", "dpbf16"])
+def bf16_kernel(request, monkeypatch):
+    """csrc/moe_bf16.c on one engine, the dense layers' packed kernel set to the same (a CPU with AMX has AVX-512 BF16
+    too, so both are tested there); skipping the engines this CPU lacks."""
+    library = cpu.load_library()
+    if library is None:
         require_tool(False, "no C compiler on this machine")
-    if cpu_moe._moe_dpbf16() is None:
-        pytest.skip("no AVX-512 BF16, or AMX (oneDNN's expert GEMMs run on it): the bfloat16 kernel is not taken")
+    if request.param == "amx":
+        if not library.moe_amx_bf16_available():
+            pytest.skip("a CPU without AMX, or Linux refused it the tile state")
+        moe_kernel, linear_kernel = library.moe_amx_bf16, library.linear_bf16
+    else:
+        if not library.moe_dpbf16_available():
+            pytest.skip("a CPU without AVX-512 BF16")
+        moe_kernel, linear_kernel = library.moe_dpbf16, library.linear_dpbf16
+    monkeypatch.setattr(cpu_moe, "_moe_bf16", lambda: moe_kernel)
+    monkeypatch.setattr(cpu, "_packed_bf16_kernel", lambda: linear_kernel)
     return cpu_moe
 
 
 def dense_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r: moe.Routing) -> torch.Tensor:
-    """Each token alone through the dense bfloat16 path (the packed linear kernel, the elementwise SiLU(gate) * up,
-    the packed linear kernel) per slot, then combine."""
+    """Each token alone through the dense bfloat16 path (the packed linear kernel, AMX's or vdpbf16ps's, the
+    elementwise SiLU(gate) * up, the packed linear kernel) per slot, then combine."""
     gate_up = [PackedLinear.of(w) for w in w13]
     down = [PackedLinear.of(w) for w in w2]
     rows = []
@@ -291,7 +302,7 @@ def dense_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r: moe.Rout
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tokens", [1, 3, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
 @pytest.mark.parametrize("shape", list(SHAPES_BF16))
 def test_bfloat16_kernel_is_each_tokens_dense_path_bit_for_bit(bf16_kernel, forbid_reference, kind, tokens, shape):
     """bfloat16 experts packed once as dense layers are, run in one call: a token's output is the dense bfloat16

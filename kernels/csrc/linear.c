@@ -7,104 +7,19 @@
  * tile, dword c of row r = (w[16 nb + c][32 kb + 2 r], w[16 nb + c][32 kb + 2 r + 1]), the tiles of a column block
  * consecutive. A pass over the weight is then sequential reads that the hardware prefetcher follows (software
  * prefetching measured no better, or worse). At prefill sizes the kernel keeps up with oneDNN: x is packed once
- * into 32 x 32 panels, and CHUNK column blocks of the weight stay in L2 while every 32-row block goes through them.
+ * into 32 x 32 panels, and AMX_CHUNK column blocks of the weight stay in L2 while every 32-row block goes through
+ * them (csrc/amx_linear.h, which csrc/moe_bf16.c's experts share).
  *
  * With several threads, each packs a share of x's row blocks and then computes a share of the column blocks (the
  * weight is read once in all, each part by one thread).
- *
- * Tiles: 0-3 accumulate (2 row tiles x 2 column tiles, 16 x 16 float32 each), 4-5 hold x (16 rows x 32), 6-7
- * the weight. k must be a multiple of 32 (the caller checks).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-
-#include "amx.h"
+#include "amx_linear.h"
 #include "parallel.h"
-
-/* Columns of the weight per pass over x: their tiles (CHUNK x 16 x k bf16) stay in L2 while every 32-row block of x
- * goes through them, so the weight is read from memory once whatever m is. */
-#define CHUNK 16
-
-/* Row blocks [first, last) of x (m, k) at row stride x_stride -> xp: per 32-row block and 32-deep block one 32 x 32
- * bf16 panel, rows past m zero, so each left-operand tile is 16 contiguous rows of 64 bytes. */
-static void pack_rows(const uint16_t *x, int64_t x_stride, int m, int k, int first, int last, uint16_t *xp) {
-    const int kblocks = k / 32;
-    for (int r0 = 32 * first; r0 < 32 * last; r0 += 32)
-        for (int kb = 0; kb < kblocks; kb++) {
-            uint16_t *panel = xp + ((int64_t)(r0 / 32) * kblocks + kb) * 1024;
-            for (int i = 0; i < 32; i++) {
-                __m512i row = r0 + i < m ? _mm512_loadu_si512(x + (int64_t)(r0 + i) * x_stride + 32 * kb)
-                                         : _mm512_setzero_si512();
-                _mm512_store_si512(panel + 32 * i, row);
-            }
-        }
-}
-
-/* The accumulators of up to 32 rows x 32 columns (float32, stride 32) -> y rows, + bias, as bfloat16. */
-static void write_rows(const float *c, int rows, int cols, const uint16_t *bias, uint16_t *y, int64_t y_stride) {
-    __mmask32 mask = cols >= 32 ? 0xffffffffu : (1u << cols) - 1;
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        __m512i wide = _mm512_maskz_loadu_epi16(mask, bias);
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wide)), 16));
-        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wide, 1)), 16));
-    }
-    for (int i = 0; i < rows; i++) {
-        __m512bh out = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(c + 32 * i + 16), b1),
-                                           _mm512_add_ps(_mm512_load_ps(c + 32 * i), b0));
-        _mm512_mask_storeu_epi16(y + (int64_t)i * y_stride, mask, (__m512i)out);
-    }
-}
-
-/* Column blocks [first, last) of y for every row: this thread's share. xp is x packed by pack_rows. */
-static void column_blocks(const uint16_t *xp, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                          int64_t y_stride, int m, int n, int k, int first, int last) {
-    const int kblocks = k / 32, rblocks = (m + 31) / 32;
-    const int64_t column_elems = (int64_t)kblocks * 512; /* one 16-column block of the weight */
-    float c[32 * 32] __attribute__((aligned(64)));
-    TileConfig cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    load_tile_config(&cfg);
-    for (int n0 = first; n0 < last; n0 += CHUNK)
-        for (int rb = 0; rb < rblocks; rb++) {
-            const int r0 = 32 * rb, rows = m - r0 < 32 ? m - r0 : 32, two = rows > 16;
-            const uint16_t *a = xp + (int64_t)rb * kblocks * 1024;
-            for (int nb = n0; nb < n0 + CHUNK && nb < last; nb += 2) {
-                const int pair = last - nb >= 2; /* a second column tile */
-                const uint16_t *w0 = packed + nb * column_elems, *w1 = w0 + column_elems;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int kb = 0; kb < kblocks; kb++) {
-                    _tile_loadd(4, a + kb * 1024, 64);
-                    _tile_loadd(6, w0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (pair) {
-                        _tile_loadd(7, w1 + kb * 512, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (two) {
-                        _tile_loadd(5, a + kb * 1024 + 512, 64);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (pair) _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c, 128);
-                _tile_stored(1, c + 16, 128);
-                _tile_stored(2, c + 16 * 32, 128);
-                _tile_stored(3, c + 16 * 32 + 16, 128);
-                const int cols = n - 16 * nb < 32 ? n - 16 * nb : 32;
-                write_rows(c, rows, cols, bias ? bias + 16 * nb : NULL, y + (int64_t)r0 * y_stride + 16 * nb, y_stride);
-            }
-        }
-    _tile_release();
-}
 
 /* Column pairs per extra thread below which one thread does the whole layer. */
 #define MIN_PAIRS_PER_THREAD 4
