@@ -470,7 +470,7 @@ def tensor_parallel() -> str:
 
 
 # ---- 13. mixture of experts ----
-MOE = ["moe/moe_fp32_zen4.json", "moe/moe_bf16_zen4.json"]
+MOE = ["moe/moe_fp32_xeon_amx.json", "moe/moe_bf16_xeon_amx.json", "moe/moe_fp32_zen4.json", "moe/moe_bf16_zen4.json"]
 
 
 def moe() -> str:
@@ -480,6 +480,7 @@ def moe() -> str:
         step, off = d["decode_step_ms"], d["offline_s"]
         fg = off["fastgen"]
         cells = [
+            host(d["machine"]),
             d["dtype"],
             str(d["repeats"]),
             f"{num(statistics.median(step['moe']))} / {num(statistics.median(step['dense']))} ms",
@@ -490,7 +491,7 @@ def moe() -> str:
             per = [div(b, a) for a, b in zip(fg, off[peer])]
             cells.append(f"{per_repeat(per)}; **{num(median(per))}×**")
         body.append(cells)
-    head = ["dtype", "repeats", "decode step MoE / dense (medians)", "MoE ÷ dense (median per repeat)"]
+    head = ["host", "dtype", "repeats", "decode step MoE / dense (medians)", "MoE ÷ dense (median per repeat)"]
     return rows(head + ["FastGen offline", "FastGen ÷ transformers per repeat; median", "FastGen ÷ vLLM"], body)
 
 
