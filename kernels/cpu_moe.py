@@ -4,7 +4,11 @@ packed as dense bfloat16 layers are (packed_bf16.PackedLinear) and run by csrc/m
 the dense layers' own GEMM: the matrix engine's tiles on a CPU with AMX (Intel Xeon), vdpbf16ps on one with AVX-512
 BF16 and no AMX (AMD Zen 4, Zen 5). Elsewhere bfloat16 experts are reordered once at load into oneDNN's blocked
 layout and run expert by expert (those with tokens) through oneDNN (F.linear would reorder each weight on every
-call), and kernels/moe.py's torch reference serves what no kernel takes."""
+call), and kernels/moe.py's torch reference serves what no kernel takes.
+
+Experts quantized at load (`--quantization int8`) are packed as dense quantized layers are (quant.QuantLinear, Q8_0
+blocks) and run expert by expert, those with tokens, through the dense layers' quantized kernels: each token's result
+is what those kernels give it alone, and a decode step reads about half of bfloat16's bytes per expert."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import clib, moe
+from . import clib, moe, quant
 from .norm import silu_mul
 from .packed_bf16 import PackedLinear
 
@@ -165,6 +169,36 @@ def _onednn_moe(x: torch.Tensor, packed: OneDnnExperts, routing: moe.Routing) ->
     return moe.per_expert(x.to(torch.bfloat16), routing, len(packed.w13), mlp).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class QuantExperts:
+    """A layer's experts quantized at load, each weight packed as a dense quantized layer's (its gate/up rows, gate
+    then up; its down rows)."""
+
+    w13: tuple[quant.QuantLinear, ...]  # per expert, (2 intermediate, hidden)
+    w2: tuple[quant.QuantLinear, ...]  # per expert, (hidden, intermediate)
+
+    @property
+    def holds_weight(self) -> bool:
+        return True
+
+
+def pack_quantized_experts(w13: list, w2: list) -> QuantExperts | None:
+    """Per expert its quantized gate/up and down rows packed for the quantized kernels, or None where this CPU has no
+    kernel for one of them (the experts then stay in --dtype)."""
+    gate_up = [quant.pack_quantized([(0, w)], w.shape[0]) for w in w13]
+    down = [quant.pack_quantized([(0, w)], w.shape[0]) for w in w2]
+    if not gate_up or any(p is None for p in gate_up + down):
+        return None
+    return QuantExperts(tuple(gate_up), tuple(down))  # type: ignore[arg-type]
+
+
+def _quant_moe(x: torch.Tensor, packed: QuantExperts, routing: moe.Routing) -> torch.Tensor:
+    def mlp(e: int, xs: torch.Tensor) -> torch.Tensor:
+        return quant.quant_linear(silu_mul(quant.quant_linear(xs, packed.w13[e], None)), packed.w2[e], None)
+
+    return moe.per_expert(x, routing, len(packed.w13), mlp)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor | None,
@@ -177,6 +211,8 @@ def fused_moe(
     or vdpbf16ps's) on its own; anything else through the reference."""
     if isinstance(packed, OneDnnExperts):
         return _onednn_moe(x, packed, routing)
+    if isinstance(packed, QuantExperts):
+        return _quant_moe(x, packed, routing)
     if isinstance(packed, PackedExperts | PackedBf16Experts):
         y = _moe_kernel(x, packed, routing)
         if y is not None:

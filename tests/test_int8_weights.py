@@ -1,6 +1,7 @@
 """`--quantization int8`: a float checkpoint's linear weights quantized at load to int8 with one scale per output
-channel (kernels/quant.py's quantize_per_channel) and served by the Q8_0 kernels. The reference is transformers in
-float32 on the same checkpoint with those weights replaced by their int8 values, computed here independently."""
+channel (kernels/quant.py's quantize_per_channel) and served by the Q8_0 kernels, a mixture's experts too (on the
+CPU). The reference is transformers in float32 on the same checkpoint with those weights replaced by their int8
+values, computed here independently."""
 
 import json
 import random
@@ -19,9 +20,12 @@ from fastgen.replica.config import EngineConfig
 from fastgen.testing import make_tiny_model
 
 from .helpers import assert_matches, hf_greedy, random_prompts
-from .tp_ranks import engine_rank, run_ranks
+from .test_model_families import make_family_model, prompts_for
+from .test_moe_models import MOE_FAMILIES
+from .tp_ranks import engine_rank, engine_tokens, run_ranks
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixtral's experts: w1 (gate), w3 (up), w2 (down); its router (`gate`) stays float32, as FastGen keeps it.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def int8_values(w: np.ndarray) -> np.ndarray:
@@ -118,3 +122,54 @@ def test_tp2_serves_the_same_int8_values(models, tmp_path):
     run_ranks(engine_rank, runs, str(tmp_path / "out"), timeout=150)
     got = json.loads(Path(f"{tmp_path / 'out'}.0").read_text())[0]
     assert_matches([SimpleNamespace(token_ids=t) for t in got["tokens"]], hf_greedy(reference, prompts, 10))
+
+
+# ---- a mixture of experts: the experts int8 too ----
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int8-moe")
+    source = make_family_model(root / "mixtral", "mixtral", seed=31, families=MOE_FAMILIES)
+    return source, int8_checkpoint(source, root / "mixtral-int8")
+
+
+def test_experts_hold_int8_rows(mixtral):
+    """Each expert's gate/up and down rows packed as Q8_0 blocks (the float experts dropped)."""
+    from fastgen.kernels import cpu_moe
+    from fastgen.replica.models.moe import FusedExperts
+
+    pipe = pipeline(str(mixtral[0]), dtype="float32", quantization="int8", progress=False)
+    experts = [m for m in pipe.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    assert len(experts) == 3
+    if not quant.quant_kernels():
+        pytest.skip("no quantized kernels on this CPU: the experts stay float")
+    for m in experts:
+        assert isinstance(m.packed, cpu_moe.QuantExperts) and m.w13 is None and m.w2 is None
+        assert (
+            len(m.packed.w13) == 8 and sum(p.nbytes for p in m.packed.w13 + m.packed.w2) == 8 * 3 * 128 * 64 * 34 // 32
+        )
+
+
+def test_moe_greedy_matches_transformers_on_the_int8_values(mixtral):
+    """float32 activations: the served tokens are transformers' on the int8 experts and projections, prompts split
+    across passes and sequences preempted in a small KV pool."""
+    source, reference = mixtral
+    prompts = prompts_for(13, 6)
+    refs = hf_greedy(reference, prompts, 10, attn_implementation="eager")
+    pipe = pipeline(str(source), dtype="float32", quantization="int8", max_batch_tokens=16, block_size=4, num_blocks=40)
+    assert_matches(pipe(prompts, max_new_tokens=10, min_new_tokens=10), refs)
+    assert pipe.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_moe_int8_under_tensor_and_expert_parallelism(mixtral, tmp_path):
+    """Two ranks, each expert's intermediate split (a down row's scale its whole row's) or whole experts per rank:
+    transformers' tokens on the int8 values of the unsharded weights."""
+    source, reference = mixtral
+    prompts = prompts_for(14)
+    runs = [
+        dict(model=str(source), prompts=prompts, new=8, budget=24, quantization="int8", expert_parallel=parallel)
+        for parallel in (False, True)
+    ]
+    refs = hf_greedy(reference, prompts, 8, attn_implementation="eager")
+    for tokens in engine_tokens(runs, tmp_path / "out", timeout=200):
+        assert_matches([SimpleNamespace(token_ids=t) for t in tokens], refs)

@@ -343,3 +343,79 @@ def test_bfloat16_shapes_the_kernel_does_not_take_go_to_onednn(bf16_kernel):
     """hidden or intermediate not a multiple of 32: oneDNN per expert, as before the kernel."""
     w13, w2 = layer(*SHAPES["small"], dtype=torch.bfloat16)
     assert isinstance(cpu.CPU_KERNELS.pack_experts(w13, w2), cpu_moe.OneDnnExperts)
+
+
+# ---- experts quantized at load (--quantization int8): the dense quantized kernels, expert by expert ----
+@pytest.fixture(scope="module")
+def int8_experts():
+    """(w13, w2, their packed QuantExperts, the int8 values as float): hidden and intermediate whole Q8_0 blocks."""
+    from fastgen.kernels import quant
+
+    if cpu.load_library() is None:
+        require_tool(False, "no C compiler on this machine")
+    if not quant.quant_kernels():
+        pytest.skip("a CPU without the quantized kernels: the experts stay float")
+    w13, w2 = layer(*SHAPES_BF16["small"], seed=5)
+    q13, q2 = [quant.quantize_per_channel(w) for w in w13], [quant.quantize_per_channel(w) for w in w2]
+    packed = cpu.CPU_KERNELS.pack_quantized_experts(q13, q2)
+    assert isinstance(packed, cpu_moe.QuantExperts) and packed.holds_weight
+    values = torch.stack([q.dequantize() for q in q13]), torch.stack([q.dequantize() for q in q2])
+    return q13, q2, packed, values
+
+
+def quant_alone(x: torch.Tensor, packed, r: moe.Routing) -> torch.Tensor:
+    """Each token alone through the dense quantized path (gate/up, SiLU(gate) * up, down) per slot, then combine."""
+    from fastgen.kernels import quant
+    from fastgen.kernels.norm import silu_mul
+
+    rows = []
+    for t in range(x.shape[0]):
+        slots = [
+            quant.quant_linear(silu_mul(quant.quant_linear(x[t : t + 1], packed.w13[e], None)), packed.w2[e], None)
+            for e in r.ids[t]
+        ]
+        rows.append(moe.combine(torch.cat(slots)[None], r.weights[t : t + 1], x.dtype))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_int8_experts_are_each_tokens_dense_quantized_path(int8_experts, forbid_reference, dtype, kind, tokens):
+    """float32: bit for bit each token's dense quantized path alone (those kernels do not depend on the batch), on
+    any thread count; bfloat16 (whose decode rows and prompt rows take different kernels, as dense layers' do): within
+    its rounding. Both within rounding of the float64 loop on the int8 values."""
+    _, _, packed, (v13, v2) = int8_experts
+    x = torch.randn(tokens, SHAPES_BF16["small"][0], generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    r = routing(kind, tokens, 2, seed=tokens)
+    for threads in (1, THREADS):
+        y = in_threads(threads, cpu.CPU_KERNELS.fused_moe, x, None, None, packed, r)
+        assert y.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(y, quant_alone(x, packed, r)), threads
+    tol = 2e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(y.double(), per_token(x, v13, v2, r), rtol=tol, atol=tol)
+
+
+def test_int8_experts_no_token_chose_are_not_read(int8_experts, forbid_reference):
+    """NaN scales in every block of the experts the routing leaves out: the output stays finite and the same."""
+    from fastgen.kernels import quant
+
+    q13, q2, packed, _ = int8_experts
+    r = routing("sparse", 5, 2)
+    unused = [e for e in range(EXPERTS) if e not in r.ids.unique().tolist()]
+
+    def poisoned(q: quant.QuantizedTensor) -> quant.QuantizedTensor:
+        data = q.data.clone()
+        data.view(q.shape[0], -1, 34)[:, :, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # float16 NaN
+        return quant.QuantizedTensor(data, q.qtype, q.shape)
+
+    bad = cpu.CPU_KERNELS.pack_quantized_experts(
+        [poisoned(q) if e in unused else q for e, q in enumerate(q13)],
+        [poisoned(q) if e in unused else q for e, q in enumerate(q2)],
+    )
+    x = torch.randn(5, SHAPES_BF16["small"][0])
+    got = cpu.CPU_KERNELS.fused_moe(x, None, None, bad, r)
+    assert torch.isfinite(got).all() and torch.equal(got, cpu.CPU_KERNELS.fused_moe(x, None, None, packed, r))
+    all_poisoned = cpu.CPU_KERNELS.pack_quantized_experts([poisoned(q) for q in q13], [poisoned(q) for q in q2])
+    assert not torch.isfinite(cpu.CPU_KERNELS.fused_moe(x, None, None, all_poisoned, r)).all()  # the poison bites

@@ -474,10 +474,11 @@ class DecoderModel(nn.Module):
 
     def quantize(self, per_channel: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
         """`--quantization int8|fp8`: every decoder layer's linear weights quantized with per-channel scales
-        (ParallelLinear.quantize), before packing. The LM head (and the embedding it may share) stay in --dtype, as
-        vLLM keeps them; so do MoE experts."""
+        (ParallelLinear.quantize), before packing, and MoE experts where the kernels have a quantized MoE for them (the
+        CPU's int8; FusedExperts.quantize). The LM head (and the embedding it may share) stay in --dtype, as vLLM keeps
+        them; so does the router."""
         for module in self.layers.modules():
-            if isinstance(module, ParallelLinear):
+            if isinstance(module, ParallelLinear | FusedExperts):
                 module.quantize(per_channel)
 
     def pack_weights(self) -> None:

@@ -12,9 +12,12 @@ Two ways to share the experts over a tensor-parallel group, both ending in one a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -61,6 +64,9 @@ class FusedExperts(nn.Module):
         self.local_parts = list(range(3 * self.local_experts))  # (expert, gate | up | down): what a load must fill
         self.packed = None
         self.kernels = kernels
+        # the ranks holding slices of each down row (tensor parallel), whose scales quantize() takes whole
+        self.down_row_ranks = TPGroup() if by_expert else tp
+        self.quantized: tuple[list, list] | None = None  # per expert, gate/up and down rows quantized at load
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> list[int]:
         """One expert's gate_proj/up_proj (intermediate, hidden) or down_proj (hidden, intermediate) from a
@@ -93,8 +99,28 @@ class FusedExperts(nn.Module):
                 raise ValueError(f"unexpected experts tensor {name!r} in the checkpoint")
         return filled
 
+    def quantize(self, per_channel: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        """`--quantization int8`, before packing: each expert's gate/up and down rows with one scale per output channel
+        (a down row split over tensor-parallel ranks takes its whole row's max |w|, as RowParallelLinear does), kept
+        for pack(). A backend without quantized experts, or shapes the format cannot hold, leave them in --dtype."""
+        if self.w13 is None or self.w2 is None or self.kernels.pack_quantized_experts is None:
+            return
+        w13, w2 = self.w13.detach(), self.w2.detach()
+        absmax13 = w13.abs().amax(dim=2).float()  # (experts, 2 intermediate)
+        absmax2 = self.down_row_ranks.all_reduce(w2.abs().amax(dim=2).float(), dist.ReduceOp.MAX)  # (experts, hidden)
+        gate_up = [per_channel(w, m) for w, m in zip(w13, absmax13)]
+        down = [per_channel(w, m) for w, m in zip(w2, absmax2)]
+        if all(q is not None for q in gate_up + down):
+            self.quantized = (gate_up, down)
+
     def pack(self) -> None:
         assert self.w13 is not None and self.w2 is not None, "packed once, while the plain weights are there"
+        if self.quantized is not None and self.kernels.pack_quantized_experts is not None:
+            self.packed = self.kernels.pack_quantized_experts(*self.quantized)
+            self.quantized = None
+            if self.packed is not None:  # else no kernel here reads them: the float experts serve
+                self.w13 = self.w2 = None
+                return
         self.packed = self.kernels.pack_experts(self.w13, self.w2)
         if self.packed is not None and self.packed.holds_weight:
             self.w13 = self.w2 = None  # two copies of every expert would double the model's memory
