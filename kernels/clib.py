@@ -288,6 +288,7 @@ class CLibrary:
         w=POINTER, w_stride=INT64, out=POINTER, n=INT, k=INT, type=INT, threads=INT
     )
     linear_quant_dpbf16: Callable[..., int] = entry(**QUANT_LINEAR)
+    linear_quant_amx_bf16: Callable[..., int] = entry(**QUANT_LINEAR)
     linear_q8_available: Callable[[], int] = entry()
     linear_q8_f32: Callable[..., int] = entry(**QUANT_LINEAR)
     linear_q8_bf16: Callable[..., int] = entry(**QUANT_LINEAR)

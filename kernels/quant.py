@@ -15,11 +15,11 @@ A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc
 AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
 with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
 more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
-A bfloat16 batch of `bf16_gemm_rows()` rows or more (16 with AMX, 9 with AVX-512 BF16 alone) takes one bfloat16 GEMM
+A bfloat16 batch of `bf16_gemm_rows()` rows or more (9, past the int8 decode rows) takes one bfloat16 GEMM
 on the layer's values rounded to bfloat16 instead: past those rows the exact kernels are bound by arithmetic, not by
-the weights' reads. With AMX that is oneDNN's GEMM on the layer dequantized for the call; with AVX-512 BF16 alone,
-csrc/linear_quant.c's fused path (`fused_bf16_linear`), which dequantizes 64 rows at a time into the vdpbf16ps
-kernel's tiles and never writes the layer out whole."""
+the weights' reads. That is csrc/linear_quant.c's fused path (`fused_bf16_linear`), which dequantizes 64 rows at a
+time into the tiles of the dense bfloat16 layers' kernel (AMX's with AMX, else vdpbf16ps's) and never writes the layer
+out whole; where neither runs, oneDNN's GEMM on the layer dequantized for the call."""
 
 from __future__ import annotations
 
@@ -52,15 +52,16 @@ INT8_MAX_ROWS = 8
 # dequantized for the call, or the fused vdpbf16ps one) instead of the exact kernels, by the bfloat16 dot products the
 # CPU has (the first of these flags it has), from the crossover of benchmarks/cpu_kernels.py --quant-only --threads 2
 # (quant_rows_table: SmolLM2-135M's layers but the LM head, 106M weights):
-#   amx_bf16: Intel Xeon with AMX, 2026-12-06, with the vectorized dequantizer: the GEMM matched the exact kernel
-#     at 12 to 24 rows across the block types (Q4_0, Q4_1, Q4_K at the low end, Q5_1, Q6_K, Q8_0 at the high end;
-#     CPU time of 1 and 2 threads on a shared host, runs 15% apart). At 16 the slower choice costs at most ~15% in
-#     most runs; at 64 rows the GEMM takes half the exact kernel's time.
+#   amx_bf16: Intel Xeon with AMX, 2026-12-07, the fused AMX path (linear_quant_amx_bf16) on SmolLM2's four layer
+#     shapes in Q4_1, 2 threads, in one process: 0.38 ms against the exact kernel's 0.40 at 8 rows, 0.37 against 0.57
+#     at 12, 0.40 against 1.05 at 32 (oneDNN on the layer dequantized per call, the path before it: 0.73, 0.63, 0.70;
+#     it had matched the exact kernel at 12 to 24 rows, 2026-12-06). So from the first row count int8 activations do
+#     not take, as on Zen 4.
 #   avx512_bf16 without AMX: AMD EPYC Zen 4, 2026-12-06, where the GEMM is csrc/linear_quant.c's fused one (panels
 #     dequantized into vdpbf16ps tiles, fused_bf16_linear): it tied the exact kernel and int8 activations at 8 rows
 #     on the embedded Q4_1 layers (13.0 against 13.3 and 13.2 ms) and took 0.54x the exact kernel's time at 16,
 #     0.40x at 64; so from the first row count int8 activations do not take. Zen 5 (the same kernels) not measured.
-BF16_GEMM_ROWS = {"amx_bf16": 16, "avx512_bf16": INT8_MAX_ROWS + 1}
+BF16_GEMM_ROWS = {"amx_bf16": INT8_MAX_ROWS + 1, "avx512_bf16": INT8_MAX_ROWS + 1}
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -295,12 +296,15 @@ def bf16_gemm_rows() -> int | None:
 
 @functools.cache
 def fused_bf16_kernel() -> Callable[..., int] | None:
-    """csrc/linear_quant.c linear_quant_dpbf16 where it serves bfloat16 prompts: AVX-512 BF16 without AMX; None
-    elsewhere (with AMX, oneDNN's GEMM on the dequantized layer runs on the tiles: not measured against this path)."""
+    """csrc/linear_quant.c's fused path for bfloat16 prompts on the dense bfloat16 layers' engine: the matrix engine
+    (linear_quant_amx_bf16) where this process may use AMX, else vdpbf16ps (linear_quant_dpbf16) with AVX-512 BF16;
+    None elsewhere (oneDNN's GEMM on the layer dequantized for the call)."""
     library = clib.get_library()
-    if library is None or not library.linear_dpbf16_available() or library.prefill_attention_available():
+    if library is None:
         return None
-    return library.linear_quant_dpbf16
+    if library.prefill_attention_available():  # AMX granted (csrc/amx.h)
+        return library.linear_quant_amx_bf16
+    return library.linear_quant_dpbf16 if library.linear_dpbf16_available() else None
 
 
 def run_slabs(

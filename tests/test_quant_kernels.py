@@ -315,7 +315,7 @@ def test_bfloat16_prompts_take_one_gemm_on_the_rounded_weights():
     x = torch.randn(threshold, 256).bfloat16()
     weight = torch.from_numpy(reference(w))
     y = quant.quant_linear(x, packed, None)
-    if quant.fused_bf16_kernel() is not None:  # the vdpbf16ps kernel, as quantization none's layers run it here
+    if quant.fused_bf16_kernel() is not None:  # the packed bfloat16 kernel, as quantization none's layers run it
         from fastgen.kernels import cpu
 
         assert torch.equal(y, cpu.linear_packed_bf16(x, cpu.PackedLinear.of(weight.bfloat16()), None))
@@ -328,26 +328,36 @@ def test_bfloat16_prompts_take_one_gemm_on_the_rounded_weights():
     assert ((exact - x.double() @ weight.double().T).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T)).all()
 
 
+@pytest.mark.parametrize("engine", ["amx", "dpbf16"])
 @pytest.mark.parametrize("name", TYPES)
-def test_panels_dequantized_into_dpbf16_tiles_give_the_rounded_weights_product(name, monkeypatch):
-    """The fused bfloat16 prompt path (csrc/linear_quant.c linear_quant_dpbf16) equals the vdpbf16ps kernel on the
-    layer dequantized to bfloat16 and packed whole, bit for bit: two slabs (the second starting mid-panel), a last
-    panel and block short of full, with and without bias, row counts around the kernel's 6-row blocks, on one thread
-    and three."""
+def test_panels_dequantized_into_bf16_tiles_give_the_rounded_weights_product(name, engine, monkeypatch):
+    """The fused bfloat16 prompt path (csrc/linear_quant.c linear_quant_amx_bf16, linear_quant_dpbf16) equals the
+    dense bfloat16 kernel of the same engine (AMX's, vdpbf16ps's) on the layer dequantized to bfloat16 and packed
+    whole, bit for bit: two slabs (the second starting mid-panel), a last panel and block short of full, with and
+    without bias, row counts around the kernels' row blocks (6 rows; 16 and 32), on one thread and three."""
     from fastgen.kernels import cpu
 
     from .test_kernels_torch import in_threads
 
     library = clib.get_library()
-    if library is None or not library.linear_dpbf16_available():
-        pytest.skip("no C compiler, or a CPU without AVX-512 BF16")
-    monkeypatch.setattr(quant, "fused_bf16_kernel", lambda: library.linear_quant_dpbf16)  # also where AMX serves
-    monkeypatch.setattr(cpu, "_packed_bf16_kernel", lambda: library.linear_dpbf16)
+    if library is None:
+        require_tool(False, "no C compiler on this machine")
+    if engine == "amx" and not library.prefill_attention_available():
+        pytest.skip("a CPU without AMX, or Linux refused it the tile state")
+    if engine == "dpbf16" and not library.linear_dpbf16_available():
+        pytest.skip("a CPU without AVX-512 BF16")
+    fused, dense = (
+        (library.linear_quant_amx_bf16, library.linear_bf16)
+        if engine == "amx"
+        else (library.linear_quant_dpbf16, library.linear_dpbf16)
+    )
+    monkeypatch.setattr(quant, "fused_bf16_kernel", lambda: fused)
+    monkeypatch.setattr(cpu, "_packed_bf16_kernel", lambda: dense)
     parts = [(0, random_blocks(name, 70, 512, 3)), (70, random_blocks("Q8_0", 30, 512, 4))]
     packed = quant.pack_quantized(parts, 100)
     tiles = cpu.PackedLinear.of(packed.dequantized_bf16())
     bias = torch.randn(100).bfloat16()
-    for rows in (1, 6, 7, 13, 70):
+    for rows in (1, 6, 7, 13, 17, 33, 70):
         x = torch.randn(rows, 544).bfloat16()[:, 16:528]  # rows of a wider tensor
         for b in (None, bias):
             expected = cpu.linear_packed_bf16(x, tiles, b)

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_linear.h"
 #include "bf16.h"
 #include "entry_points.h"
 #include "parallel.h"
@@ -733,3 +734,50 @@ int linear_quant_dpbf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, i
     free(scratch);
     return 0;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+/* linear_quant_dpbf16 on the matrix engine (AMX): x packed once into the AMX kernel's 32 x 32 panels, then per 64
+ * weight rows, as there, the rows dequantized to bfloat16, packed into tiles (the order both bfloat16 kernels read)
+ * and run against every row of x while they sit in L2, by csrc/amx_linear.h's column blocks. Each output is the AMX
+ * linear kernel's (csrc/linear.c) on the layer's bfloat16 values, whatever the thread count; the layer is never
+ * written out whole nor reordered for oneDNN, which dequantizing it for a oneDNN GEMM did on every call. -1 where
+ * this process may not use AMX (the caller dequantizes instead). */
+int linear_quant_amx_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
+                          uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
+    const dequant_fn rows = dequant_for(type);
+    if (!rows || !linear_quant_row_bytes(type, k) || k % 32 || m <= 0 || n <= 0 || !amx_granted()) return -1;
+    const int panels = (n + FUSED_ROWS - 1) / FUSED_ROWS, rblocks = (m + 31) / 32;
+    const int64_t panel = (int64_t)FUSED_ROWS * k;
+    threads = threads_for(threads, panels, 2);
+    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * rblocks * 32 * k);
+    uint16_t *scratch = aligned_alloc(64, sizeof(uint16_t) * 2 * panel * threads);
+    if (!xp || !scratch) {
+        free(xp), free(scratch);
+        return -1;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        uint16_t *plain = scratch + 2 * panel * thread_index(), *tiles = plain + panel;
+        int lo, hi;
+        share(rblocks, thread_index(), thread_count(), &lo, &hi);
+        pack_rows(x, x_stride, m, k, lo, hi, xp);
+#pragma omp barrier
+        share(panels, thread_index(), thread_count(), &lo, &hi);
+        for (int p = lo; p < hi; p++) {
+            const int r0 = FUSED_ROWS * p, nr = n - r0 < FUSED_ROWS ? n - r0 : FUSED_ROWS;
+            rows(w + (int64_t)r0 * w_stride, w_stride, 0, plain, k, 0, nr);
+            dpbf16_pack_rows(plain, k, nr, k, tiles);
+            column_blocks(xp, tiles, bias ? bias + r0 : NULL, y + r0, y_stride, m, nr, k, 0, (nr + 15) / 16);
+        }
+    }
+    free(xp), free(scratch);
+    return 0;
+}
+#else
+int linear_quant_amx_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
+                          uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
+    (void)x, (void)x_stride, (void)w, (void)w_stride, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k;
+    (void)type, (void)threads;
+    return -1;
+}
+#endif
