@@ -470,7 +470,13 @@ def tensor_parallel() -> str:
 
 
 # ---- 13. mixture of experts ----
-MOE = ["moe/moe_fp32_xeon_amx.json", "moe/moe_bf16_xeon_amx.json", "moe/moe_fp32_zen4.json", "moe/moe_bf16_zen4.json"]
+MOE = [
+    "moe/moe_fp32_xeon_amx.json",
+    "moe/moe_bf16_xeon_amx.json",
+    "moe/moe_bf16_int8_xeon_amx.json",
+    "moe/moe_fp32_zen4.json",
+    "moe/moe_bf16_zen4.json",
+]
 
 
 def moe() -> str:
@@ -481,18 +487,39 @@ def moe() -> str:
         fg = off["fastgen"]
         cells = [
             host(d["machine"]),
-            d["dtype"],
+            d["dtype"] + (f", {d['quantization']}" if d.get("quantization", "auto") != "auto" else ""),
             str(d["repeats"]),
             f"{num(statistics.median(step['moe']))} / {num(statistics.median(step['dense']))} ms",
             f"**{num(median([div(m, n) for m, n in zip(step['moe'], step['dense'])]))}×**",
             f"{num(d['offline_tokens'] / statistics.median(fg), 1)} tok/s",
         ]
         for peer in ("transformers", "vllm"):
-            per = [div(b, a) for a, b in zip(fg, off[peer])]
-            cells.append(f"{per_repeat(per)}; **{num(median(per))}×**")
+            per = [div(b, a) for a, b in zip(fg, off.get(peer, []))]
+            cells.append(f"{per_repeat(per)}; **{num(median(per))}×**" if per else "–")
         body.append(cells)
     head = ["host", "dtype", "repeats", "decode step MoE / dense (medians)", "MoE ÷ dense (median per repeat)"]
     return rows(head + ["FastGen offline", "FastGen ÷ transformers per repeat; median", "FastGen ÷ vLLM"], body)
+
+
+MOE_COLD = ["moe/moe_fp32_cold_xeon_amx.json", "moe/moe_bf16_cold_xeon_amx.json"]
+
+
+def moe_cold() -> str:
+    """--cold: each system in a fresh process per repeat, its first batch timed, and its load."""
+    body = []
+    for rel in MOE_COLD:
+        d = load(rel)
+        off, loads = d["offline_cold_s"], d["load_s"]
+        fg = off["fastgen"]
+        cells = [host(d["machine"]), d["dtype"], str(d["repeats"])]
+        cells.append(f"{num(d['offline_tokens'] / statistics.median(fg), 1)} tok/s")
+        for peer in ("transformers", "vllm"):
+            per = [div(b, a) for a, b in zip(fg, off[peer])]
+            cells.append(f"{per_repeat(per)}; **{num(median(per))}×**")
+        cells.append(" · ".join(f"{num(statistics.median(loads[k]), 1)}" for k in ("fastgen", "transformers", "vllm")))
+        body.append(cells)
+    head = ["host", "dtype", "repeats", "FastGen cold", "÷ transformers per repeat; median", "÷ vLLM"]
+    return rows(head + ["load s: FastGen · transformers · vLLM"], body)
 
 
 # ---- 12. quantized weights against llama.cpp ----
@@ -635,39 +662,44 @@ def structured() -> str:
 
 
 # ---- 17. served against vLLM ----
-SERVED_VLLM = ["against_vllm/defaults_zen4_before.json", "against_vllm/defaults_zen4.json"]
+SERVED_VLLM = [
+    "against_vllm/defaults_xeon_amx_before.json",
+    "against_vllm/defaults_xeon_amx.json",
+    "against_vllm/defaults_zen4.json",
+]
 SERVED_FLOORS = {"throughput": (1.0, 1.2), "ttft_p50_ms": 0.8}  # (at 1 client, from 4 up); TTFT from 4 up
 
 
 def served_vllm() -> str:
-    """Per summary and FastGen system, its figures over vLLM's defaults at each client count: the paired ratios of
-    requests/s and effective requests/s, TTFT p50 and the inter-token tail of both, and the issue's floors."""
+    """Per summary and FastGen system, a row with its figures over vLLM's defaults at each client count (cells read
+    1 / 4 / 16 / 64 clients): the paired ratios of requests/s and effective requests/s, TTFT p50 and the inter-token
+    p95 of both, and the issue's floors each count misses."""
     body = []
     for rel in SERVED_VLLM:
         d = load(rel)
         for pair, by_clients in d["ratios"].items():
             fastgen, vllm = pair.split("/")
+            cells: dict[str, list[str]] = {"req/s": [], "effective": [], "ttft": [], "gap": []}
+            unmet_at = []
             for clients, r in by_clients.items():
                 f, v = d["medians"][fastgen][clients], d["medians"][vllm][clients]
                 c = int(clients)
                 floor = SERVED_FLOORS["throughput"][c > 1]
-                unmet = [label for k, label in (("throughput", "req/s"), ("effective", "effective")) if r[k] < floor]
-                unmet += ["p95 gap"] if f["itl_p95_ms"] > v["itl_p95_ms"] else []
+                unmet = [label for k, label in (("throughput", "req/s"), ("effective", "eff")) if r[k] < floor]
+                unmet += ["gap"] if f["itl_p95_ms"] > v["itl_p95_ms"] else []
                 unmet += ["TTFT"] if c > 1 and r["ttft_p50_ms"] > SERVED_FLOORS["ttft_p50_ms"] else []
-                body.append(
-                    [
-                        f"{fastgen}, {host(d['meta']['machine'])}",
-                        clients,
-                        f"{num(f['throughput'])} · {num(v['throughput'])}; **{num(r['throughput'])}×**",
-                        f"**{num(r['effective'])}×**",
-                        f"{num(f['ttft_p50_ms'], 0)} · {num(v['ttft_p50_ms'], 0)}",
-                        f"{num(f['itl_p95_ms'], 0)} · {num(v['itl_p95_ms'], 0)}",
-                        f"{num(f['itl_p99_ms'], 0)} · {num(v['itl_p99_ms'], 0)}",
-                        "met" if not unmet else "**unmet**: " + ", ".join(unmet),
-                    ]
-                )
-    head = ["FastGen, host", "clients", "req/s FastGen · vLLM; ratio", "effective", "TTFT p50 ms"]
-    return rows(head + ["gap p95 ms", "p99 ms", "floors"], body)
+                cells["req/s"].append(num(r["throughput"]))
+                cells["effective"].append(num(r["effective"]))
+                cells["ttft"].append(f"{num(f['ttft_p50_ms'], 0)}·{num(v['ttft_p50_ms'], 0)}")
+                cells["gap"].append(f"{num(f['itl_p95_ms'], 0)}·{num(v['itl_p95_ms'], 0)}")
+                unmet_at += [f"{clients} {'+'.join(unmet)}"] if unmet else []
+            body.append(
+                [f"{fastgen}, {host(d['meta']['machine'])}, {d['meta']['commit']}"]
+                + [" / ".join(cells[k]) for k in cells]
+                + ["met" if not unmet_at else "**unmet**: " + "; ".join(unmet_at)]
+            )
+    head = ["FastGen, host", "req/s ÷ vLLM", "effective ÷ vLLM", "TTFT p50 ms, FastGen·vLLM", "gap p95 ms"]
+    return rows(head + ["floors"], body)
 
 
 # ---- 18. block tables ----
@@ -704,6 +736,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "llama-cpp": llama_cpp,
     "quantization": quantization,
     "moe": moe,
+    "moe-cold": moe_cold,
     "speculative": speculative,
     "lora": lora,
     "structured": structured,
