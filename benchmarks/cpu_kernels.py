@@ -381,7 +381,7 @@ def quant_rows_table(repeats: int) -> list[str]:
         "dequantized per call, bf16 GEMM": lambda xs, x32: [
             F.linear(xs[p.in_features], p.dequantized_bf16()) for p in layers
         ],
-        "dequantized in panels, vdpbf16ps": lambda xs, x32: [
+        "dequantized in panels, fused": lambda xs, x32: [
             quant.fused_bf16_linear(xs[p.in_features], p, None) for p in layers
         ],
         "bf16 weights held": lambda xs, x32: [
@@ -392,7 +392,7 @@ def quant_rows_table(repeats: int) -> list[str]:
     if not all(p.int8 for p in layers):
         del paths["int8 activations"]
     if quant.fused_bf16_kernel() is None:
-        del paths["dequantized in panels, vdpbf16ps"]
+        del paths["dequantized in panels, fused"]
     inputs = {}
     for m in QUANT_ROWS:
         xs = {k: torch.randn(m, k).bfloat16() for k in {p.in_features for p in layers}}

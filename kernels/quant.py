@@ -15,7 +15,7 @@ A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc
 AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
 with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
 more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
-A bfloat16 batch of `bf16_gemm_rows()` rows or more (9, past the int8 decode rows) takes one bfloat16 GEMM
+A bfloat16 batch of `bf16_gemm_rows()` rows or more (12 with AMX, 9 with AVX-512 BF16 alone) takes one bfloat16 GEMM
 on the layer's values rounded to bfloat16 instead: past those rows the exact kernels are bound by arithmetic, not by
 the weights' reads. That is csrc/linear_quant.c's fused path (`fused_bf16_linear`), which dequantizes 64 rows at a
 time into the tiles of the dense bfloat16 layers' kernel (AMX's with AMX, else vdpbf16ps's) and never writes the layer
@@ -48,20 +48,19 @@ ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 # Types csrc/linear_q8.c reads, and the most rows of x it is handed (a decode batch).
 INT8_TYPES = frozenset(GGML_TYPES[name][0] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 INT8_MAX_ROWS = 8
-# The fewest bfloat16 rows that take one GEMM on the layer's values rounded to bfloat16 (oneDNN's on the layer
-# dequantized for the call, or the fused vdpbf16ps one) instead of the exact kernels, by the bfloat16 dot products the
+# The fewest bfloat16 rows that take one GEMM on the layer's values rounded to bfloat16 (the layer dequantized in
+# panels into AMX or vdpbf16ps tiles, fused_bf16_linear) instead of the exact kernels, by the bfloat16 dot products the
 # CPU has (the first of these flags it has), from the crossover of benchmarks/cpu_kernels.py --quant-only --threads 2
 # (quant_rows_table: SmolLM2-135M's layers but the LM head, 106M weights):
-#   amx_bf16: Intel Xeon with AMX, 2026-12-07, the fused AMX path (linear_quant_amx_bf16) on SmolLM2's four layer
-#     shapes in Q4_1, 2 threads, in one process: 0.38 ms against the exact kernel's 0.40 at 8 rows, 0.37 against 0.57
-#     at 12, 0.40 against 1.05 at 32 (oneDNN on the layer dequantized per call, the path before it: 0.73, 0.63, 0.70;
-#     it had matched the exact kernel at 12 to 24 rows, 2026-12-06). So from the first row count int8 activations do
-#     not take, as on Zen 4.
+#   amx_bf16: Intel Xeon with AMX, 2026-12-07, the fused AMX path (linear_quant_amx_bf16), 5 repeats: 14.6 ms
+#     against the exact kernel's 12.3 at 8 rows, 16.1 against 20.9 at 16, 17.4 against 32.9 at 32 (oneDNN on the
+#     layers dequantized per call, the path before it: 27.8, 29.5, 30.2); the fused path's cost is mostly its
+#     dequantization (10.4 ms alone), so it overtakes the exact kernel near 12 rows.
 #   avx512_bf16 without AMX: AMD EPYC Zen 4, 2026-12-06, where the GEMM is csrc/linear_quant.c's fused one (panels
 #     dequantized into vdpbf16ps tiles, fused_bf16_linear): it tied the exact kernel and int8 activations at 8 rows
 #     on the embedded Q4_1 layers (13.0 against 13.3 and 13.2 ms) and took 0.54x the exact kernel's time at 16,
 #     0.40x at 64; so from the first row count int8 activations do not take. Zen 5 (the same kernels) not measured.
-BF16_GEMM_ROWS = {"amx_bf16": INT8_MAX_ROWS + 1, "avx512_bf16": INT8_MAX_ROWS + 1}
+BF16_GEMM_ROWS = {"amx_bf16": 12, "avx512_bf16": INT8_MAX_ROWS + 1}
 
 
 def block_shape(qtype: int) -> tuple[int, int]:

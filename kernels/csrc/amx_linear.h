@@ -8,11 +8,20 @@
  * the weight. k must be a multiple of 32 (the callers check). */
 #ifndef FASTGEN_AMX_LINEAR_H
 #define FASTGEN_AMX_LINEAR_H
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #include <stdint.h>
 
+/* The two GEMM engines of the dense bfloat16 layers, which the kernels built on them (experts, quantized prompts)
+ * follow: AVX-512 BF16 dot products (csrc/linear_dpbf16.c) and the matrix engine (below, as csrc/linear.c). */
+typedef enum { DOT_PRODUCTS, MATRIX_ENGINE } Engine;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HAVE_AMX_LINEAR 1
+#include <immintrin.h>
+
 #include "amx.h"
+
+/* 1 where this build has the matrix engine's code and Linux granted this process the tile state. */
+static inline int amx_usable(void) { return amx_granted(); }
 
 /* Columns of the weight per pass over x: their tiles (AMX_CHUNK x 16 x k bf16) stay in L2 while every 32-row block of x
  * goes through them, so the weight is read from memory once whatever m is. */
@@ -34,7 +43,8 @@ static inline void pack_rows(const uint16_t *x, int64_t x_stride, int m, int k, 
 }
 
 /* The accumulators of up to 32 rows x 32 columns (float32, stride 32) -> y rows, + bias, as bfloat16. */
-static inline void write_rows(const float *c, int rows, int cols, const uint16_t *bias, uint16_t *y, int64_t y_stride) {
+static inline void write_rows(const float *c, int rows, int cols, const uint16_t *bias, uint16_t *y,
+                              int64_t y_stride) {
     __mmask32 mask = cols >= 32 ? 0xffffffffu : (1u << cols) - 1;
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (bias) {
@@ -51,7 +61,7 @@ static inline void write_rows(const float *c, int rows, int cols, const uint16_t
 
 /* Column blocks [first, last) of y for every row: this thread's share. xp is x packed by pack_rows. */
 static inline void column_blocks(const uint16_t *xp, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                          int64_t y_stride, int m, int n, int k, int first, int last) {
+                                 int64_t y_stride, int m, int n, int k, int first, int last) {
     const int kblocks = k / 32, rblocks = (m + 31) / 32;
     const int64_t column_elems = (int64_t)kblocks * 512; /* one 16-column block of the weight */
     float c[32 * 32] __attribute__((aligned(64)));
@@ -95,5 +105,7 @@ static inline void column_blocks(const uint16_t *xp, const uint16_t *packed, con
     _tile_release();
 }
 
+#else
+static inline int amx_usable(void) { return 0; }
 #endif
 #endif

@@ -702,56 +702,22 @@ int dequantize_rows_bf16(const uint8_t *w, int64_t w_stride, uint16_t *out, int 
 /* Weight rows per panel of the fused bfloat16 prompt path: one column group of the vdpbf16ps kernel (4 x 16). */
 #define FUSED_ROWS 64
 
-/* y (m, n) = x (m, k) w^T (+ bias), x, y and bias bfloat16, for a bfloat16 prompt on a CPU with AVX-512 BF16: per
- * 64 weight rows, a thread dequantizes them to bfloat16 (dequantize_rows_bf16's values), packs them into the
- * vdpbf16ps kernel's tiles (csrc/linear_dpbf16.c) and runs every row of x through them while they sit in L2. The
- * layer is read once as blocks and never written out whole, as dequantizing it for a oneDNN GEMM did. Threads split
- * the panels; each output is the dpbf16 kernel's fixed chain, whatever the thread count. -1 where the CPU lacks the
- * kernel (the caller dequantizes instead). */
-int linear_quant_dpbf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
-                        uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
+/* y (m, n) = x (m, k) w^T (+ bias), x, y and bias bfloat16, for a bfloat16 prompt: per 64 weight rows, a thread
+ * dequantizes them to bfloat16 (dequantize_rows_bf16's values), packs them into the tiles both bfloat16 kernels read
+ * and runs every row of x through them while they sit in L2 (the matrix engine's x packed into its 32 x 32 panels
+ * once first). The layer is read once as blocks and never written out whole nor reordered, as dequantizing it for a
+ * oneDNN GEMM did on every call. Threads split the panels; each output is the engine's dense kernel's on the layer's
+ * bfloat16 values, whatever the thread count. The caller checks that the engine runs here. */
+static int fused_bf16(Engine engine, const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride,
+                      const uint16_t *bias, uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
     const dequant_fn rows = dequant_for(type);
-    if (!rows || !linear_quant_row_bytes(type, k) || k % 32 || m <= 0 || n <= 0 || !linear_dpbf16_available())
-        return -1;
-    const int panels = (n + FUSED_ROWS - 1) / FUSED_ROWS;
+    if (!rows || !linear_quant_row_bytes(type, k) || k % 32 || m <= 0 || n <= 0) return -1;
+    const int panels = (n + FUSED_ROWS - 1) / FUSED_ROWS, rblocks = engine == MATRIX_ENGINE ? (m + 31) / 32 : 0;
     const int64_t panel = (int64_t)FUSED_ROWS * k;
     threads = threads_for(threads, panels, 2);
+    uint16_t *xp = rblocks ? aligned_alloc(64, sizeof(uint16_t) * rblocks * 32 * k) : NULL;
     uint16_t *scratch = aligned_alloc(64, sizeof(uint16_t) * 2 * panel * threads);
-    if (!scratch) return -1;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        uint16_t *plain = scratch + 2 * panel * thread_index(), *tiles = plain + panel;
-        int lo, hi;
-        share(panels, thread_index(), thread_count(), &lo, &hi);
-        for (int p = lo; p < hi; p++) {
-            const int r0 = FUSED_ROWS * p, nr = n - r0 < FUSED_ROWS ? n - r0 : FUSED_ROWS;
-            rows(w + (int64_t)r0 * w_stride, w_stride, 0, plain, k, 0, nr);
-            dpbf16_pack_rows(plain, k, nr, k, tiles);
-            dpbf16_column_group(x, x_stride, tiles, k / 32, bias ? bias + r0 : NULL, y + r0, y_stride, m,
-                                (nr + 15) / 16, nr);
-        }
-    }
-    free(scratch);
-    return 0;
-}
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
-/* linear_quant_dpbf16 on the matrix engine (AMX): x packed once into the AMX kernel's 32 x 32 panels, then per 64
- * weight rows, as there, the rows dequantized to bfloat16, packed into tiles (the order both bfloat16 kernels read)
- * and run against every row of x while they sit in L2, by csrc/amx_linear.h's column blocks. Each output is the AMX
- * linear kernel's (csrc/linear.c) on the layer's bfloat16 values, whatever the thread count; the layer is never
- * written out whole nor reordered for oneDNN, which dequantizing it for a oneDNN GEMM did on every call. -1 where
- * this process may not use AMX (the caller dequantizes instead). */
-int linear_quant_amx_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
-                          uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
-    const dequant_fn rows = dequant_for(type);
-    if (!rows || !linear_quant_row_bytes(type, k) || k % 32 || m <= 0 || n <= 0 || !amx_granted()) return -1;
-    const int panels = (n + FUSED_ROWS - 1) / FUSED_ROWS, rblocks = (m + 31) / 32;
-    const int64_t panel = (int64_t)FUSED_ROWS * k;
-    threads = threads_for(threads, panels, 2);
-    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * rblocks * 32 * k);
-    uint16_t *scratch = aligned_alloc(64, sizeof(uint16_t) * 2 * panel * threads);
-    if (!xp || !scratch) {
+    if (!scratch || (rblocks && !xp)) {
         free(xp), free(scratch);
         return -1;
     }
@@ -759,25 +725,42 @@ int linear_quant_amx_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
     {
         uint16_t *plain = scratch + 2 * panel * thread_index(), *tiles = plain + panel;
         int lo, hi;
-        share(rblocks, thread_index(), thread_count(), &lo, &hi);
-        pack_rows(x, x_stride, m, k, lo, hi, xp);
+#ifdef HAVE_AMX_LINEAR
+        if (engine == MATRIX_ENGINE) {
+            share(rblocks, thread_index(), thread_count(), &lo, &hi);
+            pack_rows(x, x_stride, m, k, lo, hi, xp);
 #pragma omp barrier
+        }
+#endif
         share(panels, thread_index(), thread_count(), &lo, &hi);
         for (int p = lo; p < hi; p++) {
             const int r0 = FUSED_ROWS * p, nr = n - r0 < FUSED_ROWS ? n - r0 : FUSED_ROWS;
             rows(w + (int64_t)r0 * w_stride, w_stride, 0, plain, k, 0, nr);
             dpbf16_pack_rows(plain, k, nr, k, tiles);
-            column_blocks(xp, tiles, bias ? bias + r0 : NULL, y + r0, y_stride, m, nr, k, 0, (nr + 15) / 16);
+#ifdef HAVE_AMX_LINEAR
+            if (engine == MATRIX_ENGINE) {
+                column_blocks(xp, tiles, bias ? bias + r0 : NULL, y + r0, y_stride, m, nr, k, 0, (nr + 15) / 16);
+                continue;
+            }
+#endif
+            dpbf16_column_group(x, x_stride, tiles, k / 32, bias ? bias + r0 : NULL, y + r0, y_stride, m,
+                                (nr + 15) / 16, nr);
         }
     }
     free(xp), free(scratch);
     return 0;
 }
-#else
+
+/* fused_bf16 on vdpbf16ps: -1 where the CPU lacks it (the caller dequantizes instead). */
+int linear_quant_dpbf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
+                        uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
+    if (!linear_dpbf16_available()) return -1;
+    return fused_bf16(DOT_PRODUCTS, x, x_stride, w, w_stride, bias, y, y_stride, m, n, k, type, threads);
+}
+
+/* fused_bf16 on the matrix engine: -1 where this process may not use AMX (the caller dequantizes instead). */
 int linear_quant_amx_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const uint16_t *bias,
                           uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
-    (void)x, (void)x_stride, (void)w, (void)w_stride, (void)bias, (void)y, (void)y_stride, (void)m, (void)n, (void)k;
-    (void)type, (void)threads;
-    return -1;
+    if (!amx_usable()) return -1;
+    return fused_bf16(MATRIX_ENGINE, x, x_stride, w, w_stride, bias, y, y_stride, m, n, k, type, threads);
 }
-#endif

@@ -19,15 +19,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_linear.h"
 #include "bf16.h"
 #include "entry_points.h"
 #include "moe_groups.h"
 #include "parallel.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
-#include "amx_linear.h"
-#define HAVE_AMX 1
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 /* What streaming one column group's weight costs, in rows computed over it (as moe.c's MEMORY_ROWS): vdpbf16ps
@@ -35,8 +31,6 @@
 #define MEMORY_ROWS_DPBF16 16
 #define MEMORY_ROWS_AMX 64
 #define MIN_WORK_PER_THREAD (1 << 16)
-
-typedef enum { DOT_PRODUCTS, MATRIX_ENGINE } Engine;
 
 /* One GEMM of the layer for every expert with rows: out rows [start[e], start[e + 1]) (n columns) = the sorted rows
  * in (k columns, contiguous) times expert e's packed weight (w + e * w_stride). Called by every thread of the
@@ -49,7 +43,8 @@ static void expert_gemms(Engine engine, const uint16_t *in, int k, const uint16_
     const int width = engine == MATRIX_ENGINE ? 2 : 4, groups = (nblocks + width - 1) / width;
     const int memory_rows = engine == MATRIX_ENGINE ? MEMORY_ROWS_AMX : MEMORY_ROWS_DPBF16;
     int lo, hi;
-#ifdef HAVE_AMX
+    (void)panels, (void)xp; /* the matrix engine's, which a build without AMX lacks */
+#ifdef HAVE_AMX_LINEAR
     if (engine == MATRIX_ENGINE) {
         share(panels[experts], part, parts, &lo, &hi);
         for (int e = 0; e < experts; e++) {
@@ -71,7 +66,7 @@ static void expert_gemms(Engine engine, const uint16_t *in, int k, const uint16_
         base += (int64_t)groups * (m + memory_rows);
         const uint16_t *we = w + e * w_stride;
         uint16_t *oe = out + (int64_t)start[e] * n;
-#ifdef HAVE_AMX
+#ifdef HAVE_AMX_LINEAR
         if (engine == MATRIX_ENGINE) {
             if (lo < hi)
                 column_blocks(xp + (int64_t)panels[e] * 32 * k, we, NULL, oe, n, m, n, k, width * lo,
@@ -167,32 +162,31 @@ int moe_dpbf16(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const u
     return moe_bf16(DOT_PRODUCTS, x, x_stride, w13, w2, ids, weights, y, tokens, k, experts, hidden, inter, threads);
 }
 
-#ifdef HAVE_AMX
-int moe_amx_bf16_available(void) { return elementwise_available() && amx_granted(); }
+int moe_amx_bf16_available(void) { return elementwise_available() && amx_usable(); }
 
 int moe_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const uint16_t *w2, const int64_t *ids,
                  const float *weights, uint16_t *y, int tokens, int k, int experts, int hidden, int inter, int threads) {
-    if (!amx_granted()) return -1;
+    if (!amx_usable()) return -1;
     return moe_bf16(MATRIX_ENGINE, x, x_stride, w13, w2, ids, weights, y, tokens, k, experts, hidden, inter, threads);
 }
-#endif
 
 #else
+/* Without AVX-512 BF16 neither engine is built: both entry points decline. */
+static int declined(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const uint16_t *w2, const int64_t *ids,
+                    const float *weights, uint16_t *y, int tokens, int k, int experts, int hidden, int inter,
+                    int threads) {
+    (void)x, (void)x_stride, (void)w13, (void)w2, (void)ids, (void)weights, (void)y, (void)tokens, (void)k,
+        (void)experts, (void)hidden, (void)inter, (void)threads;
+    return -1;
+}
 int moe_dpbf16_available(void) { return 0; }
 int moe_dpbf16(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const uint16_t *w2, const int64_t *ids,
                const float *weights, uint16_t *y, int tokens, int k, int experts, int hidden, int inter, int threads) {
-    (void)x, (void)x_stride, (void)w13, (void)w2, (void)ids, (void)weights, (void)y, (void)tokens, (void)k,
-        (void)experts, (void)hidden, (void)inter, (void)threads;
-    return -1;
+    return declined(x, x_stride, w13, w2, ids, weights, y, tokens, k, experts, hidden, inter, threads);
 }
-#endif
-
-#ifndef HAVE_AMX
 int moe_amx_bf16_available(void) { return 0; }
 int moe_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w13, const uint16_t *w2, const int64_t *ids,
                  const float *weights, uint16_t *y, int tokens, int k, int experts, int hidden, int inter, int threads) {
-    (void)x, (void)x_stride, (void)w13, (void)w2, (void)ids, (void)weights, (void)y, (void)tokens, (void)k,
-        (void)experts, (void)hidden, (void)inter, (void)threads;
-    return -1;
+    return declined(x, x_stride, w13, w2, ids, weights, y, tokens, k, experts, hidden, inter, threads);
 }
 #endif
