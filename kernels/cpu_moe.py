@@ -183,10 +183,14 @@ class QuantExperts:
 
 
 def pack_quantized_experts(w13: list, w2: list) -> QuantExperts | None:
-    """Per expert its quantized gate/up and down rows packed for the quantized kernels, or None where this CPU has no
-    kernel for one of them (the experts then stay in --dtype)."""
-    gate_up = [quant.pack_quantized([(0, w)], w.shape[0]) for w in w13]
-    down = [quant.pack_quantized([(0, w)], w.shape[0]) for w in w2]
+    """Per expert its quantized gate/up and down rows, each a list of parts (first row, QuantizedTensor), packed for
+    the quantized kernels, or None where this CPU has no kernel for one of them (the experts then stay in --dtype)."""
+
+    def pack(parts: list) -> quant.QuantLinear | None:
+        return quant.pack_quantized(parts, sum(w.shape[0] for _, w in parts))
+
+    gate_up = [pack(parts) for parts in w13]
+    down = [pack(parts) for parts in w2]
     if not gate_up or any(p is None for p in gate_up + down):
         return None
     return QuantExperts(tuple(gate_up), tuple(down))  # type: ignore[arg-type]

@@ -72,9 +72,10 @@ class Kernels:
     # (y, x, a, b, LoraSegments, ranks) -> None: adds each segment's LoRA delta to its rows of y in place
     # (kernels/lora.py holds the contract)
     lora_sgmv: Callable[..., None] = lora_sgmv
-    # A mixture of experts quantized at load (--quantization int8): per expert its gate/up rows and its down rows
-    # (QuantizedTensor), packed once for this backend's fused_moe, or None where it has no kernel for those rows.
-    # None on a backend without quantized experts: they are not quantized and stay in --dtype.
+    # A mixture of experts quantized at load (--quantization int8) or shipped quantized (a GGUF's blocks): per expert
+    # its gate/up rows and its down rows, each a list of parts (first row, QuantizedTensor), packed once for this
+    # backend's fused_moe, or None where it has no kernel for those rows. None on a backend without quantized experts:
+    # they are not quantized (or are dequantized) and stay in --dtype.
     pack_quantized_experts: Callable[[list, list], Packed | None] | None = None
     # The forward pass reads no per-step value from the host (no Python-side lengths, shapes fixed by the batch
     # size), so a CUDA graph captured once replays it correctly for any batch of that size.

@@ -37,7 +37,7 @@ log = logging.getLogger("fastgen.replica")
 def build_engine(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None) -> Engine:
     """Loads the model and tokenizer, sizes the KV pool and wires up the engine. With tensor parallelism this is
     rank 0's part: it sends every batch through `broadcast` to the other ranks (which run `build_runner` only)."""
-    folder = weights.resolve_model(config.model, config.load_format)
+    folder = weights.model_folder(config.model, config.load_format)
     hf_config = weights.load_hf_config(folder)
     model_config = ModelConfig.from_hf(hf_config)
     tokenizer = weights.load_tokenizer(folder)
@@ -136,7 +136,9 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
         torch.cuda.set_device(device)  # Triton launches on the current device, which must be the tensors'
     dtype = weights.parse_dtype(config.dtype, device)
     gguf = quantized_source(config, device)
-    folder = weights.resolve_model(config.model, config.load_format)
+    # a GGUF_DIRECT file is read tensor by tensor in every mode: its blocks kept (gguf), else dequantized one by one
+    direct = weights.direct_gguf(config.model) if config.load_format != "dummy" else None
+    folder = weights.model_folder(config.model, config.load_format)
     hf_config = weights.load_hf_config(folder)
     model_config = ModelConfig.from_hf(hf_config)
     kernels = select_kernels(config.kernels, device)
@@ -163,8 +165,9 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
         model.init_random_weights()
         if int4 is not None and config.quantization not in ("none", *PER_CHANNEL):  # an AWQ/GPTQ preset: int4
             model.init_random_int4(int4.group_size)
-    elif gguf is not None:  # the file's blocks as they are: the layers keep what the kernels read quantized
-        model.load_weights(weights.iter_gguf(gguf, hf_config, progress=config.progress and tp.rank == 0))
+    elif direct is not None:  # auto: the file's blocks as they are, the layers keep what the kernels read quantized
+        progress = config.progress and tp.rank == 0
+        model.load_weights(weights.iter_gguf(direct, hf_config, progress=progress, keep_blocks=gguf is not None))
     else:  # tensors are memory-mapped: each rank reads only the pages of its own shards
         tensors = weights.iter_safetensors(folder, progress=config.progress and tp.rank == 0)
         if int4 is not None:  # AWQ/GPTQ: int4 layers as shipped (auto, awq, gptq), else their values in --dtype

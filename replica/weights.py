@@ -13,9 +13,11 @@ match, or that has no such record, is converted again."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -59,10 +61,13 @@ def gguf_file(model: str) -> Path | None:
 # The GGUF architectures whose files iter_gguf reads tensor by tensor (`--quantization auto`), and whether llama.cpp's
 # converter permuted their q and k rows: transformers (the reference) undoes that for "llama" files alone. A file of
 # any other architecture is served from transformers' conversion (dequantized): Gemma's norms, Phi-3's fused
-# projections and the rest have their own rules there.
-GGUF_DIRECT = {"llama": True, "qwen2": False, "qwen3": False}
+# projections and the rest have their own rules there. The mixtures of experts' experts keep their blocks too
+# (FusedExperts.load_expert), one 3-d tensor per projection in the file, an expert per slice.
+GGUF_DIRECT = {"llama": True, "qwen2": False, "qwen3": False, "qwen2moe": False, "qwen3moe": False}
+GGUF_MOE = frozenset({"qwen2moe", "qwen3moe"})  # architectures whose names say they hold experts
 
-# GGUF tensor names (llama.cpp's) -> Hugging Face module names of a llama-family layer (Qwen3's q/k norms too).
+# GGUF tensor names (llama.cpp's) -> Hugging Face module names of a llama-family layer (Qwen3's q/k norms, the
+# Qwen MoE routers and Qwen2-MoE's shared expert too).
 _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -75,28 +80,45 @@ _GGUF_LAYER = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# every expert's projection in one tensor (experts, rows, cols): its slices are named mlp.experts.<e>.<proj>
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def gguf_architecture(gguf: Path) -> str:
-    """The file's general.architecture, with " (mixture of experts)" after it where the file holds experts (llama.cpp
-    writes Mixtral as "llama"): its header only is read."""
+    """The file's general.architecture, with " (mixture of experts)" after it where the file holds experts and its
+    architecture's name does not say so (llama.cpp writes Mixtral as "llama"): its header only is read, once per
+    version of the file (gguf's reader parses the whole vocabulary with it, seconds for 50,000 tokens)."""
+    stat = gguf.stat()
+    return _architecture(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _architecture(path: str, size: int, mtime_ns: int) -> str:
     from gguf import GGUFReader
 
-    fields = GGUFReader(gguf).fields
+    fields = GGUFReader(path).fields
     architecture = str(fields["general.architecture"].contents())
     experts = fields.get(f"{architecture}.expert_count")
-    return (
-        f"{architecture} (mixture of experts)" if experts is not None and int(experts.contents()) > 0 else architecture
-    )
+    holds_experts = experts is not None and int(experts.contents()) > 0
+    return f"{architecture} (mixture of experts)" if holds_experts and architecture not in GGUF_MOE else architecture
 
 
 def gguf_hf_name(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for a tensor the model does not use."""
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for a tensor the model does not use.
+    An experts tensor's name has '{}' where its slices put their expert:
+    'model.layers.3.mlp.experts.{}.up_proj.weight'."""
     stem, _, param = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, kind = stem.split(".", 2)
+        if kind in _GGUF_EXPERTS:
+            return f"model.layers.{layer}.mlp.experts.{{}}.{_GGUF_EXPERTS[kind]}.{param}"
         return f"model.layers.{layer}.{_GGUF_LAYER[kind]}.{param}" if kind in _GGUF_LAYER else None
     return f"{_GGUF_TOP[stem]}.{param}" if stem in _GGUF_TOP else None
 
@@ -109,12 +131,13 @@ def unpermute_rows(heads: int, rows: int) -> torch.Tensor:
 
 
 def iter_gguf(
-    gguf: Path, hf_config: dict, progress: bool = True
+    gguf: Path, hf_config: dict, progress: bool = True, keep_blocks: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """(Hugging Face name, tensor) for every tensor of a GGUF file of a GGUF_DIRECT architecture, read directly:
-    weights in a block type the quantized kernels take stay in it (kernels/quant.py's QuantizedTensor, rows as
-    stored), any other type is dequantized to float32 with gguf's own dequantizers. A "llama" file's q and k rows are
-    put back in Hugging Face's order."""
+    """(Hugging Face name, tensor) for every tensor of a GGUF file of a GGUF_DIRECT architecture, read directly, one
+    tensor at a time: with keep_blocks, weights in a block type the quantized kernels take stay in it
+    (kernels/quant.py's QuantizedTensor, rows as stored); any other tensor is dequantized to float32 (by the kernels'
+    routine where they take its type, else gguf's). A "llama" file's q and k rows are put back in Hugging Face's
+    order; an experts tensor comes as one tensor per expert."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
@@ -133,23 +156,48 @@ def iter_gguf(
         name = gguf_hf_name(tensor.name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+        shape: list[int] = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the fastest dimension first
         qtype = int(tensor.tensor_type)
-        quantized = len(shape) == 2 and tensor.tensor_type not in (
+        quantized = len(shape) >= 2 and tensor.tensor_type not in (
             GGMLQuantizationType.F32,
             GGMLQuantizationType.F16,
             GGMLQuantizationType.BF16,
         )
-        if quantized and takes(qtype, shape[1]):
-            rows = torch.from_numpy(np.array(tensor.data).reshape(shape[0], -1))
-            value = QuantizedTensor(rows, qtype, (shape[0], shape[1]))
+        rows, cols = math.prod(shape[:-1]), shape[-1]  # an experts tensor's slices are consecutive rows
+        if quantized and takes(qtype, cols):  # dequantized (without keep_blocks) by the kernels' own routine
+            value = QuantizedTensor(torch.from_numpy(np.array(tensor.data).reshape(rows, -1)), qtype, (rows, cols))
+            value = value if keep_blocks else value.dequantize()
         else:
             data = dequantize(np.asarray(tensor.data), tensor.tensor_type)
-            value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+            value = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(rows, cols)
+        if len(shape) == 1 and not name.endswith("shared_expert_gate.weight"):  # that one is (1, hidden) for HF
+            value = value.reshape(shape)  # type: ignore[union-attr]  (1-d tensors are never kept in blocks)
+        if "{}" in name:  # (experts, rows, cols): each expert's rows under its own name
+            per_expert = shape[1]
+            for expert in range(shape[0]):
+                yield name.format(expert), value.narrow(0, expert * per_expert, per_expert)
+            continue
         if permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             order = unpermute_rows(heads if ".q_proj." in name else kv_heads, shape[0])
             value = value.index_rows(order) if isinstance(value, QuantizedTensor) else value[order]
         yield name, value
+
+
+def direct_gguf(model: str) -> Path | None:
+    """The GGUF file a model name stands for where its architecture is read tensor by tensor (GGUF_DIRECT), else None:
+    such a file's weights never go through transformers' conversion, in any `--quantization` mode."""
+    gguf = gguf_file(model)
+    return gguf if gguf is not None and gguf_architecture(gguf) in GGUF_DIRECT else None
+
+
+def model_folder(model: str, load_format: str = "auto") -> Path:
+    """The folder a replica reads its config and tokenizer from: for a GGUF file of a GGUF_DIRECT architecture, its
+    header's conversion alone (config, generation config, tokenizer: the weights are read from the file itself, so a
+    file larger than the host's memory in float32 is never dequantized whole); otherwise resolve_model's."""
+    gguf = direct_gguf(model) if load_format != "dummy" and preset_path(model) is None else None
+    if gguf is None:
+        return resolve_model(model, load_format)
+    return convert_gguf(gguf, weights=False)
 
 
 def resolve_model(model: str, load_format: str = "auto") -> Path:
@@ -209,10 +257,12 @@ def conversion_problem(folder: Path) -> str | None:
     return None
 
 
-def convert_gguf(gguf: Path) -> Path:
+def convert_gguf(gguf: Path, weights: bool = True) -> Path:
+    """The file's Hugging Face folder, converted once and cached: with weights (transformers' model, dequantized to
+    float32 safetensors: what transformers, vLLM and the non-direct architectures read), or its header alone."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    target = cache_root() / "models" / (f"{gguf.stem}-{key}" if weights else f"{gguf.stem}-{key}-header")
     unsafe = private_dir(target.parent)
     if unsafe is not None:  # anyone who can write there chooses the weights (and the tokenizer) this replica serves
         raise ValueError(
@@ -230,11 +280,12 @@ def convert_gguf(gguf: Path) -> Path:
         if target.exists():
             print(f"fastgen: the converted {target} is not used: {problem}", file=sys.stderr)
             shutil.rmtree(target)
-        print(f"fastgen: converting {gguf.name} to safetensors once (cached in {target})", file=sys.stderr)
+        what = "to safetensors" if weights else "its config and tokenizer"
+        print(f"fastgen: converting {gguf.name} {what} once (cached in {target})", file=sys.stderr)
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
-        write_conversion(gguf, tmp)
+        (write_conversion if weights else write_header_conversion)(gguf, tmp)
         (tmp / MANIFEST).write_text(json.dumps(folder_digests(tmp), indent=1))
         os.replace(tmp, target)
     return target
@@ -256,6 +307,31 @@ def write_conversion(gguf: Path, folder: Path) -> None:
     config["architectures"] = [type(model).__name__]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+
+
+def write_header_conversion(gguf: Path, folder: Path) -> None:
+    """The Hugging Face config, generation config and tokenizer of a GGUF file into `folder`, from its header: what
+    write_conversion writes but the weights. transformers' GGUF config mapping leaves the experts' sizes at its config
+    class's defaults; the file's own are written instead."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = config.to_dict()
+    hf.pop("quantization_config", None)
+    hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    fields = GGUFReader(gguf).fields
+    architecture = str(fields["general.architecture"].contents())
+    for key, name in (
+        ("expert_feed_forward_length", "moe_intermediate_size"),
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+    ):
+        if f"{architecture}.{key}" in fields:
+            hf[name] = int(fields[f"{architecture}.{key}"].contents())
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
 
 

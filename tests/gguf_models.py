@@ -9,11 +9,22 @@ import numpy as np
 
 # A head of 128: transformers' GGUF config mapping has no head size and Qwen3's default is 128.
 SIZES = dict(hidden=256, layers=2, heads=2, kv_heads=1, head_dim=128, intermediate=512)
+# Mixtures of experts (qwen2moe, qwen3moe): transformers' GGUF config mapping reads neither expert size (it keeps its
+# config class's defaults: 768 per expert for Qwen3-MoE, 1408 and a shared expert of 5632 for Qwen2-MoE), so the
+# files use those sizes for its conversion, the reference, to load them.
+MOE_SIZES = {
+    "qwen3moe": dict(experts=8, used=2, expert=768, shared=0),
+    "qwen2moe": dict(experts=4, used=2, expert=1408, shared=5632),
+}
 
 
-def tiny_gguf(path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0, std: float = 0.15) -> Path:
-    """A random two-layer model of `architecture` (llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms),
-    its projections and embedding in `qtype` blocks, norms and biases float32, the LM head tied to the embedding."""
+def tiny_gguf(
+    path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0, std: float = 0.15, moe: dict | None = None
+) -> Path:
+    """A random two-layer model of `architecture` (llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms,
+    qwen2moe and qwen3moe with MOE_SIZES' experts, each a slice of one 3-d tensor per projection as llama.cpp writes
+    them), its projections and embedding in `qtype` blocks, norms, biases and routers float32, the LM head tied to
+    the embedding. moe: other expert sizes than MOE_SIZES' (which transformers' conversion cannot load)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import quantize
 
@@ -34,6 +45,13 @@ def tiny_gguf(path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0,
     writer.add_value_length(s["head_dim"])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    moe = moe or MOE_SIZES.get(architecture)
+    if moe is not None:
+        writer.add_expert_count(moe["experts"])
+        writer.add_expert_used_count(moe["used"])
+        writer.add_expert_feed_forward_length(moe["expert"])
+        if moe["shared"]:
+            writer.add_expert_shared_feed_forward_length(moe["shared"])
     reader = GGUFReader(source)
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
@@ -43,8 +61,8 @@ def tiny_gguf(path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0,
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     block = GGMLQuantizationType[qtype]
 
-    def weight(name: str, rows: int, cols: int) -> None:
-        values = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+    def weight(name: str, *shape: int) -> None:
+        values = (rng.standard_normal(shape) * std).astype(np.float32)
         writer.add_tensor(name, quantize(values, block), raw_dtype=block)
 
     def vector(name: str, size: int, around: float) -> None:
@@ -59,15 +77,27 @@ def tiny_gguf(path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0,
         vector(f"{b}.ffn_norm.weight", hidden, 1.0)
         for part, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
             weight(f"{b}.{part}.weight", rows, hidden)
-            if architecture == "qwen2":
+            if architecture in ("qwen2", "qwen2moe"):
                 vector(f"{b}.{part}.bias", rows, 0.0)
-        if architecture == "qwen3":
+        if architecture in ("qwen3", "qwen3moe"):
             vector(f"{b}.attn_q_norm.weight", s["head_dim"], 1.0)
             vector(f"{b}.attn_k_norm.weight", s["head_dim"], 1.0)
         weight(f"{b}.attn_output.weight", hidden, q)
-        weight(f"{b}.ffn_gate.weight", s["intermediate"], hidden)
-        weight(f"{b}.ffn_up.weight", s["intermediate"], hidden)
-        weight(f"{b}.ffn_down.weight", hidden, s["intermediate"])
+        if moe is None:
+            weight(f"{b}.ffn_gate.weight", s["intermediate"], hidden)
+            weight(f"{b}.ffn_up.weight", s["intermediate"], hidden)
+            weight(f"{b}.ffn_down.weight", hidden, s["intermediate"])
+            continue
+        experts, size = moe["experts"], moe["expert"]
+        writer.add_tensor(f"{b}.ffn_gate_inp.weight", rng.standard_normal((experts, hidden)).astype(np.float32))
+        weight(f"{b}.ffn_gate_exps.weight", experts, size, hidden)
+        weight(f"{b}.ffn_up_exps.weight", experts, size, hidden)
+        weight(f"{b}.ffn_down_exps.weight", experts, hidden, size)
+        if moe["shared"]:
+            vector(f"{b}.ffn_gate_inp_shexp.weight", hidden, 0.0)
+            weight(f"{b}.ffn_gate_shexp.weight", moe["shared"], hidden)
+            weight(f"{b}.ffn_up_shexp.weight", moe["shared"], hidden)
+            weight(f"{b}.ffn_down_shexp.weight", hidden, moe["shared"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

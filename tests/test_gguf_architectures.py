@@ -1,21 +1,37 @@
-"""GGUF files beyond Llama's: `--quantization auto` reads Llama, Qwen2 and Qwen3 files block by block (weights.py's
-GGUF_DIRECT; only a "llama" file's q and k rows come permuted by llama.cpp's converter, as transformers assumes) and
-serves any other architecture from transformers' conversion. Tiny random files written here (tests/gguf_models.py),
+"""GGUF files beyond Llama's: `--quantization auto` reads Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE files block by
+block (weights.py's GGUF_DIRECT; only a "llama" file's q and k rows come permuted by llama.cpp's converter, as
+transformers assumes; experts stay in their blocks too) and serves any other architecture from transformers'
+conversion. Tiny random files written here (tests/gguf_models.py),
 against transformers on the same file, prompts split across passes."""
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from fastgen.kernels.cpu_moe import QuantExperts
 from fastgen.kernels.quant import QuantLinear
 from fastgen.replica import pipeline
 from fastgen.replica.builder import quantized_source
 from fastgen.replica.config import EngineConfig
-from fastgen.replica.weights import GGUF_DIRECT, gguf_architecture, iter_gguf, resolve_model
+from fastgen.replica.models import ModelConfig
+from fastgen.replica.weights import (
+    GGUF_DIRECT,
+    gguf_architecture,
+    iter_gguf,
+    load_hf_config,
+    model_folder,
+    resolve_model,
+)
 
 from .gguf_models import tiny_gguf
-from .helpers import assert_matches, hf_greedy, require_tool
+from .helpers import assert_matches, hf_greedy, random_prompts, require_tool
+from .tp_ranks import engine_rank, run_ranks
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 2, 3, 700, 800, 900, 1000, 77, 5]]
 NEW = 12
@@ -41,6 +57,79 @@ def test_gguf_architectures_read_block_by_block_match_transformers(tmp_path, arc
     assert_matches(pipe(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW), refs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["qwen3moe", "qwen2moe"])
+def test_gguf_experts_are_served_in_their_blocks_and_match_transformers(tmp_path, architecture):
+    """A Qwen MoE file's experts (one 3-d tensor per projection) are held and run in their Q8_0 blocks, as its dense
+    layers are, rather than dequantized at load (Qwen2-MoE's shared expert and its gate too): transformers' tokens on
+    the dequantized file, prompts split across passes and sequences preempted in a small KV pool."""
+    embedded_tokenizer()
+    gguf = tiny_gguf(tmp_path / f"{architecture}.gguf", architecture)
+    prompts = PROMPTS + random_prompts(4, random.Random(3), 20, 50)
+    refs = hf_greedy(resolve_model(str(gguf)), prompts, NEW)
+    pipe = pipeline(
+        str(gguf),
+        dtype="float32",
+        quantization="auto",
+        max_batch_tokens=16,
+        block_size=4,
+        num_blocks=40,
+        progress=False,
+    )
+    experts = pipe.engine.runner.model.layers[1].mlp.experts
+    assert isinstance(experts.packed, QuantExperts) and experts.w13 is None and experts.w2 is None
+    assert {w.name for _, w, _ in experts.packed.w13[0].slabs + experts.packed.w2[-1].slabs} == {"Q8_0"}
+    assert_matches(pipe(prompts, max_new_tokens=NEW, min_new_tokens=NEW), refs)
+    assert pipe.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_gguf_experts_in_their_blocks_under_tensor_and_expert_parallelism(tmp_path):
+    """Two ranks: each expert's intermediate rows split (the down projection's columns at a block boundary), or
+    whole experts per rank; both keep the blocks and give transformers' tokens."""
+    embedded_tokenizer()
+    gguf = tiny_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe")
+    refs = hf_greedy(resolve_model(str(gguf)), PROMPTS, NEW)
+    runs = [dict(model=str(gguf), prompts=PROMPTS, new=NEW, budget=8, expert_parallel=ep) for ep in (False, True)]
+    run_ranks(engine_rank, runs, str(tmp_path / "out"), timeout=200)
+    for rank in (0, 1):
+        for run in json.loads(Path(f"{tmp_path / 'out'}.{rank}").read_text()):
+            assert run["numel"] < 768 * 256, "no rank holds its experts (or other projections) in float"
+            if rank == 0:
+                assert_matches([SimpleNamespace(token_ids=t) for t in run["tokens"]], refs)
+
+
+@pytest.mark.slow
+def test_a_direct_gguf_is_read_from_the_file_in_every_mode(tmp_path):
+    """`--quantization none` reads the file tensor by tensor too, each dequantized alone: the replica's folder is the
+    header's conversion (no safetensors: a file is never dequantized whole), whose config makes the model the full
+    conversion's does; the tokens are transformers' on that conversion."""
+    embedded_tokenizer()
+    gguf = tiny_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe")
+    header, full = model_folder(str(gguf)), resolve_model(str(gguf))
+    assert header != full and not list(header.glob("*.safetensors")) and list(full.glob("*.safetensors"))
+    assert ModelConfig.from_hf(load_hf_config(header)) == ModelConfig.from_hf(load_hf_config(full))
+    refs = hf_greedy(full, PROMPTS, NEW)
+    pipe = pipeline(str(gguf), dtype="float32", quantization="none", max_batch_tokens=5, progress=False)
+    model = pipe.engine.runner.model
+    assert not isinstance(model.layers[1].mlp.experts.packed, QuantExperts)
+    assert not isinstance(model.layers[1].self_attn.qkv_proj.packed, QuantLinear)
+    assert_matches(pipe(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW), refs)
+
+
+@pytest.mark.slow
+def test_the_experts_sizes_come_from_the_files_header(tmp_path):
+    """transformers' GGUF config mapping reads no expert size (its conversion of this file fails on the shapes); the
+    header's conversion takes the file's, so the file loads and serves."""
+    embedded_tokenizer()
+    moe = dict(experts=4, used=2, expert=64, shared=96)
+    gguf = tiny_gguf(tmp_path / "qwen2moe.gguf", "qwen2moe", moe=moe)
+    hf = load_hf_config(model_folder(str(gguf)))
+    assert (hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"], hf["num_experts"]) == (64, 96, 4)
+    pipe = pipeline(str(gguf), dtype="float32", quantization="auto", progress=False)
+    assert len(pipe(PROMPTS, max_new_tokens=4, min_new_tokens=4)[0].token_ids) == 4
+
+
 def test_other_gguf_architectures_are_served_from_their_conversion(tmp_path):
     """A Gemma 2 file (its norms stored as 1 + w, which transformers' loader undoes) is not read block by block."""
     from gguf import GGUFWriter
@@ -52,7 +141,7 @@ def test_other_gguf_architectures_are_served_from_their_conversion(tmp_path):
     writer.close()
     assert gguf_architecture(path) == "gemma2" and "gemma2" not in GGUF_DIRECT
     assert quantized_source(EngineConfig(model=str(path)), torch.device("cpu")) is None
-    with pytest.raises(ValueError, match="'gemma2' GGUF: read directly are llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'gemma2' GGUF: read directly are llama, qwen2, qwen3, qwen2moe, qwen3moe"):
         next(iter_gguf(path, {"num_attention_heads": 1}, progress=False))
     mixtral = tmp_path / "mixtral.gguf"  # llama.cpp writes Mixtral as a "llama" file with experts
     writer = GGUFWriter(str(mixtral), arch="llama")

@@ -357,10 +357,15 @@ def int8_experts():
         pytest.skip("a CPU without the quantized kernels: the experts stay float")
     w13, w2 = layer(*SHAPES_BF16["small"], seed=5)
     q13, q2 = [quant.quantize_per_channel(w) for w in w13], [quant.quantize_per_channel(w) for w in w2]
-    packed = cpu.CPU_KERNELS.pack_quantized_experts(q13, q2)
+    packed = cpu.CPU_KERNELS.pack_quantized_experts(whole(q13), whole(q2))
     assert isinstance(packed, cpu_moe.QuantExperts) and packed.holds_weight
     values = torch.stack([q.dequantize() for q in q13]), torch.stack([q.dequantize() for q in q2])
     return q13, q2, packed, values
+
+
+def whole(weights: list) -> list:
+    """Each expert's weight as its one part."""
+    return [[(0, w)] for w in weights]
 
 
 def quant_alone(x: torch.Tensor, packed, r: moe.Routing) -> torch.Tensor:
@@ -411,11 +416,13 @@ def test_int8_experts_no_token_chose_are_not_read(int8_experts, forbid_reference
         return quant.QuantizedTensor(data, q.qtype, q.shape)
 
     bad = cpu.CPU_KERNELS.pack_quantized_experts(
-        [poisoned(q) if e in unused else q for e, q in enumerate(q13)],
-        [poisoned(q) if e in unused else q for e, q in enumerate(q2)],
+        whole([poisoned(q) if e in unused else q for e, q in enumerate(q13)]),
+        whole([poisoned(q) if e in unused else q for e, q in enumerate(q2)]),
     )
     x = torch.randn(5, SHAPES_BF16["small"][0])
     got = cpu.CPU_KERNELS.fused_moe(x, None, None, bad, r)
     assert torch.isfinite(got).all() and torch.equal(got, cpu.CPU_KERNELS.fused_moe(x, None, None, packed, r))
-    all_poisoned = cpu.CPU_KERNELS.pack_quantized_experts([poisoned(q) for q in q13], [poisoned(q) for q in q2])
+    all_poisoned = cpu.CPU_KERNELS.pack_quantized_experts(
+        whole([poisoned(q) for q in q13]), whole([poisoned(q) for q in q2])
+    )
     assert not torch.isfinite(cpu.CPU_KERNELS.fused_moe(x, None, None, all_poisoned, r)).all()  # the poison bites

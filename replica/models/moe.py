@@ -24,6 +24,7 @@ from torch import nn
 from ...kernels import Kernels
 from ...kernels.int4 import QUANTIZED
 from ...kernels.moe import Routing, route
+from ...kernels.quant import QuantizedTensor
 from ..parallel import ColumnParallelLinear, GateUpParallelLinear, RowParallelLinear, TPGroup, _divide
 
 # A checkpoint's per-expert tensor: <layer>.mlp.experts.<e>.<gate|up|down>_proj.weight (Mixtral's w1/w3/w2 renamed)
@@ -67,23 +68,41 @@ class FusedExperts(nn.Module):
         # the ranks holding slices of each down row (tensor parallel), whose scales quantize() takes whole
         self.down_row_ranks = TPGroup() if by_expert else tp
         self.quantized: tuple[list, list] | None = None  # per expert, gate/up and down rows quantized at load
+        # a GGUF's blocks as shipped, by part (3 e + 0 | 1 | 2: gate, up, down rows of this rank), until pack()
+        self.shipped: dict[int, QuantizedTensor] = {}
 
-    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> list[int]:
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor | QuantizedTensor) -> list[int]:
         """One expert's gate_proj/up_proj (intermediate, hidden) or down_proj (hidden, intermediate) from a
-        checkpoint; returns the parts it filled (none: another rank's expert)."""
+        checkpoint; returns the parts it filled (none: another rank's expert). A GGUF's blocks are kept as shipped
+        where the backend runs quantized experts and this rank's slice falls between blocks (pack() takes them);
+        anything else is served in float."""
         e = expert - self.first
         if not 0 <= e < self.local_experts:
             return []
-        if isinstance(tensor, QUANTIZED):  # experts are served in float
-            tensor = tensor.dequantize()
         n, r = self.intermediate, self.row0
+        part = 3 * e + {"gate_proj": 0, "up_proj": 1, "down_proj": 2}[proj]
+        if (
+            isinstance(tensor, QuantizedTensor)
+            and self.kernels.pack_quantized_experts is not None
+            and (proj != "down_proj" or tensor.splits_at(r, r + n))
+        ):
+            self.shipped[part] = tensor.narrow(1, r, n) if proj == "down_proj" else tensor.narrow(0, r, n)
+            return [part]
+        if isinstance(tensor, QUANTIZED):
+            tensor = tensor.dequantize()
+        assert isinstance(tensor, torch.Tensor)
+        self.load_float(part, tensor if proj == "down_proj" else tensor[r : r + n], proj == "down_proj")
+        return [part]
+
+    def load_float(self, part: int, tensor: torch.Tensor, down: bool) -> None:
+        """This rank's rows of a part: gate or up (n, hidden), or down (hidden, its n columns of the full tensor)."""
         assert self.w13 is not None and self.w2 is not None, "loaded before packing, which may drop them"
-        if proj == "down_proj":
-            self.w2.data[e].copy_(tensor[:, r : r + n])
-            return [3 * e + 2]
-        half = 0 if proj == "gate_proj" else 1
-        self.w13.data[e, half * n : (half + 1) * n].copy_(tensor[r : r + n])
-        return [3 * e + half]
+        e, n, r = part // 3, self.intermediate, self.row0
+        if down:
+            self.w2.data[e].copy_(tensor[:, r : r + n] if tensor.shape[1] != n else tensor)
+        else:
+            half = part % 3
+            self.w13.data[e, half * n : (half + 1) * n].copy_(tensor)
 
     def load(self, name: str, tensor: torch.Tensor, part: int = 0) -> list[int]:
         """transformers 5's fused form: gate_up_proj (experts, 2 intermediate, hidden), down_proj (experts, hidden,
@@ -111,10 +130,14 @@ class FusedExperts(nn.Module):
         gate_up = [per_channel(w, m) for w, m in zip(w13, absmax13)]
         down = [per_channel(w, m) for w, m in zip(w2, absmax2)]
         if all(q is not None for q in gate_up + down):
-            self.quantized = (gate_up, down)
+            self.quantized = ([[(0, q)] for q in gate_up], [[(0, q)] for q in down])
 
     def pack(self) -> None:
         assert self.w13 is not None and self.w2 is not None, "packed once, while the plain weights are there"
+        if self.shipped:
+            self.pack_shipped()
+            if self.packed is not None:
+                return
         if self.quantized is not None and self.kernels.pack_quantized_experts is not None:
             self.packed = self.kernels.pack_quantized_experts(*self.quantized)
             self.quantized = None
@@ -124,6 +147,22 @@ class FusedExperts(nn.Module):
         self.packed = self.kernels.pack_experts(self.w13, self.w2)
         if self.packed is not None and self.packed.holds_weight:
             self.w13 = self.w2 = None  # two copies of every expert would double the model's memory
+
+    def pack_shipped(self) -> None:
+        """A GGUF's experts in their blocks (every part of every local expert kept: the float parameters were never
+        written, so their pages were never touched), else the kept parts dequantized into the float ones."""
+        shipped, self.shipped = self.shipped, {}
+        assert self.kernels.pack_quantized_experts is not None, "parts are kept only for a backend that packs them"
+        n = self.intermediate
+        if len(shipped) == len(self.local_parts):
+            gate_up = [[(0, shipped[3 * e]), (n, shipped[3 * e + 1])] for e in range(self.local_experts)]
+            down = [[(0, shipped[3 * e + 2])] for e in range(self.local_experts)]
+            self.packed = self.kernels.pack_quantized_experts(gate_up, down)
+            if self.packed is not None:
+                self.w13 = self.w2 = None
+                return
+        for part, tensor in shipped.items():  # some parts in float, or blocks this CPU has no kernel for
+            self.load_float(part, tensor.dequantize(), part % 3 == 2)
 
     def local_routing(self, routing: Routing) -> Routing:
         """Expert parallel: ids of this rank's experts made local; another rank's become local_experts (a slot the
