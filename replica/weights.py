@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -58,12 +59,16 @@ def gguf_file(model: str) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
+# llama.cpp writes Mixtral as a "llama" file with experts (gguf_architecture's name for it); transformers cannot
+# convert one, so its config is made here (write_header_conversion).
+MIXTRAL = "llama (mixture of experts)"
+
 # The GGUF architectures whose files iter_gguf reads tensor by tensor (`--quantization auto`), and whether llama.cpp's
 # converter permuted their q and k rows: transformers (the reference) undoes that for "llama" files alone. A file of
 # any other architecture is served from transformers' conversion (dequantized): Gemma's norms, Phi-3's fused
 # projections and the rest have their own rules there. The mixtures of experts' experts keep their blocks too
 # (FusedExperts.load_expert), one 3-d tensor per projection in the file, an expert per slice.
-GGUF_DIRECT = {"llama": True, "qwen2": False, "qwen3": False, "qwen2moe": False, "qwen3moe": False}
+GGUF_DIRECT = {"llama": True, "qwen2": False, "qwen3": False, "qwen2moe": False, "qwen3moe": False, MIXTRAL: True}
 GGUF_MOE = frozenset({"qwen2moe", "qwen3moe"})  # architectures whose names say they hold experts
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face module names of a llama-family layer (Qwen3's q/k norms, the
@@ -88,6 +93,8 @@ _GGUF_LAYER = {
 }
 # every expert's projection in one tensor (experts, rows, cols): its slices are named mlp.experts.<e>.<proj>
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# older Mixtral files: one tensor per expert, blk.<layer>.ffn_<proj>.<expert>.weight
+_GGUF_ONE_EXPERT = re.compile(r"^ffn_(?P<proj>gate|up|down)\.(?P<expert>\d+)$")
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -119,6 +126,8 @@ def gguf_hf_name(name: str) -> str | None:
         _, layer, kind = stem.split(".", 2)
         if kind in _GGUF_EXPERTS:
             return f"model.layers.{layer}.mlp.experts.{{}}.{_GGUF_EXPERTS[kind]}.{param}"
+        if (one := _GGUF_ONE_EXPERT.match(kind)) is not None:
+            return f"model.layers.{layer}.mlp.experts.{one['expert']}.{one['proj']}_proj.{param}"
         return f"model.layers.{layer}.{_GGUF_LAYER[kind]}.{param}" if kind in _GGUF_LAYER else None
     return f"{_GGUF_TOP[stem]}.{param}" if stem in _GGUF_TOP else None
 
@@ -313,7 +322,9 @@ def write_conversion(gguf: Path, folder: Path) -> None:
 def write_header_conversion(gguf: Path, folder: Path) -> None:
     """The Hugging Face config, generation config and tokenizer of a GGUF file into `folder`, from its header: what
     write_conversion writes but the weights. transformers' GGUF config mapping leaves the experts' sizes at its config
-    class's defaults; the file's own are written instead."""
+    class's defaults; the file's own are written instead. A Mixtral file (a "llama" one with experts, which
+    transformers reads as a dense Llama) gets Mixtral's config: every layer's MLP a mixture, each expert
+    feed_forward_length wide, as llama.cpp reads it."""
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -324,8 +335,18 @@ def write_header_conversion(gguf: Path, folder: Path) -> None:
     hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     fields = GGUFReader(gguf).fields
     architecture = str(fields["general.architecture"].contents())
+    if gguf_architecture(gguf) == MIXTRAL:
+        hf.update(
+            model_type="mixtral",
+            architectures=["MixtralForCausalLM"],
+            num_local_experts=int(fields["llama.expert_count"].contents()),
+            num_experts_per_tok=int(fields["llama.expert_used_count"].contents()),
+        )
     for key, name in (
-        ("expert_feed_forward_length", "moe_intermediate_size"),
+        (
+            "expert_feed_forward_length",
+            "intermediate_size" if hf["model_type"] == "mixtral" else "moe_intermediate_size",
+        ),
         ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
     ):
         if f"{architecture}.{key}" in fields:

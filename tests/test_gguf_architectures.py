@@ -1,8 +1,8 @@
-"""GGUF files beyond Llama's: `--quantization auto` reads Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE files block by
-block (weights.py's GGUF_DIRECT; only a "llama" file's q and k rows come permuted by llama.cpp's converter, as
+"""GGUF files beyond Llama's: `--quantization auto` reads Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral files
+block by block (weights.py's GGUF_DIRECT; only a "llama" file's q and k rows come permuted by llama.cpp's converter, as
 transformers assumes; experts stay in their blocks too) and serves any other architecture from transformers'
-conversion. Tiny random files written here (tests/gguf_models.py),
-against transformers on the same file, prompts split across passes."""
+conversion. Tiny random files written here (tests/gguf_models.py), against transformers on the same file (a Mixtral
+file: on the model it was written from, holding the blocks' values), prompts split across passes."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ from fastgen.replica.models import ModelConfig
 from fastgen.replica.weights import (
     GGUF_DIRECT,
     gguf_architecture,
+    gguf_hf_name,
     iter_gguf,
     load_hf_config,
     model_folder,
     resolve_model,
 )
 
-from .gguf_models import tiny_gguf
+from .gguf_models import mixtral_gguf, tiny_gguf
 from .helpers import assert_matches, hf_greedy, random_prompts, require_tool
 from .tp_ranks import engine_rank, run_ranks
 
@@ -100,6 +101,41 @@ def test_gguf_experts_in_their_blocks_under_tensor_and_expert_parallelism(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_mixtral_gguf_is_read_block_by_block_and_matches_transformers(tmp_path):
+    """llama.cpp writes Mixtral as a "llama" file with experts, which transformers converts as a dense Llama (wrong
+    model, no error) and FastGen used to refuse: its config is made from the header, its q and k rows unpermuted,
+    its experts kept in blocks; the tokens are transformers' Mixtral on the blocks' values, prompts split across passes
+    and sequences preempted in a small KV pool."""
+    embedded_tokenizer()
+    gguf, reference = mixtral_gguf(tmp_path)
+    assert gguf_architecture(gguf) == "llama (mixture of experts)"
+    prompts = PROMPTS + random_prompts(4, random.Random(5), 20, 50)
+    refs = hf_greedy(reference, prompts, NEW)
+    pipe = pipeline(
+        str(gguf),
+        dtype="float32",
+        quantization="auto",
+        max_batch_tokens=16,
+        block_size=4,
+        num_blocks=40,
+        progress=False,
+    )
+    model = pipe.engine.runner.model
+    assert model.config.moe is not None and model.config.moe.num_experts == 4
+    assert isinstance(model.layers[1].mlp.experts.packed, QuantExperts)
+    assert isinstance(model.layers[1].self_attn.qkv_proj.packed, QuantLinear)
+    assert_matches(pipe(prompts, max_new_tokens=NEW, min_new_tokens=NEW), refs)
+    assert pipe.engine.scheduler.num_preemptions > 0
+
+
+def test_a_one_tensor_per_expert_mixtral_file_names_its_experts():
+    """Older Mixtral files hold each expert's projection alone."""
+    assert gguf_hf_name("blk.3.ffn_down.7.weight") == "model.layers.3.mlp.experts.7.down_proj.weight"
+    assert gguf_hf_name("blk.3.ffn_up_exps.weight") == "model.layers.3.mlp.experts.{}.up_proj.weight"
+    assert gguf_hf_name("blk.3.ffn_gate_inp.weight") == "model.layers.3.mlp.gate.weight"
+
+
+@pytest.mark.slow
 def test_a_direct_gguf_is_read_from_the_file_in_every_mode(tmp_path):
     """`--quantization none` reads the file tensor by tensor too, each dequantized alone: the replica's folder is the
     header's conversion (no safetensors: a file is never dequantized whole), whose config makes the model the full
@@ -141,13 +177,14 @@ def test_other_gguf_architectures_are_served_from_their_conversion(tmp_path):
     writer.close()
     assert gguf_architecture(path) == "gemma2" and "gemma2" not in GGUF_DIRECT
     assert quantized_source(EngineConfig(model=str(path)), torch.device("cpu")) is None
-    with pytest.raises(ValueError, match="'gemma2' GGUF: read directly are llama, qwen2, qwen3, qwen2moe, qwen3moe"):
+    with pytest.raises(
+        ValueError, match="'gemma2' GGUF: read directly are llama, qwen2, qwen3, qwen2moe, qwen3moe, llama \\(mixture"
+    ):
         next(iter_gguf(path, {"num_attention_heads": 1}, progress=False))
-    mixtral = tmp_path / "mixtral.gguf"  # llama.cpp writes Mixtral as a "llama" file with experts
+    mixtral = tmp_path / "mixtral.gguf"  # llama.cpp writes Mixtral as a "llama" file with experts: read directly
     writer = GGUFWriter(str(mixtral), arch="llama")
     writer.add_expert_count(8)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    assert gguf_architecture(mixtral) == "llama (mixture of experts)"
-    assert quantized_source(EngineConfig(model=str(mixtral)), torch.device("cpu")) is None
+    assert gguf_architecture(mixtral) == "llama (mixture of experts)" and gguf_architecture(mixtral) in GGUF_DIRECT
