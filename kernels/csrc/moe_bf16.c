@@ -137,19 +137,7 @@ static int moe_bf16(Engine engine, const uint16_t *x, int64_t x_stride, const ui
         expert_gemms(engine, h, inter, w2, stride2, out, hidden, start, panels, experts, xp);
 #pragma omp barrier
         share(tokens, part, parts, &lo, &hi);
-        for (int t = lo; t < hi; t++)
-            for (int c = 0; c < hidden; c++) {
-                /* combine's roundings: the float32 product to bfloat16, then each bfloat16 sum */
-                uint16_t sum = 0;
-                for (int s = 0, first = 1; s < k; s++) {
-                    const int i = t * k + s;
-                    if (at[i] < 0) continue;
-                    const uint16_t term = f32_to_bf16(bf16_to_f32(out[(int64_t)at[i] * hidden + c]) * weights[i]);
-                    sum = first ? term : f32_to_bf16(bf16_to_f32(sum) + bf16_to_f32(term));
-                    first = 0;
-                }
-                y[(int64_t)t * hidden + c] = sum;
-            }
+        combine_bf16(out, at, weights, y, lo, hi, k, hidden);
     }
     free(start), free(at), free(row_token), free(next), free(panels), free(xs), free(gu), free(h), free(out), free(xp);
     return 0;
