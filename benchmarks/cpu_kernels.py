@@ -31,6 +31,9 @@
 7. One stream's decode through the whole engine (--quant-only): tokens/s of the embedded model served quantized
    (quantization auto, bfloat16 and float32) against dequantized to bfloat16 (none), the same prompt, greedy, EOS
    ignored.
+8. Quantized experts (--moe-quant-only): one mixture-of-experts layer's experts in GGUF blocks (random: Mixtral's
+   proportions in Q8_0, int8's blocks; Qwen3-MoE's in Q4_0), a bfloat16 decode batch of 1 to 16 tokens routed at
+   random: csrc/moe_quant.c's one call against the Python loop over experts it replaced (paired, order alternating).
 The kernels and oneDNN split their work over --threads threads. Medians of --repeats; prints markdown tables.
 """
 
@@ -452,6 +455,42 @@ def decode_table(repeats: int) -> list[str]:
     return rows
 
 
+def moe_quant_table(repeats: int) -> list[str]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from fastgen.kernels import cpu_moe, moe, quant
+
+    def blocks(w: torch.Tensor, qtype: str) -> list:
+        data = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[qtype])).reshape(w.shape[0], -1)
+        return [(0, quant.QuantizedTensor(data, int(GGMLQuantizationType[qtype]), (w.shape[0], w.shape[1])))]
+
+    kernel = cpu_moe._moe_quant
+    rows = ["| experts | tokens | one call ms | Python loop ms | loop ÷ call |", "|---|---|---|---|---|"]
+    shapes = {
+        "Mixtral-like, 8 of 2816, top 2, Q8_0": (8, 1024, 2816, 2, "Q8_0"),
+        "Qwen3-MoE-like, 32 of 512, top 4, Q4_0": (32, 1024, 512, 4, "Q4_0"),
+    }
+    for name, (experts, hidden, inter, k, qtype) in shapes.items():
+        g = torch.Generator().manual_seed(0)
+        w13 = [blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05, qtype) for _ in range(experts)]
+        w2 = [blocks(torch.randn(hidden, inter, generator=g) * 0.05, qtype) for _ in range(experts)]
+        packed = cpu.CPU_KERNELS.pack_quantized_experts(w13, w2)
+        for tokens in (1, 8, 16):
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+            routing = moe.route(torch.randn(tokens, experts, generator=g), k, True)
+
+            def layer(use_kernel: bool, x=x, routing=routing, packed=packed):
+                cpu_moe._moe_quant = kernel if use_kernel else lambda: None
+                for _ in range(20):
+                    cpu.CPU_KERNELS.fused_moe(x, None, None, packed, routing)
+
+            call, loop, ratio = paired_s(lambda: layer(True), lambda: layer(False), repeats)
+            rows.append(f"| {name} | {tokens} | {call / 20 * 1e3:.3f} | {loop / 20 * 1e3:.3f} | {1 / ratio:.2f}× |")
+    cpu_moe._moe_quant = kernel
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
@@ -460,10 +499,13 @@ def main() -> None:
     p.add_argument("--prompt-only", action="store_true", help="only the prompt-attention table")
     p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear tables")
     p.add_argument("--quant-only", action="store_true", help="only the quantized linear and decode tables")
+    p.add_argument("--moe-quant-only", action="store_true", help="only the quantized experts' table")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.quant_only:
         tables = [quant_table, quant_rows_table, decode_table]
+    elif args.moe_quant_only:
+        tables = [moe_quant_table]
     elif args.linear_only:
         tables = [linear_table]
     elif args.prompt_only:
