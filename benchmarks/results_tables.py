@@ -528,6 +528,7 @@ LLAMA_CPP = [
     "llama_cpp/smollm2_q4_1_zen5.json",
     "llama_cpp/smollm2_q4_1_zen4.json",
     "llama_cpp/smollm2_q4_1_zen3.json",
+    "llama_cpp/qwen3moe_random_q4_0_spr.json",
 ]
 LLAMA_CPP_MEASURES = {
     "decode": "one stream, decode",
@@ -563,7 +564,7 @@ def llama_cpp() -> str:
             ratio, floor = m["median_ratio"], d["floors"][key]
             body.append(
                 [
-                    host(d["machine"]),
+                    host(d["machine"]) + ("" if d["model"].startswith("SmolLM2") else f"; {d['model']}"),
                     label,
                     f"{num(median(m['fastgen_tokens_per_s']), 1)} tok/s",
                     f"{num(median(m['llama_cpp_tokens_per_s']), 1)} tok/s",
