@@ -26,6 +26,7 @@ from .lora import LoraWeights
 from .lora_pool import LoraPool
 from .model_runner import ModelRunner
 from .models import DecoderModel, ModelConfig
+from .models.moe import FusedExperts
 from .parallel import TPGroup
 from .sampler import SamplingRow, sample
 from .scheduler import Scheduler
@@ -180,6 +181,14 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     if config.lora.enable_lora:  # before packing: an adapted gate/up layer keeps the activation apart
         lora = LoraWeights(model, config.lora.max_loras, config.lora.max_lora_rank)
     model.pack_weights()
+    unsplit = [m.dequantized_why for m in model.modules() if isinstance(m, FusedExperts) and m.dequantized_why]
+    if unsplit:
+        log.warning(
+            "rank %d serves the file's experts dequantized to the dtype: %s; --enable-expert-parallel keeps each "
+            "rank's experts whole, in their blocks",
+            tp.rank,
+            unsplit[0],
+        )
 
     attn = model.layers[0].self_attn
     block_size = config.cache.block_size

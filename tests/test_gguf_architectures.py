@@ -100,6 +100,34 @@ def test_gguf_experts_in_their_blocks_under_tensor_and_expert_parallelism(tmp_pa
                 assert_matches([SimpleNamespace(token_ids=t) for t in run["tokens"]], refs)
 
 
+def test_experts_whose_rank_slice_splits_a_block_are_dequantized_and_said():
+    """Rank 1 of 2 of experts 96 wide: its down columns [48, 96) cut Q8_0 blocks of 32, so that expert part is
+    dequantized, the layer's experts are served in float (QuantExperts holds all or none), and the reason is kept for
+    the replica's log; rank 0's gate/up rows alone would have kept their blocks."""
+    from fastgen.kernels.cpu import CPU_KERNELS
+    from fastgen.kernels.quant import quantize_per_channel
+    from fastgen.replica.models.moe import FusedExperts, MoEConfig
+    from fastgen.replica.parallel import TPGroup
+
+    moe = MoEConfig(num_experts=2, experts_per_token=1, intermediate_size=96, renormalize=True, sparse_layers=(True,))
+    experts = FusedExperts(moe, 64, TPGroup(1, 2), False, CPU_KERNELS)
+    g = torch.Generator().manual_seed(0)
+    values = {}
+    for e in range(2):
+        for proj, shape in (("gate_proj", (96, 64)), ("up_proj", (96, 64)), ("down_proj", (64, 96))):
+            blocks = quantize_per_channel(torch.randn(shape, generator=g))
+            assert blocks is not None
+            values[e, proj] = blocks.dequantize()
+            assert experts.load_expert(e, proj, blocks) == [3 * e + ("gate_proj", "up_proj", "down_proj").index(proj)]
+    assert experts.dequantized_why is not None and "from column 48" in experts.dequantized_why
+    experts.pack()
+    assert not isinstance(experts.packed, QuantExperts) and not experts.shipped
+    w13, w2 = (experts.w13, experts.w2) if experts.w13 is not None else experts.packed.unpacked()  # float, packed
+    for e in range(2):  # this rank's rows 48-95 of gate and up, columns 48-95 of down
+        assert torch.equal(w13[e], torch.cat([values[e, "gate_proj"][48:], values[e, "up_proj"][48:]]))
+        assert torch.equal(w2[e], values[e, "down_proj"][:, 48:])
+
+
 @pytest.mark.slow
 def test_a_mixtral_gguf_is_read_block_by_block_and_matches_transformers(tmp_path):
     """llama.cpp writes Mixtral as a "llama" file with experts, which transformers converts as a dense Llama (wrong

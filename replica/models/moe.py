@@ -70,6 +70,8 @@ class FusedExperts(nn.Module):
         self.quantized: tuple[list, list] | None = None  # per expert, gate/up and down rows quantized at load
         # a GGUF's blocks as shipped, by part (3 e + 0 | 1 | 2: gate, up, down rows of this rank), until pack()
         self.shipped: dict[int, QuantizedTensor] = {}
+        # why the file's expert blocks were dequantized instead (a tensor-parallel slice between blocks), for the log
+        self.dequantized_why: str | None = None
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor | QuantizedTensor) -> list[int]:
         """One expert's gate_proj/up_proj (intermediate, hidden) or down_proj (hidden, intermediate) from a
@@ -88,6 +90,11 @@ class FusedExperts(nn.Module):
         ):
             self.shipped[part] = tensor.narrow(1, r, n) if proj == "down_proj" else tensor.narrow(0, r, n)
             return [part]
+        if isinstance(tensor, QuantizedTensor) and self.kernels.pack_quantized_experts is not None:
+            self.dequantized_why = (
+                f"this rank's {n} columns of the experts' down projection from column {r} do not fall between its "
+                f"{tensor.name} blocks"
+            )
         if isinstance(tensor, QUANTIZED):
             tensor = tensor.dequantize()
         assert isinstance(tensor, torch.Tensor)
