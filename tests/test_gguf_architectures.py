@@ -38,6 +38,19 @@ PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 2, 3, 700, 800, 900, 1000, 77, 5]
 NEW = 12
 
 
+def preempting_pipeline(gguf):
+    """The file served as shipped in float32, prompts split across passes, a KV pool small enough to preempt."""
+    return pipeline(
+        str(gguf),
+        dtype="float32",
+        quantization="auto",
+        max_batch_tokens=16,
+        block_size=4,
+        num_blocks=40,
+        progress=False,
+    )
+
+
 def embedded_tokenizer() -> None:
     from fastgen.replica.weights import gguf_file
 
@@ -68,15 +81,7 @@ def test_gguf_experts_are_served_in_their_blocks_and_match_transformers(tmp_path
     gguf = tiny_gguf(tmp_path / f"{architecture}.gguf", architecture)
     prompts = PROMPTS + random_prompts(4, random.Random(3), 20, 50)
     refs = hf_greedy(resolve_model(str(gguf)), prompts, NEW)
-    pipe = pipeline(
-        str(gguf),
-        dtype="float32",
-        quantization="auto",
-        max_batch_tokens=16,
-        block_size=4,
-        num_blocks=40,
-        progress=False,
-    )
+    pipe = preempting_pipeline(gguf)
     experts = pipe.engine.runner.model.layers[1].mlp.experts
     assert isinstance(experts.packed, QuantExperts) and experts.w13 is None and experts.w2 is None
     assert {w.name for _, w, _ in experts.packed.w13[0].slabs + experts.packed.w2[-1].slabs} == {"Q8_0"}
@@ -139,15 +144,7 @@ def test_a_mixtral_gguf_is_read_block_by_block_and_matches_transformers(tmp_path
     assert gguf_architecture(gguf) == "llama (mixture of experts)"
     prompts = PROMPTS + random_prompts(4, random.Random(5), 20, 50)
     refs = hf_greedy(reference, prompts, NEW)
-    pipe = pipeline(
-        str(gguf),
-        dtype="float32",
-        quantization="auto",
-        max_batch_tokens=16,
-        block_size=4,
-        num_blocks=40,
-        progress=False,
-    )
+    pipe = preempting_pipeline(gguf)
     model = pipe.engine.runner.model
     assert model.config.moe is not None and model.config.moe.num_experts == 4
     assert isinstance(model.layers[1].mlp.experts.packed, QuantExperts)
