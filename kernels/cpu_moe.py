@@ -223,6 +223,7 @@ def pack_quantized_experts(w13: list, w2: list) -> QuantExperts | None:
 
 @functools.cache
 def _moe_quant() -> clib.CLibrary | None:
+    """The library where csrc/moe_quant.c runs for float32 or bfloat16 here (its SiLU kernel built), else None."""
     library = clib.get_library()
     return (
         library if library is not None and (library.moe_quant_available(0) or library.moe_quant_available(1)) else None
