@@ -26,8 +26,10 @@
    against the host's read bandwidth (a float32 sum over 1 GiB); decode rows also in bfloat16, which take the
    int8-activation kernel (kernels/csrc/linear_q8.c) where the CPU has AVX-512 VNNI, and a bfloat16 prompt, which
    takes one bfloat16 GEMM on the weights dequantized for the call where the CPU has AMX or AVX-512 BF16.
-   Then the bfloat16 rows' crossover: the file's layers (LM head aside) at 1 to 128 rows through each path: the
-   exact kernel, int8 activations, dequantized per call then a bfloat16 GEMM, and bfloat16 weights held (none).
+   Then the bfloat16 rows' crossover (also alone: --quant-rows-only): the file's layers (LM head aside) at 1 to 128
+   rows through each path: the exact kernel, int8 activations (VNNI, and on AMX-INT8 tiles where the CPU has them:
+   kernels/csrc/linear_amx_q8.c, the fused decode layer's past 8 decode rows), dequantized per call then a bfloat16
+   GEMM, dequantized in panels into the GEMM's tiles, and bfloat16 weights held (none).
 7. One stream's decode through the whole engine (--quant-only): tokens/s of the embedded model served quantized
    (quantization auto, bfloat16 and float32) against dequantized to bfloat16 (none), the same prompt, greedy, EOS
    ignored.
@@ -347,7 +349,7 @@ def quant_table(repeats: int) -> list[str]:
     return rows
 
 
-QUANT_ROWS = (1, 8, 16, 24, 32, 48, 64, 96, 128)
+QUANT_ROWS = (1, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def quant_rows_table(repeats: int) -> list[str]:
@@ -372,15 +374,18 @@ def quant_rows_table(repeats: int) -> list[str]:
     held = [cpu.pack_weight(p.dequantized_bf16()) for p in layers]
     threads, weights = torch.get_num_threads(), sum(p.out_features * p.in_features for p in layers)
 
-    def int8(x, p):  # quant_linear's int8 branch at any number of rows (it takes it up to INT8_MAX_ROWS)
+    def int8(x, p, amx=False):  # quant_linear's int8 branch at any number of rows (it takes it up to INT8_MAX_ROWS)
         y = torch.empty((x.shape[0], p.out_features), dtype=torch.bfloat16)
         for c in p.calls:
+            run = quant.amx_int8_kernel() if amx else c.run_int8
             args = (c.weight, c.weight_stride, None, y.data_ptr() + 2 * c.start, p.out_features, x.shape[0], c.rows)
-            assert c.run_int8(x.data_ptr(), x.stride(0), *args, p.in_features, c.qtype, threads) == 0
+            assert run(x.data_ptr(), x.stride(0), *args, p.in_features, c.qtype, threads) == 0
 
     paths = {
         "exact float32 kernel": lambda xs, x32: [quant.quant_linear(x32[p.in_features], p, None) for p in layers],
         "int8 activations": lambda xs, x32: [int8(xs[p.in_features], p) for p in layers],
+        # the fused decode layer's projections past INT8_MAX_ROWS decode rows (csrc/linear_amx_q8.c)
+        "int8 activations, AMX": lambda xs, x32: [int8(xs[p.in_features], p, amx=True) for p in layers],
         "dequantized per call, bf16 GEMM": lambda xs, x32: [
             F.linear(xs[p.in_features], p.dequantized_bf16()) for p in layers
         ],
@@ -394,6 +399,8 @@ def quant_rows_table(repeats: int) -> list[str]:
     }
     if not all(p.int8 for p in layers):
         del paths["int8 activations"]
+    if not all(p.int8 for p in layers) or quant.amx_int8_kernel() is None:
+        del paths["int8 activations, AMX"]
     if quant.fused_bf16_kernel() is None:
         del paths["dequantized in panels, fused"]
     inputs = {}
@@ -500,12 +507,15 @@ def main() -> None:
     p.add_argument("--linear-f32-only", action="store_true", help="only the float32 linear tables")
     p.add_argument("--quant-only", action="store_true", help="only the quantized linear and decode tables")
     p.add_argument("--moe-quant-only", action="store_true", help="only the quantized experts' table")
+    p.add_argument("--quant-rows-only", action="store_true", help="only the bfloat16 rows' crossover table")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.quant_only:
         tables = [quant_table, quant_rows_table, decode_table]
     elif args.moe_quant_only:
         tables = [moe_quant_table]
+    elif args.quant_rows_only:
+        tables = [quant_rows_table]
     elif args.linear_only:
         tables = [linear_table]
     elif args.prompt_only:

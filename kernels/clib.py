@@ -52,6 +52,7 @@ SOURCES = [
         "elementwise_f32.c",
         "linear_quant.c",
         "linear_q8.c",
+        "linear_amx_q8.c",
         "decode_layer.c",
         "moe.c",
         "moe_bf16.c",
@@ -71,6 +72,7 @@ HEADERS = [
         "entry_points.h",
         "bf16.h",
         "moe_groups.h",
+        "q8_block.h",
     )
 ]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the
@@ -293,6 +295,8 @@ class CLibrary:
     linear_q8_available: Callable[[], int] = entry()
     linear_q8_f32: Callable[..., int] = entry(**QUANT_LINEAR)
     linear_q8_bf16: Callable[..., int] = entry(**QUANT_LINEAR)
+    linear_amx_q8_available: Callable[[], int] = entry()
+    linear_amx_q8_bf16: Callable[..., int] = entry(**QUANT_LINEAR)
     decode_layer_q8_bf16: Callable[..., int] = entry(
         x=POINTER,
         residual=POINTER,

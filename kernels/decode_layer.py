@@ -5,8 +5,10 @@ The model offers each layer's parts once, after packing (`DecodeLayerParts`); a 
 with a `FusedDecodeLayer` where the whole layer fits the C kernel, else None (the layer runs module by module, as on
 every other path). The C kernel calls the same kernels as that path, in the same order, so the results are the same
 bits: what it removes is the Python between them, about as long as the weights' reads in a small model's decode
-step. A call returns None for a batch it does not take (prompt rows, more rows than a decode batch, another dtype),
-and the layer runs module by module."""
+step. Past INT8_MAX_ROWS decode rows (to `decode_rows()`) the C layer's projections take int8 activations on AMX-INT8
+tiles, where the module path, which cannot tell decode rows from prompt rows, runs a bfloat16 GEMM: for those batches
+the results are the fused layer's own. A call returns None for a batch it does not take (prompt rows, more rows than
+a decode batch, another dtype), and the layer runs module by module."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from . import clib
 from .attention import AttentionMetadata
-from .quant import INT8_MAX_ROWS, QuantLinear
+from .quant import AMX_INT8_MAX_ROWS, INT8_MAX_ROWS, QuantLinear, amx_int8_kernel
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class FusedDecodeLayer:
         None in the first layer); None for a batch this path does not take."""
         rows, hidden = x.shape
         if not (
-            0 < rows <= INT8_MAX_ROWS
+            0 < rows <= decode_rows()
             and meta.num_decodes == rows == len(meta.seq_lens_host)
             and x.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
             and x.is_contiguous()
@@ -96,6 +98,12 @@ class FusedDecodeLayer:
             torch.get_num_threads(),
         )
         return (out, residual_out) if status == 0 else None
+
+
+def decode_rows() -> int:
+    """The most decode rows the fused layer takes: AMX_INT8_MAX_ROWS where its linear layers have AMX-INT8 past
+    INT8_MAX_ROWS rows (csrc/decode_layer.c), else INT8_MAX_ROWS (VNNI's loop, whose cost grows with every row)."""
+    return AMX_INT8_MAX_ROWS if amx_int8_kernel() is not None else INT8_MAX_ROWS
 
 
 def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:

@@ -15,11 +15,14 @@ A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc
 AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
 with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
 more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
-A bfloat16 batch of `bf16_gemm_rows()` rows or more (12 with AMX, 9 with AVX-512 BF16 alone) takes one bfloat16 GEMM
-on the layer's values rounded to bfloat16 instead: past those rows the exact kernels are bound by arithmetic, not by
-the weights' reads. That is csrc/linear_quant.c's fused path (`fused_bf16_linear`), which dequantizes 64 rows at a
-time into the tiles of the dense bfloat16 layers' kernel (AMX's with AMX, else vdpbf16ps's) and never writes the layer
-out whole; where neither runs, oneDNN's GEMM on the layer dequantized for the call."""
+A decode batch of a few dozen rows past that (to `AMX_INT8_MAX_ROWS`) takes csrc/linear_amx_q8.c in the fused decode
+layer (kernels/decode_layer.py) where the process may use AMX-INT8: the same rounding of the activations, each
+block's products on the matrix engine's int8 tiles. Other bfloat16 batches of `bf16_gemm_rows()` rows or more (12
+with AMX, 9 with AVX-512 BF16 alone) take one bfloat16 GEMM on the layer's values rounded to bfloat16 instead: past
+those rows the exact kernels are bound by arithmetic, not by the weights' reads. That is csrc/linear_quant.c's fused
+path (`fused_bf16_linear`), which dequantizes 64 rows at a time into the tiles of the dense bfloat16 layers' kernel
+(AMX's with AMX, else vdpbf16ps's) and never writes the layer out whole; where neither runs, oneDNN's GEMM on the
+layer dequantized for the call."""
 
 from __future__ import annotations
 
@@ -61,6 +64,14 @@ INT8_MAX_ROWS = 8
 #     on the embedded Q4_1 layers (13.0 against 13.3 and 13.2 ms) and took 0.54x the exact kernel's time at 16,
 #     0.40x at 64; so from the first row count int8 activations do not take. Zen 5 (the same kernels) not measured.
 BF16_GEMM_ROWS = {"amx_bf16": 12, "avx512_bf16": INT8_MAX_ROWS + 1}
+# The most decode rows the fused decode layer takes where csrc/linear_amx_q8.c (int8 activations on AMX-INT8 tiles)
+# runs, past INT8_MAX_ROWS: from benchmarks/cpu_kernels.py --quant-only's crossover, Intel Xeon with AMX,
+# 2026-12-07, the file's Q4_1 layers (106M weights), 1 thread: 14.9 ms against the exact kernel's 22.5 at 12 rows,
+# 15.8 against the fused GEMM's 25.3 at 16, 22.3 against 26.6 at 32, 28.6 against 29.9 at 48 (2 threads: 18.8
+# against 17.8). Each 32-value block's int32 products leave the tiles to be scaled, which past a few row tiles costs
+# more than dequantizing the layer into bfloat16 tiles once. At 8 rows or fewer VNNI's loop is as fast or faster.
+# Prompt rows never take int8 past INT8_MAX_ROWS (a first token's outsized activations lose most to the rounding).
+AMX_INT8_MAX_ROWS = 32
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -291,6 +302,14 @@ def bf16_gemm_rows() -> int | None:
     flags = set(clib.cpu_identity()[1])
     rows = next((rows for flag, rows in BF16_GEMM_ROWS.items() if flag in flags), None)
     return rows if rows is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
+@functools.cache
+def amx_int8_kernel() -> Callable[..., int] | None:
+    """csrc/linear_amx_q8.c's entry point where this process may use AMX-INT8 (linear_q8_bf16's arguments), else
+    None."""
+    library = clib.get_library()
+    return library.linear_amx_q8_bf16 if library is not None and library.linear_amx_q8_available() else None
 
 
 @functools.cache

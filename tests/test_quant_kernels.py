@@ -291,6 +291,74 @@ def test_only_bfloat16_decode_rows_take_int8_activations():
     assert torch.equal(quant.quant_linear(wide[:, :256], packed, None), decode[:5])
 
 
+# --- kernels/csrc/linear_amx_q8.c: int8 activations on AMX-INT8 tiles for a few dozen bfloat16 rows ---
+
+
+def amx_int8_library():
+    library = int8_library()
+    if not library.linear_amx_q8_available():
+        pytest.skip("this CPU has no AMX-INT8 (or Linux refused this process the tile state)")
+    return library
+
+
+def bf16_linear(run, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
+    rows, n = x.shape[0], w.shape[0]
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    status = run(
+        x.data_ptr(), x.stride(0), w.data.data_ptr(), w.data.stride(0),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows, n, w.shape[1], w.qtype, threads,
+    )  # fmt: skip
+    assert status == 0
+    return y
+
+
+@pytest.mark.parametrize("name", INT8_TYPES)
+@pytest.mark.parametrize("rows,k,n", [(20, 576, 37), (9, 1536, 64), (32, 544, 16), (1, 64, 5)])
+def test_amx_int8_is_llamas_rounding_times_the_weights(name, rows, k, n):
+    """The activations rounded as the VNNI kernel rounds them (q8_block.h), each block's product exact: within a
+    bfloat16 step of the VNNI kernel's result (the same products, summed in another order), and the rounding's cost
+    against the unrounded product about a part in a thousand. Row tiles past m, a last group of fewer than 16 weight
+    rows, and k of 2 to 48 blocks included."""
+    library = amx_int8_library()
+    w = random_blocks(name, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    weight = torch.from_numpy(reference(w)).double()
+    y = bf16_linear(library.linear_amx_q8_bf16, x, w, bias).double()
+    vnni = torch.cat([bf16_linear(library.linear_q8_bf16, x[i : i + 8], w, bias) for i in range(0, rows, 8)]).double()
+    scale = x.double().abs() @ weight.abs().T + bias.double().abs()  # a sum's size before its terms cancel
+    assert ((y - vnni).abs() <= 2**-7 * vnni.abs() + 1e-5 * scale).all()
+    exact = x.double() @ weight.T + bias.double()
+    assert (y - exact).abs().max() <= 2e-2 * exact.abs().max()
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q8_0"])
+def test_amx_int8_rows_do_not_depend_on_their_batch_or_the_threads(name):
+    """A row alone (a tile of one row and 15 of padding) equals the same row in batches of two row tiles, on any
+    thread count."""
+    library = amx_int8_library()
+    w = random_blocks(name, 71, 800)
+    x = torch.randn(24, 800, generator=torch.Generator().manual_seed(3)).bfloat16()
+    alone = torch.cat([bf16_linear(library.linear_amx_q8_bf16, x[i : i + 1], w, threads=1) for i in range(len(x))])
+    for rows in (9, 17, 24):
+        for threads in (1, 2, 3):
+            got = bf16_linear(library.linear_amx_q8_bf16, x[:rows], w, threads=threads)
+            assert torch.equal(got, alone[:rows]), (rows, threads)
+
+
+def test_amx_int8_declines_what_it_does_not_read():
+    library = amx_int8_library()
+    x = torch.randn(12, 256).bfloat16()
+    y = torch.empty(12, 4, dtype=torch.bfloat16)
+    w = random_blocks("Q4_K", 4, 256)
+    args = [x.data_ptr(), 256, w.data.data_ptr(), w.data.stride(0), None, y.data_ptr(), 4, 12, 4]
+    assert library.linear_amx_q8_bf16(*args, 256, w.qtype, 1) == -1  # K-quants: the GEMM or the exact path
+    w = random_blocks("Q4_0", 4, 64)
+    args[2], args[3] = w.data.data_ptr(), w.data.stride(0)
+    assert library.linear_amx_q8_bf16(*args, 48, w.qtype, 1) == -1  # k not a whole number of blocks
+    assert library.linear_amx_q8_bf16(*args, 64, w.qtype, 1) == 0
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_bfloat16_weights_are_the_dequantized_ones_rounded(name):
     """A bfloat16 prompt's GEMM operand: gguf's values rounded to nearest even, as torch rounds them."""

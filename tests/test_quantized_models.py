@@ -290,6 +290,45 @@ def test_fused_decode_layers_give_the_module_by_module_bits():
 
 
 @pytest.mark.slow
+def test_larger_decode_batches_take_amx_int8_in_the_fused_layer(monkeypatch):
+    """A decode batch of more than INT8_MAX_ROWS rows runs the fused layer's projections on AMX-INT8 tiles
+    (csrc/linear_amx_q8.c): the same tokens and log-probabilities, bit for bit, as module by module with those
+    projections of such a batch through the same kernel, and not the module path's own (a bfloat16 GEMM there)."""
+    from fastgen.kernels import cpu, quant
+    from fastgen.kernels.decode_layer import decode_rows
+
+    if quant.amx_int8_kernel() is None:
+        pytest.skip("this CPU has no AMX-INT8 (or Linux refused this process the tile state)")
+    pipe = quantized_pipeline(dtype="bfloat16")
+    layers = pipe.engine.runner.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    prompts = [f"{prompt} ({i})" for i in range(3) for prompt in PROMPTS]
+    assert quant.INT8_MAX_ROWS < len(prompts) <= decode_rows()
+
+    def generate():
+        outs = pipe(prompts, max_new_tokens=TOKENS, min_new_tokens=TOKENS, logprobs=0)
+        return [(o.token_ids, [t.logprob for t in o.logprobs]) for o in outs]
+
+    fused = generate()
+    projections = {id(p) for layer in layers for p in (layer.fused.parts.qkv, layer.fused.parts.o,
+                   layer.fused.parts.gate_up, layer.fused.parts.down)}  # fmt: skip
+    for layer in layers:
+        layer.fused = None
+    assert generate() != fused  # the module path: a bfloat16 GEMM for those batches
+    module_path = cpu.quant_linear
+
+    def projections_on_amx(x, packed, bias):
+        if id(packed) in projections and quant.INT8_MAX_ROWS < x.shape[0] <= decode_rows():  # the decode steps
+            y = torch.empty((x.shape[0], packed.out_features), dtype=x.dtype)
+            assert quant.run_slabs(packed, lambda call: quant.amx_int8_kernel(), x.contiguous(), y, None) is None
+            return y
+        return module_path(x, packed, bias)
+
+    monkeypatch.setattr(cpu, "quant_linear", projections_on_amx)
+    assert generate() == fused
+
+
+@pytest.mark.slow
 def test_int8_weights_keep_bfloat16_perplexity():
     """`--quantization int8` (per-channel int8 weights made at load from the float checkpoint): perplexity on the held
     text within 2% of quantization none's in bfloat16, read in prompt-sized chunks and in decode-sized ones."""

@@ -5,11 +5,24 @@
  * (add_rms_norm_bf16, linear_q8_bf16, rotary_write_kv_bf16, decode_attention_bf16, silu_mul_bf16), so its results are
  * theirs bit for bit. What it saves is the Python between them: a decode step of a small model spends as long in
  * ~10 module calls, tensor allocations and ctypes conversions a layer as in its weights' reads
- * (kernels/decode_layer.py decides when a layer takes this path). */
+ * (kernels/decode_layer.py decides when a layer takes this path). A decode batch of more than DECODE_VNNI_ROWS rows
+ * takes the linear layers' int8 products on AMX-INT8 tiles (linear_amx_q8.c, the same rounding of the activations)
+ * where the process may use them: the module path would run such a batch as a bfloat16 GEMM, which keeps prompt
+ * rows (a first token's outsized activations) off int8. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "entry_points.h"
+
+/* The most rows linear_q8.c's VNNI loop takes here: kernels/quant.py's INT8_MAX_ROWS. */
+#define DECODE_VNNI_ROWS 8
+
+static int decode_linear(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, uint16_t *y,
+                         int64_t y_stride, int m, int n, int k, int type, int threads) {
+    if (m > DECODE_VNNI_ROWS && linear_amx_q8_available())
+        return linear_amx_q8_bf16(x, x_stride, w, w_stride, 0, y, y_stride, m, n, k, type, threads);
+    return linear_q8_bf16(x, x_stride, w, w_stride, 0, y, y_stride, m, n, k, type, threads);
+}
 
 /* out (m, hidden) = the layer's MLP output and residual_out (m, hidden) the residual stream after attention, for
  * x (m, hidden), the previous layer's output, and residual (m, hidden) the stream before it (NULL in the first
@@ -45,8 +58,8 @@ int decode_layer_q8_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *
                                    threads);
     const uint16_t *stream_in = residual ? stream : x;
     status = status ? status
-                    : linear_q8_bf16(normed, hidden, qkv, qkv_stride, 0, qkv_out, qkv_width, m, qkv_width, hidden,
-                                     qkv_type, threads);
+                    : decode_linear(normed, hidden, qkv, qkv_stride, qkv_out, qkv_width, m, qkv_width, hidden, qkv_type,
+                                    threads);
     /* one token's row stride is never read: the Python path passes 0 there, and so does this */
     status = status ? status
                     : rotary_write_kv_bf16(qkv_out, qkv_out + q_width, qkv_out + q_width + kv_heads * head_dim,
@@ -56,17 +69,17 @@ int decode_layer_q8_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *
                     : decode_attention_bf16(q_rot, k_cache, v_cache, tables, seq_lens, 0, attn, m, heads, kv_heads,
                                             head_dim, block_size, table_width, scale, 0.f, threads);
     status = status ? status
-                    : linear_q8_bf16(attn, q_width, o, o_stride, 0, o_out, hidden, m, hidden, q_width, o_type, threads);
+                    : decode_linear(attn, q_width, o, o_stride, o_out, hidden, m, hidden, q_width, o_type, threads);
     status = status ? status
                     : add_rms_norm_bf16(o_out, stream_in, post_norm, normed2, residual_out, m, hidden, hidden, eps,
                                         threads);
     status = status ? status
-                    : linear_q8_bf16(normed2, hidden, gate_up, gate_up_stride, 0, gu, 2 * intermediate, m,
-                                     2 * intermediate, hidden, gate_up_type, threads);
+                    : decode_linear(normed2, hidden, gate_up, gate_up_stride, gu, 2 * intermediate, m, 2 * intermediate,
+                                    hidden, gate_up_type, threads);
     status = status ? status : silu_mul_bf16(gu, h, m, intermediate, 2 * intermediate, threads);
     status = status ? status
-                    : linear_q8_bf16(h, intermediate, down, down_stride, 0, out, hidden, m, hidden, intermediate,
-                                     down_type, threads);
+                    : decode_linear(h, intermediate, down, down_stride, out, hidden, m, hidden, intermediate, down_type,
+                                    threads);
     free(scratch);
     return status ? -1 : 0;
 }

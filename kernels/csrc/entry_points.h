@@ -22,6 +22,9 @@ int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t 
 int elementwise_f32_available(void);
 int elementwise_available(void);
 int linear_q8_available(void);
+int linear_amx_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias,
+                       uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads);
+int linear_amx_q8_available(void);
 /* The vdpbf16ps linear kernel's parts (linear_dpbf16.c), for the quantized layers' fused prompt path
  * (linear_quant.c): a column group of at most 4 packed 16-column blocks against m rows, and rows packed into tiles. */
 void dpbf16_column_group(const uint16_t *x, int64_t x_stride, const uint16_t *tiles, int kblocks, const uint16_t *bias,

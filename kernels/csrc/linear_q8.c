@@ -27,6 +27,7 @@
 #include "bf16.h"
 #include "entry_points.h"
 #include "parallel.h"
+#include "q8_block.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
     defined(__AVX512DQ__) && defined(__F16C__)
@@ -95,16 +96,7 @@ static void quantize_row(const float *x, int k, int type, row_q8 r, int padded_b
     const int blocks = k / 32;
     for (int b = 0; b < padded_blocks; b++) {
         int8_t q[32] = {0};
-        float d = 0;
-        if (b < blocks) {
-            const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            d = amax / 127.f;
-            const __m512 id = _mm512_set1_ps(d != 0 ? 127.f / amax : 0.f);
-            /* cvtps rounds to nearest, ties to even (the default MXCSR mode torch leaves alone) */
-            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, id))));
-            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, id))));
-        }
+        const float d = b < blocks ? q8_block(x + 32 * b, q) : 0.f;
         int sum = 0;
         for (int j = 0; j < 32; j++) sum += q[j];
         r.sums[b] = d * (float)sum;
