@@ -664,8 +664,8 @@ def structured() -> str:
 
 # ---- 17. served against vLLM ----
 SERVED_VLLM = [
-    "against_vllm/defaults_xeon_amx_before.json",
     "against_vllm/defaults_xeon_amx.json",
+    "against_vllm/defaults_xeon_amx_int8.json",
     "against_vllm/defaults_zen4.json",
 ]
 SERVED_FLOORS = {"throughput": (1.0, 1.2), "ttft_p50_ms": 0.8}  # (at 1 client, from 4 up); TTFT from 4 up
