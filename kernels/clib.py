@@ -73,6 +73,7 @@ HEADERS = [
         "bf16.h",
         "moe_groups.h",
         "q8_block.h",
+        "ggml_blocks.h",
     )
 ]
 # Reassociation lets the compiler vectorise the portable loops' reductions; no finite-math assumptions (the

@@ -203,15 +203,20 @@ def int8_library():
     return library
 
 
-def int8_linear(library, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
+def linear_call(run, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
+    """y = x w^T (+ bias) by one of the kernels' QUANT_LINEAR entry points, y in x's dtype."""
     rows, n = x.shape[0], w.shape[0]
-    y = torch.empty((rows, n), dtype=torch.float32)
-    status = library.linear_q8_f32(
+    y = torch.empty((rows, n), dtype=x.dtype)
+    status = run(
         x.data_ptr(), x.stride(0), w.data.data_ptr(), w.data.stride(0),
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows, n, w.shape[1], w.qtype, threads,
     )  # fmt: skip
     assert status == 0
     return y
+
+
+def int8_linear(library, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
+    return linear_call(library.linear_q8_f32, x, w, bias, threads)
 
 
 def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -301,17 +306,6 @@ def amx_int8_library():
     return library
 
 
-def bf16_linear(run, x, w: quant.QuantizedTensor, bias=None, threads=2) -> torch.Tensor:
-    rows, n = x.shape[0], w.shape[0]
-    y = torch.empty((rows, n), dtype=torch.bfloat16)
-    status = run(
-        x.data_ptr(), x.stride(0), w.data.data_ptr(), w.data.stride(0),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), n, rows, n, w.shape[1], w.qtype, threads,
-    )  # fmt: skip
-    assert status == 0
-    return y
-
-
 @pytest.mark.parametrize("name", INT8_TYPES)
 @pytest.mark.parametrize("rows,k,n", [(20, 576, 37), (9, 1536, 64), (32, 544, 16), (1, 64, 5)])
 def test_amx_int8_is_llamas_rounding_times_the_weights(name, rows, k, n):
@@ -324,8 +318,8 @@ def test_amx_int8_is_llamas_rounding_times_the_weights(name, rows, k, n):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
     weight = torch.from_numpy(reference(w)).double()
-    y = bf16_linear(library.linear_amx_q8_bf16, x, w, bias).double()
-    vnni = torch.cat([bf16_linear(library.linear_q8_bf16, x[i : i + 8], w, bias) for i in range(0, rows, 8)]).double()
+    y = linear_call(library.linear_amx_q8_bf16, x, w, bias).double()
+    vnni = torch.cat([linear_call(library.linear_q8_bf16, x[i : i + 8], w, bias) for i in range(0, rows, 8)]).double()
     scale = x.double().abs() @ weight.abs().T + bias.double().abs()  # a sum's size before its terms cancel
     assert ((y - vnni).abs() <= 2**-7 * vnni.abs() + 1e-5 * scale).all()
     exact = x.double() @ weight.T + bias.double()
@@ -339,10 +333,10 @@ def test_amx_int8_rows_do_not_depend_on_their_batch_or_the_threads(name):
     library = amx_int8_library()
     w = random_blocks(name, 71, 800)
     x = torch.randn(24, 800, generator=torch.Generator().manual_seed(3)).bfloat16()
-    alone = torch.cat([bf16_linear(library.linear_amx_q8_bf16, x[i : i + 1], w, threads=1) for i in range(len(x))])
+    alone = torch.cat([linear_call(library.linear_amx_q8_bf16, x[i : i + 1], w, threads=1) for i in range(len(x))])
     for rows in (9, 17, 24):
         for threads in (1, 2, 3):
-            got = bf16_linear(library.linear_amx_q8_bf16, x[:rows], w, threads=threads)
+            got = linear_call(library.linear_amx_q8_bf16, x[:rows], w, threads=threads)
             assert torch.equal(got, alone[:rows]), (rows, threads)
 
 

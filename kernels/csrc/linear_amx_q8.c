@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "entry_points.h"
+#include "ggml_blocks.h"
 #include "parallel.h"
 #include "q8_block.h"
 
@@ -38,7 +39,6 @@
 #define AMX_Q8 0
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 
 /* Weights per extra thread below which one thread runs the call. */
 #define MIN_WORK_PER_THREAD (1 << 18)
@@ -52,22 +52,6 @@ int linear_amx_q8_available(void) {
 }
 
 #if AMX_Q8
-static int block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    default: return 0;
-    }
-}
-
-/* Where a block's quants start (after d, m and the fifth bits qh). */
-static inline int quants_at(int type) {
-    return type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2;
-}
-
 /* Dwords [4 h, 4 h + 4) of 16 rows' 16-byte pieces (row j's at p + j ws) as 4 vectors: vector r holds dword 4 h + r of
  * rows 0-15 in order (a 16 x 4 transpose of dwords: rows into 128-bit lanes, a permute within each vector, then the
  * lanes across the 4). */
@@ -181,35 +165,15 @@ static inline __attribute__((always_inline)) void column_group(int type, const u
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int b0 = 0; b0 < blocks; b0 += CHUNK) {
             const int nb = blocks - b0 < CHUNK ? blocks - b0 : CHUNK;
-            /* two sets of tiles in turn, each block's store issued after the next block's product, so neither waits
-             * for the other's latency */
-            for (int b = b0; b <= b0 + nb; b++) {
-                if (b < b0 + nb) {
-                    const int8_t *xb = xq + (int64_t)r0 * k + 32 * b;
-                    if ((b - b0) % 2 == 0) {
-                        _tile_loadd(0, xb, k);
-                        _tile_loadd(1, tiles + 512 * b, 64);
-                        _tile_zero(2);
-                        if (type == Q4_1 || type == Q5_1)
-                            _tile_dpbsud(2, 0, 1);
-                        else
-                            _tile_dpbssd(2, 0, 1);
-                    } else {
-                        _tile_loadd(3, xb, k);
-                        _tile_loadd(4, tiles + 512 * b, 64);
-                        _tile_zero(5);
-                        if (type == Q4_1 || type == Q5_1)
-                            _tile_dpbsud(5, 3, 4);
-                        else
-                            _tile_dpbssd(5, 3, 4);
-                    }
-                }
-                if (b > b0) {
-                    if ((b - 1 - b0) % 2 == 0)
-                        _tile_stored(2, c + 256 * (b - 1 - b0), 64);
-                    else
-                        _tile_stored(5, c + 256 * (b - 1 - b0), 64);
-                }
+            for (int b = b0; b < b0 + nb; b++) {
+                _tile_loadd(0, xq + (int64_t)r0 * k + 32 * b, k);
+                _tile_loadd(1, tiles + 512 * b, 64);
+                _tile_zero(2);
+                if (type == Q4_1 || type == Q5_1)
+                    _tile_dpbsud(2, 0, 1);
+                else
+                    _tile_dpbssd(2, 0, 1);
+                _tile_stored(2, c + 256 * (b - b0), 64);
             }
             /* rows inner: 16 independent sums in flight (one row's blocks in turn would wait on each FMA) */
             for (int b = b0; b < b0 + nb; b++) {
@@ -251,7 +215,7 @@ TYPE_GROUP(Q8_0)
 int linear_amx_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias,
                        uint16_t *y, int64_t y_stride, int m, int n, int k, int type, int threads) {
 #if AMX_Q8
-    const int bb = block_bytes(type);
+    const int bb = int8_block_bytes(type);
     if (!bb || m <= 0 || n <= 0 || k <= 0 || k % 32 || x_stride < k || w_stride < (int64_t)k / 32 * bb ||
         y_stride < n || !amx_granted())
         return -1;
@@ -294,9 +258,6 @@ int linear_amx_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, in
         cfg.rows[0] = 16, cfg.colsb[0] = 32; /* x: 16 rows x one block */
         cfg.rows[1] = 8, cfg.colsb[1] = 64;  /* w: one block of 16 weight rows, 4 bytes a column */
         cfg.rows[2] = 16, cfg.colsb[2] = 64; /* 16 x 16 int32 */
-        cfg.rows[3] = 16, cfg.colsb[3] = 32; /* the second set */
-        cfg.rows[4] = 8, cfg.colsb[4] = 64;
-        cfg.rows[5] = 16, cfg.colsb[5] = 64;
         load_tile_config(&cfg);
         share(groups, thread_index(), thread_count(), &lo, &hi);
         for (int g = lo; g < hi; g++) {

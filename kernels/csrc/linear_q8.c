@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "entry_points.h"
+#include "ggml_blocks.h"
 #include "parallel.h"
 #include "q8_block.h"
 
@@ -41,8 +42,6 @@
 #pragma GCC optimize("no-associative-math")
 #endif
 
-/* ggml type numbers taken here (ggml.h). */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 /* Rows of x one pass over the weights serves; a batch of more rows is cut into strips of this many. */
 #define MAX_ROWS 8
 /* Blocks whose scales are fetched together (one gather), so 4 quads. */
@@ -51,22 +50,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 /* How far ahead of the group being read its lines are fetched (bytes; past a row's end: the next row's). */
 #define PREFETCH_AHEAD 2048
 
-static int block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    default: return 0;
-    }
-}
-
 #if Q8_PATH
-/* Where a block's 16 bytes of nibbles (or 32 quant bytes) start. */
-static inline int quants_at(int type) {
-    return type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : type == Q5_1 ? 8 : 2;
-}
 
 /* The offset a type's unsigned quants carry (weight = d (q - offset)): Q4_0's 8, Q5_0's 16, and Q8_0's 128, whose
  * signed quants are read with their sign bit flipped, so VNNI's unsigned-by-signed product takes them; 0 for the
@@ -285,7 +269,7 @@ int linear_q8_available(void) { return Q8_PATH; }
 static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                      const float *bias, void *y, int y_bf16, int64_t y_stride, int m, int n, int k, int type,
                      int threads) {
-    const int bb = block_bytes(type);
+    const int bb = int8_block_bytes(type);
     if (!Q8_PATH || !bb || m <= 0 || n <= 0 || k <= 0 || k % 32 || x_stride < k || w_stride < (int64_t)k / 32 * bb ||
         y_stride < n)
         return -1;

@@ -24,6 +24,7 @@
 #include "amx_linear.h"
 #include "bf16.h"
 #include "entry_points.h"
+#include "ggml_blocks.h"
 #include "parallel.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -40,30 +41,6 @@
 #pragma GCC optimize("no-associative-math")
 #endif
 
-/* ggml_type numbers of the block types taken (ggml.h). */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-/* Weights per block and bytes per block of each type; 0 for a type not taken. */
-static int block_weights(int type) {
-    switch (type) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
-    case Q4_K: case Q5_K: case Q6_K: return 256;
-    default: return 0;
-    }
-}
-static int block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -598,7 +575,7 @@ static inline __attribute__((always_inline)) void bf16_lookup32(int type, const 
             fifth = _mm512_test_epi16_mask(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16))),
                                            _mm512_set1_epi16((short)(1 << sub)));
     } else { /* weights 0-15 in the low nibbles of the block's 16 bytes, 16-31 in the high ones; qh just before */
-        const int at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+        const int at = quants_at(type);
         const __m128i qs = _mm_loadu_si128((const __m128i *)(b + at));
         low = _mm256_inserti128_si256(_mm256_castsi128_si256(nibbles(qs, 0)), nibbles(qs, 1), 1);
         if (type == Q5_0 || type == Q5_1) {
