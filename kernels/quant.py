@@ -65,11 +65,12 @@ INT8_MAX_ROWS = 8
 #     0.40x at 64; so from the first row count int8 activations do not take. Zen 5 (the same kernels) not measured.
 BF16_GEMM_ROWS = {"amx_bf16": 12, "avx512_bf16": INT8_MAX_ROWS + 1}
 # The most decode rows the fused decode layer takes where csrc/linear_amx_q8.c (int8 activations on AMX-INT8 tiles)
-# runs, past INT8_MAX_ROWS: from benchmarks/cpu_kernels.py --quant-only's crossover, Intel Xeon with AMX,
-# 2026-12-07, the file's Q4_1 layers (106M weights), 1 thread: 14.9 ms against the exact kernel's 22.5 at 12 rows,
-# 15.8 against the fused GEMM's 25.3 at 16, 22.3 against 26.6 at 32, 28.6 against 29.9 at 48 (2 threads: 18.8
-# against 17.8). Each 32-value block's int32 products leave the tiles to be scaled, which past a few row tiles costs
-# more than dequantizing the layer into bfloat16 tiles once. At 8 rows or fewer VNNI's loop is as fast or faster.
+# runs, past INT8_MAX_ROWS: from benchmarks/cpu_kernels.py --quant-rows-only, Intel Xeon with AMX, 2026-12-07, the
+# file's Q4_1 layers (106M weights), 1 thread: 15.2 ms against the fused GEMM's 26.1 (VNNI's 23.3) at 12 rows, 15.2
+# against 25.9 at 16, 22.9 against 28.8 at 32, 29.7 against 32.9 at 48 (2 threads: 19.8 against 20.0), 36.0 against
+# 35.8 at 64. Each 32-value block's int32 products leave the tiles to be scaled, which past a few row tiles costs more
+# than dequantizing the layer into bfloat16 tiles once. At 8 rows VNNI's loop is about as fast (15.6 against 13.9 on
+# one thread, 9.2 against 8.6 on two), and faster below.
 # Prompt rows never take int8 past INT8_MAX_ROWS (a first token's outsized activations lose most to the rounding).
 AMX_INT8_MAX_ROWS = 32
 
