@@ -11,8 +11,8 @@ within each repeat, the order alternating:
 
 - `amx-int8`: the fused decode layer takes decode batches up to kernels/decode_layer.py decode_rows() (32 where the
   process may use AMX-INT8), its projections on csrc/linear_amx_q8.c past 8 rows;
-- `vnni-only`: the fused decode layer only up to INT8_MAX_ROWS (8) rows, as before linear_amx_q8.c: a larger decode
-  batch runs module by module, its projections one bfloat16 GEMM on the layer dequantized in panels.
+- `vnni-only`: the fused decode layers' max_rows set to INT8_MAX_ROWS (8), as before linear_amx_q8.c: a larger
+  decode batch runs module by module, its projections one bfloat16 GEMM on the layer dequantized in panels.
 
 Per run: tokens computed per second (prompt and decode), requests finished per second, steps, mean step time,
 decode and prompt tokens per step. Medians of the repeats, and the median over repeats of amx-int8 / vnni-only's
@@ -97,21 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineArgs(model="smollm2-135m", threads=args.threads).engine_config()
     engine = build_engine(replace(config, cache=replace(config.cache, prefix_caching=False), progress=False))
     warm_up(engine)
-    amx_rows = decode_layer.decode_rows
-    rows_of = {"amx-int8": amx_rows, "vnni-only": lambda: quant.INT8_MAX_ROWS}
+    layers = engine.runner.model.layers
+    fused = {"amx-int8": [layer.fused for layer in layers]}
+    fused["vnni-only"] = [replace(f, max_rows=quant.INT8_MAX_ROWS) for f in fused["amx-int8"]]
+    assert all(f is not None and f.max_rows == decode_layer.decode_rows() for f in fused["amx-int8"])
     clients = [int(c) for c in args.clients.split(",")]
     runs: dict[str, dict[str, list[dict]]] = {str(c): {m: [] for m in MODES} for c in clients}
     for r in range(args.repeats):
         for c in clients:
             for mode in MODES if (r + c) % 2 == 0 else MODES[::-1]:
-                decode_layer.decode_rows = rows_of[mode]  # what FusedDecodeLayer.__call__ asks
+                for layer, f in zip(layers, fused[mode]):
+                    layer.fused = f
                 run = closed_loop(engine, c, args.seconds, seed=1000 * r + c)
                 runs[str(c)][mode].append(run)
                 print(f"repeat {r} clients {c:>3} {mode:>9}: {run['tokens_per_s']:.0f} tok/s, "
                       f"{run['requests_per_s']:.2f} req/s, "
                       f"step {run['step_ms']:.1f} ms, {run['decode_tokens_per_step']:.1f} decode + "
                       f"{run['prompt_tokens_per_step']:.1f} prompt tokens a step", flush=True)  # fmt: skip
-    decode_layer.decode_rows = amx_rows
     medians = {
         c: {m: {k: statistics.median(run[k] for run in by_mode[m]) for k in by_mode[m][0]} for m in MODES}
         for c, by_mode in runs.items()

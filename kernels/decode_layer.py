@@ -5,10 +5,10 @@ The model offers each layer's parts once, after packing (`DecodeLayerParts`); a 
 with a `FusedDecodeLayer` where the whole layer fits the C kernel, else None (the layer runs module by module, as on
 every other path). The C kernel calls the same kernels as that path, in the same order, so the results are the same
 bits: what it removes is the Python between them, about as long as the weights' reads in a small model's decode
-step. Past INT8_MAX_ROWS decode rows (to `decode_rows()`) the C layer's projections take int8 activations on AMX-INT8
-tiles, where the module path, which cannot tell decode rows from prompt rows, runs a bfloat16 GEMM: for those batches
-the results are the fused layer's own. A call returns None for a batch it does not take (prompt rows, more rows than
-a decode batch, another dtype), and the layer runs module by module."""
+step. Past INT8_MAX_ROWS decode rows (to its `max_rows`, `decode_rows()`) the C layer's projections take int8
+activations on AMX-INT8 tiles, where the module path, which cannot tell decode rows from prompt rows, runs a bfloat16
+GEMM: for those batches the results are the fused layer's own. A call returns None for a batch it does not take
+(prompt rows, more rows than a decode batch, another dtype), and the layer runs module by module."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class FusedDecodeLayer:
     parts: DecodeLayerParts
     library: clib.CLibrary
     weights: tuple  # the C call's per-layer arguments, from input_norm to head_dim
+    max_rows: int = INT8_MAX_ROWS  # the most decode rows it takes (decode_rows() where it is made)
 
     def __call__(
         self, x, residual, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache
@@ -52,7 +53,7 @@ class FusedDecodeLayer:
         None in the first layer); None for a batch this path does not take."""
         rows, hidden = x.shape
         if not (
-            0 < rows <= decode_rows()
+            0 < rows <= self.max_rows
             and meta.num_decodes == rows == len(meta.seq_lens_host)
             and x.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
             and x.is_contiguous()
@@ -153,4 +154,4 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
         parts.kv_heads,
         parts.head_dim,
     )
-    return FusedDecodeLayer(parts, library, weights)
+    return FusedDecodeLayer(parts, library, weights, decode_rows())
