@@ -319,6 +319,10 @@ def quant_table(repeats: int) -> list[str]:
     sets = {"file (Q4_1, Q8_0 head)": layers}
     for name in quant.GGML_TYPES:
         sets[name] = [in_type(name, p) for p in layers]
+    # each type's own kernel alone: the layers every type reads whole (ffn_down, 1,536 wide), 26.5M weights
+    downs = [p for p in layers if p.in_features % 256 == 0 and p.out_features < 10000]
+    for name in ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+        sets[f"{name}, ffn_down only"] = [in_type(name, p) for p in downs]
     for label, chosen in sets.items():
         nbytes = sum(p.nbytes for p in chosen)
         int8 = all(p.int8 for p in chosen)

@@ -12,17 +12,18 @@ The kernels take float32 activations and write float32 (every weight dequantized
 rounding of the activations); bfloat16 activations are widened on the way in and rounded on the way out.
 
 A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc/linear_q8.c instead where the CPU has
-AVX-512 VNNI and the type is one of `INT8_TYPES`: the activations rounded to int8 per 32-value block and multiplied
-with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do. bfloat16 activations have already lost
+AVX-512 VNNI (every type here, `INT8_TYPES`): the activations rounded to int8 per 32-value block and multiplied with
+the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do (llama.cpp rounds a K-quant layer's
+activations per 256 values, coarser); from `AMX_INT8_MIN_ROWS` rows the 32-value types' products run on AMX-INT8
+tiles (csrc/linear_amx_q8.c, the same rounding) where the process may use them. bfloat16 activations have already lost
 more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
-A decode batch of a few dozen rows past that (to `AMX_INT8_MAX_ROWS`) takes csrc/linear_amx_q8.c in the fused decode
-layer (kernels/decode_layer.py) where the process may use AMX-INT8: the same rounding of the activations, each
-block's products on the matrix engine's int8 tiles. Other bfloat16 batches of `bf16_gemm_rows()` rows or more (12
-with AMX, 9 with AVX-512 BF16 alone) take one bfloat16 GEMM on the layer's values rounded to bfloat16 instead: past
-those rows the exact kernels are bound by arithmetic, not by the weights' reads. That is csrc/linear_quant.c's fused
-path (`fused_bf16_linear`), which dequantizes 64 rows at a time into the tiles of the dense bfloat16 layers' kernel
-(AMX's with AMX, else vdpbf16ps's) and never writes the layer out whole; where neither runs, oneDNN's GEMM on the
-layer dequantized for the call."""
+A decode batch of a few dozen rows past that (to `AMX_INT8_MAX_ROWS`) of the 32-value types (`AMX_INT8_TYPES`) takes
+csrc/linear_amx_q8.c in the fused decode layer (kernels/decode_layer.py) as well. Other bfloat16 batches of
+`bf16_gemm_rows()` rows or more (12 with AMX, 9 with AVX-512 BF16 alone) take one bfloat16 GEMM on the layer's values
+rounded to bfloat16 instead: past those rows the exact kernels are bound by arithmetic, not by the weights' reads. That
+is csrc/linear_quant.c's fused path (`fused_bf16_linear`), which dequantizes 64 rows at a time into the tiles of the
+dense bfloat16 layers' kernel (AMX's with AMX, else vdpbf16ps's) and never writes the layer out whole; where neither
+runs, oneDNN's GEMM on the layer dequantized for the call."""
 
 from __future__ import annotations
 
@@ -48,8 +49,11 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
 }
 TYPE_NAMES = {number: name for name, (number, _, _) in GGML_TYPES.items()}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
-# Types csrc/linear_q8.c reads, and the most rows of x it is handed (a decode batch).
-INT8_TYPES = frozenset(GGML_TYPES[name][0] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
+# Types csrc/linear_q8.c reads (every one here, the K-quants included), and the most rows of x it is handed (a decode
+# batch).
+INT8_TYPES = frozenset(number for number, _, _ in GGML_TYPES.values())
+# The 32-value types, which csrc/linear_amx_q8.c reads as well.
+AMX_INT8_TYPES = frozenset(number for number, weights, _ in GGML_TYPES.values() if weights == 32)
 INT8_MAX_ROWS = 8
 # The fewest bfloat16 rows that take one GEMM on the layer's values rounded to bfloat16 (the layer dequantized in
 # panels into AMX or vdpbf16ps tiles, fused_bf16_linear) instead of the exact kernels, by the bfloat16 dot products the
@@ -73,6 +77,13 @@ BF16_GEMM_ROWS = {"amx_bf16": 12, "avx512_bf16": INT8_MAX_ROWS + 1}
 # one thread, 9.2 against 8.6 on two), and faster below.
 # Prompt rows never take int8 past INT8_MAX_ROWS (a first token's outsized activations lose most to the rounding).
 AMX_INT8_MAX_ROWS = 32
+# The fewest rows of int8 activations whose products (the 32-value types') take AMX-INT8 tiles rather than VNNI's loop,
+# whose cost per row grows past 6, in quant_linear (to INT8_MAX_ROWS) and the fused decode layer (to AMX_INT8_MAX_ROWS;
+# the same rounding of the activations either way): Intel Xeon with AMX, 2026-12-07, the file's layers but the LM
+# head, 12 alternating passes, VNNI against AMX: 2 threads 8.44 / 8.48 ms at 6 rows, 9.46 / 9.02 at 7, 11.51 / 9.03 at
+# 8; 1 thread 15.20 / 14.89, 16.98 / 14.98, 21.27 / 16.01 (llama.cpp's own Q4_K_M of the file: 17.28 / 16.37,
+# 19.38 / 16.10, 22.80 / 18.19).
+AMX_INT8_MIN_ROWS = 7
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -388,7 +399,14 @@ def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None
     if rows == 0:
         return y.to(dtype)
     bias = None if bias is None else bias.float().contiguous()
-    declined = run_slabs(packed, lambda call: call.run_int8 if int8 else call.run, xk, y, bias)
+    amx = amx_int8_kernel() if int8 and rows >= AMX_INT8_MIN_ROWS else None
+
+    def kernel_of(call: SlabCall) -> Callable[..., int] | None:
+        if not int8:
+            return call.run
+        return amx if amx is not None and call.qtype in AMX_INT8_TYPES else call.run_int8
+
+    declined = run_slabs(packed, kernel_of, xk, y, bias)
     if declined is not None:
         raise RuntimeError(f"the {TYPE_NAMES[declined.qtype].lower()} linear kernel declined its arguments")
     return y if y.dtype == dtype else y.to(dtype)

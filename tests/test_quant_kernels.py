@@ -193,6 +193,7 @@ def test_narrowing_keeps_whole_blocks():
 # --- kernels/csrc/linear_q8.c: int8 activations for decode rows, through the process's library ---
 
 INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def int8_library():
@@ -229,13 +230,18 @@ def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("name", INT8_TYPES)
-@pytest.mark.parametrize("rows,k", [(1, 512), (1, 544), (3, 544), (8, 96), (5, 1536), (1, 64), (2, 576)])
+@pytest.mark.parametrize(
+    "name,rows,k",
+    [(name, rows, k) for name in INT8_TYPES for rows, k in [(1, 512), (1, 544), (3, 544), (8, 96), (5, 1536), (1, 64),
+                                                             (2, 576)]]
+    + [(name, rows, k) for name in K_TYPES for rows, k in [(1, 256), (2, 768), (8, 512), (5, 1536)]],
+)  # fmt: skip
 def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
     """Each row's 32-value blocks rounded to int8 as llama.cpp does, multiplied exactly with the file's quants: the
     float64 product of those rounded activations and gguf's dequantized weights, to float32 summation. k past a
     group of 16 blocks, and rows ending in a quad of 1, 2 (its own half-width path) and 3 blocks (k = 544, 576 and 64,
-    96) included."""
+    96) included; the K-quants' super-blocks (their scales, mins and high bits in every bit pattern) one to six a
+    row."""
     library = int8_library()
     w = random_blocks(name, 37, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
@@ -250,8 +256,9 @@ def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
     assert (y.double() - exact).abs().max() <= 2e-2 * exact.abs().max()
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
-@pytest.mark.parametrize("k", [800, 576])
+@pytest.mark.parametrize(
+    "name,k", [(name, k) for name in ["Q4_0", "Q4_1", "Q5_0", "Q8_0"] for k in [800, 576]] + [(n, 768) for n in K_TYPES]
+)
 def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name, k):
     """A row alone (2 weight rows at a time) equals the same row in a batch (a weight row at a time), on any thread
     count; 25 and 18 blocks: past a group, a last quad of one block and of two (read at half width)."""
@@ -266,11 +273,13 @@ def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name, k):
 
 def test_int8_path_declines_what_it_does_not_read():
     library = int8_library()
-    w = random_blocks("Q4_K", 4, 256)
-    x = torch.randn(2, 256)
+    w = random_blocks("Q4_K", 4, 512)
+    x = torch.randn(2, 512)
     y = torch.empty(2, 4)
-    args = [x.data_ptr(), 256, w.data.data_ptr(), w.data.stride(0), None, y.data_ptr(), 4, 2, 4]
-    assert library.linear_q8_f32(*args, 256, w.qtype, 1) == -1  # K-quants keep the exact path
+    args = [x.data_ptr(), 512, w.data.data_ptr(), w.data.stride(0), None, y.data_ptr(), 4, 2, 4]
+    assert library.linear_q8_f32(*args, 288, w.qtype, 1) == -1  # a K-quant's k not a whole number of super-blocks
+    assert library.linear_q8_f32(*args, 512, 15, 1) == -1  # a type it does not read (Q8_K)
+    assert library.linear_q8_f32(*args, 512, w.qtype, 1) == 0
     w = random_blocks("Q4_0", 4, 64)
     args[2], args[3] = w.data.data_ptr(), w.data.stride(0)
     assert library.linear_q8_f32(*args, 48, w.qtype, 1) == -1  # k not a whole number of blocks
@@ -287,9 +296,12 @@ def test_only_bfloat16_decode_rows_take_int8_activations():
     x = torch.randn(12, 256).bfloat16().float()
     exact = quant.quant_linear(x, packed, None)
     assert torch.equal(exact[:3], quant.quant_linear(x[:3], packed, None))  # float32: exact for few rows too
-    decode = quant.quant_linear(x[:8].bfloat16(), packed, None)
-    assert torch.equal(decode, int8_linear(library, x[:8], w).bfloat16())
-    assert not torch.equal(decode, exact[:8].bfloat16())
+    decode = quant.quant_linear(x[:6].bfloat16(), packed, None)
+    assert torch.equal(decode, int8_linear(library, x[:6], w).bfloat16())
+    assert not torch.equal(decode, exact[:6].bfloat16())
+    eight = quant.quant_linear(x[:8].bfloat16(), packed, None)  # from AMX_INT8_MIN_ROWS on AMX-INT8 where it runs
+    amx = quant.amx_int8_kernel()
+    assert torch.equal(eight, linear_call(amx or library.linear_q8_bf16, x[:8].bfloat16(), w))
     if (quant.bf16_gemm_rows() or 13) > 12:  # 12 rows, a prompt, below the GEMM's rows where it has them (AMX)
         assert torch.equal(quant.quant_linear(x.bfloat16(), packed, None), exact.bfloat16())
     wide = torch.cat([x[:5], torch.randn(5, 256)], dim=1).bfloat16()  # rows of a wider tensor, as split() makes
