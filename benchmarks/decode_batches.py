@@ -9,10 +9,11 @@ cores has one). N clients each keep one request in flight: token ids drawn at ra
 EOS ignored (the served benchmark's shape, benchmarks/against_vllm.py). Two ways of running the decode steps, in turn
 within each repeat, the order alternating:
 
-- `amx-int8`: the fused decode layer takes decode batches up to kernels/decode_layer.py decode_rows() (32 where the
-  process may use AMX-INT8), its projections on csrc/linear_amx_q8.c past 8 rows;
-- `vnni-only`: the fused decode layers' max_rows set to INT8_MAX_ROWS (8), as before linear_amx_q8.c: a larger
-  decode batch runs module by module, its projections one bfloat16 GEMM on the layer dequantized in panels.
+- `amx-int8`: the fused decode layer takes decode batches up to kernels/decode_layer.py decode_rows (32 where the
+  process may use AMX-INT8), its projections on csrc/linear_amx_q8.c from 7 rows (AMX_INT8_MIN_ROWS);
+- `vnni-only`: the fused decode layers' max_rows set to INT8_MAX_ROWS (8) and amx_rows to 0, as before
+  linear_amx_q8.c: a larger decode batch runs module by module, its projections one bfloat16 GEMM on the layer
+  dequantized in panels.
 
 Per run: tokens computed per second (prompt and decode), requests finished per second, steps, mean step time,
 decode and prompt tokens per step. Medians of the repeats, and the median over repeats of amx-int8 / vnni-only's
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from fastgen.kernels import decode_layer, quant
+    from fastgen.kernels import quant
     from fastgen.replica.__main__ import warm_up
     from fastgen.replica.builder import build_engine
     from fastgen.replica.engine_args import EngineArgs
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     warm_up(engine)
     layers = engine.runner.model.layers
     fused = {"amx-int8": [layer.fused for layer in layers]}
-    fused["vnni-only"] = [replace(f, max_rows=quant.INT8_MAX_ROWS) for f in fused["amx-int8"]]
-    assert all(f is not None and f.max_rows == decode_layer.decode_rows() for f in fused["amx-int8"])
+    fused["vnni-only"] = [replace(f, max_rows=quant.INT8_MAX_ROWS, amx_rows=0) for f in fused["amx-int8"]]
+    assert all(f is not None and f.max_rows > quant.INT8_MAX_ROWS for f in fused["amx-int8"])
     clients = [int(c) for c in args.clients.split(",")]
     runs: dict[str, dict[str, list[dict]]] = {str(c): {m: [] for m in MODES} for c in clients}
     for r in range(args.repeats):

@@ -311,6 +311,10 @@ class CLibrary:
         qkv=POINTER,
         qkv_stride=INT64,
         qkv_type=INT,
+        qkv_rows=INT,
+        qkv_rest=POINTER,
+        qkv_rest_stride=INT64,
+        qkv_rest_type=INT,
         o=POINTER,
         o_stride=INT64,
         o_type=INT,
@@ -334,6 +338,7 @@ class CLibrary:
         seq_lens=POINTER,
         block_size=INT,
         table_width=INT,
+        amx_rows=INT,
         threads=INT,
     )
     linear_f32_silu_mul_available: Callable[[], int] = entry()

@@ -5,9 +5,10 @@ The model offers each layer's parts once, after packing (`DecodeLayerParts`); a 
 with a `FusedDecodeLayer` where the whole layer fits the C kernel, else None (the layer runs module by module, as on
 every other path). The C kernel calls the same kernels as that path, in the same order, so the results are the same
 bits: what it removes is the Python between them, about as long as the weights' reads in a small model's decode
-step. Past INT8_MAX_ROWS decode rows (to its `max_rows`, `decode_rows()`) the C layer's projections take int8
-activations on AMX-INT8 tiles, where the module path, which cannot tell decode rows from prompt rows, runs a bfloat16
-GEMM: for those batches the results are the fused layer's own. A call returns None for a batch it does not take
+step. From AMX_INT8_MIN_ROWS decode rows (its `amx_rows`, to its `max_rows`: `decode_rows`) the C layer's
+projections in 32-value types take int8 activations on AMX-INT8 tiles, where the module path, which cannot tell decode
+rows from prompt rows, runs VNNI's loop to INT8_MAX_ROWS rows and a bfloat16 GEMM past them: for those batches the
+results are the fused layer's own. A call returns None for a batch it does not take
 (prompt rows, more rows than a decode batch, another dtype), and the layer runs module by module."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from . import clib
 from .attention import AttentionMetadata
-from .quant import AMX_INT8_MAX_ROWS, INT8_MAX_ROWS, QuantLinear, amx_int8_kernel
+from .quant import AMX_INT8_MAX_ROWS, AMX_INT8_MIN_ROWS, AMX_INT8_TYPES, INT8_MAX_ROWS, QuantLinear, amx_int8_kernel
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class FusedDecodeLayer:
     parts: DecodeLayerParts
     library: clib.CLibrary
     weights: tuple  # the C call's per-layer arguments, from input_norm to head_dim
-    max_rows: int = INT8_MAX_ROWS  # the most decode rows it takes (decode_rows() where it is made)
+    max_rows: int = INT8_MAX_ROWS  # the most decode rows it takes (decode_rows(its types) where it is made)
+    amx_rows: int = 0  # the fewest rows whose 32-value projections take AMX-INT8 tiles (amx_rows()); 0: never
 
     def __call__(
         self, x, residual, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache
@@ -96,20 +98,29 @@ class FusedDecodeLayer:
             lens.data_ptr(),
             k_cache.shape[1],
             tables.shape[1],
+            self.amx_rows,
             torch.get_num_threads(),
         )
         return (out, residual_out) if status == 0 else None
 
 
-def decode_rows() -> int:
-    """The most decode rows the fused layer takes: AMX_INT8_MAX_ROWS where its linear layers have AMX-INT8 past
-    INT8_MAX_ROWS rows (csrc/decode_layer.c), else INT8_MAX_ROWS (VNNI's loop, whose cost grows with every row)."""
-    return AMX_INT8_MAX_ROWS if amx_int8_kernel() is not None else INT8_MAX_ROWS
+def decode_rows(qtypes: set[int]) -> int:
+    """The most decode rows the fused layer of projections in these ggml types takes: AMX_INT8_MAX_ROWS where its
+    linear layers have AMX-INT8 past INT8_MAX_ROWS rows (csrc/decode_layer.c; 32-value types only), else
+    INT8_MAX_ROWS (VNNI's loop, whose cost grows with every row)."""
+    return AMX_INT8_MAX_ROWS if amx_int8_kernel() is not None and qtypes <= AMX_INT8_TYPES else INT8_MAX_ROWS
+
+
+def amx_rows() -> int:
+    """The fewest decode rows whose projections in 32-value types the fused layer runs on AMX-INT8 tiles
+    (AMX_INT8_MIN_ROWS where the process may use them), else 0: VNNI's loop for every batch."""
+    return AMX_INT8_MIN_ROWS if amx_int8_kernel() is not None else 0
 
 
 def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     """The fused decode step of a layer whose projections are all GGUF blocks the int8-activation kernel reads (one
-    slab each) and whose norms are bfloat16, where this CPU runs the kernels it calls; else None."""
+    slab each, or two for q/k/v: K-quant mixes give v another type) and whose norms are bfloat16, where this CPU runs
+    the kernels it calls; else None."""
     library = clib.get_library()
     if library is None or not (library.elementwise_available() and library.linear_q8_available()):
         return None
@@ -122,7 +133,9 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     ):
         return None
     projections = (qkv, o, gate_up, down)
-    if not all(p.int8 and len(p.calls) == 1 and p.perm is None for p in projections):
+    if not all(p.int8 and p.perm is None for p in projections):
+        return None
+    if len(qkv.calls) > 2 or any(len(p.calls) != 1 for p in (o, gate_up, down)):
         return None
     hidden = o.out_features
     q_width = parts.heads * parts.head_dim
@@ -141,11 +154,14 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     if not (shapes_fit and norms_fit):
         return None
     qkv_call, o_call, gate_up_call, down_call = (p.calls[0] for p in projections)
+    # q/k/v's second slab, or its only one again (then not read: qkv_call.rows is all rows)
+    rest = max(qkv.calls, key=lambda call: call.start)
     weights = (
         parts.input_norm.data_ptr(),
         parts.post_norm.data_ptr(),
         parts.eps,
-        *(qkv_call.weight, qkv_call.weight_stride, qkv_call.qtype),
+        *(qkv_call.weight, qkv_call.weight_stride, qkv_call.qtype, qkv_call.rows),
+        *(rest.weight, rest.weight_stride, rest.qtype),
         *(o_call.weight, o_call.weight_stride, o_call.qtype),
         *(gate_up_call.weight, gate_up_call.weight_stride, gate_up_call.qtype),
         *(down_call.weight, down_call.weight_stride, down_call.qtype),
@@ -154,4 +170,5 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
         parts.kv_heads,
         parts.head_dim,
     )
-    return FusedDecodeLayer(parts, library, weights, decode_rows())
+    qtypes = {call.qtype for p in projections for call in p.calls}
+    return FusedDecodeLayer(parts, library, weights, decode_rows(qtypes), amx_rows())

@@ -1,5 +1,5 @@
 /* Linear layers over GGUF blocks on the matrix engine's int8 products (AMX-INT8), llama.cpp's numerics, for a
- * bfloat16 decode batch of a few dozen rows (decode_layer.c's, past DECODE_VNNI_ROWS): y (m, n) = x (m, k) w^T
+ * bfloat16 decode batch of a few dozen rows (decode_layer.c's, from its amx_rows): y (m, n) = x (m, k) w^T
  * (+ bias), w in its file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), x rounded to int8 per 32-value block exactly as
  * linear_q8.c rounds it (q8_block.h).
  *
