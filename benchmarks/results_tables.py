@@ -524,10 +524,11 @@ def moe_cold() -> str:
 
 # ---- 12. quantized weights against llama.cpp ----
 LLAMA_CPP = [
-    "llama_cpp/smollm2_q4_1_spr.json",
+    "llama_cpp/smollm2_q4_1_xeon_amx.json",
     "llama_cpp/smollm2_q4_1_zen5.json",
     "llama_cpp/smollm2_q4_1_zen4.json",
     "llama_cpp/smollm2_q4_1_zen3.json",
+    "llama_cpp/smollm2_q4_k_m_xeon_amx.json",
     "llama_cpp/qwen3moe_random_q4_0_spr.json",
 ]
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -565,7 +566,8 @@ def llama_cpp() -> str:
             ratio, floor = m["median_ratio"], d["floors"][key]
             body.append(
                 [
-                    host(d["machine"]) + ("" if d["model"] == EMBEDDED_GGUF else f"; {d['model']}"),
+                    host(d["machine"])
+                    + ("" if d["model"] == EMBEDDED_GGUF else f"; {d['model'].removeprefix('SmolLM2-135M-Instruct.')}"),
                     label,
                     f"{num(median(m['fastgen_tokens_per_s']), 1)} tok/s",
                     f"{num(median(m['llama_cpp_tokens_per_s']), 1)} tok/s",
