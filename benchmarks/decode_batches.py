@@ -10,7 +10,7 @@ EOS ignored (the served benchmark's shape, benchmarks/against_vllm.py). Two ways
 within each repeat, the order alternating:
 
 - `amx-int8`: the fused decode layer takes decode batches up to kernels/decode_layer.py decode_rows (32 where the
-  process may use AMX-INT8), its projections on csrc/linear_amx_q8.c from 7 rows (AMX_INT8_MIN_ROWS);
+  process may use AMX-INT8), its projections on csrc/linear_amx_q8.c from 5 rows (AMX_INT8_MIN_ROWS);
 - `vnni-only`: the fused decode layers' max_rows set to INT8_MAX_ROWS (8) and amx_rows to 0, as before
   linear_amx_q8.c: a larger decode batch runs module by module, its projections one bfloat16 GEMM on the layer
   dequantized in panels.

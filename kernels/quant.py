@@ -78,12 +78,12 @@ BF16_GEMM_ROWS = {"amx_bf16": 12, "avx512_bf16": INT8_MAX_ROWS + 1}
 # Prompt rows never take int8 past INT8_MAX_ROWS (a first token's outsized activations lose most to the rounding).
 AMX_INT8_MAX_ROWS = 32
 # The fewest rows of int8 activations whose products (the 32-value types') take AMX-INT8 tiles rather than VNNI's loop,
-# whose cost per row grows past 6, in quant_linear (to INT8_MAX_ROWS) and the fused decode layer (to AMX_INT8_MAX_ROWS;
+# whose cost grows with every row, in quant_linear (to INT8_MAX_ROWS) and the fused decode layer (to AMX_INT8_MAX_ROWS;
 # the same rounding of the activations either way): Intel Xeon with AMX, 2026-12-07, the file's layers but the LM
-# head, 12 alternating passes, VNNI against AMX: 2 threads 8.44 / 8.48 ms at 6 rows, 9.46 / 9.02 at 7, 11.51 / 9.03 at
-# 8; 1 thread 15.20 / 14.89, 16.98 / 14.98, 21.27 / 16.01 (llama.cpp's own Q4_K_M of the file: 17.28 / 16.37,
-# 19.38 / 16.10, 22.80 / 18.19).
-AMX_INT8_MIN_ROWS = 7
+# head, 12 alternating passes, VNNI against AMX (a tile of at most 8 live rows scaling only those): 2 threads 6.95 /
+# 7.07 ms at 4 rows, 7.83 / 7.19 at 5, 8.49 / 6.99 at 6, 11.49 / 7.46 at 8; 1 thread 12.91 / 13.04, 14.17 / 12.86,
+# 16.05 / 13.99, 21.74 / 14.27.
+AMX_INT8_MIN_ROWS = 5
 
 
 def block_shape(qtype: int) -> tuple[int, int]:

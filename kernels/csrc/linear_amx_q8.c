@@ -141,6 +141,25 @@ static void quantize_rows(const uint16_t *x, int64_t xs, int k, int lo, int hi, 
  * stores long done (a tile store read back at once stalls). */
 #define CHUNK 16
 
+/* acc[i] += row r0 + i's products of blocks b0 .. b0 + nb - 1 (stored in c) scaled by dw dx, + mw sx where offset, for
+ * the first `rows` rows (a constant where it is inlined, so acc stays in registers). */
+static inline __attribute__((always_inline)) void scale_products(const int32_t *c, const float *dw, const float *mw,
+                                                                 const float *dx, const float *sx, int blocks, int r0,
+                                                                 int b0, int nb, int offset, __m512 *acc,
+                                                                 const int rows) {
+    for (int b = b0; b < b0 + nb; b++) {
+        const __m512 d = _mm512_load_ps(dw + 16 * b), mb = _mm512_load_ps(mw + 16 * b);
+        const int32_t *cb = c + 256 * (b - b0);
+#pragma GCC unroll 16
+        for (int i = 0; i < rows; i++) {
+            const int64_t at = (int64_t)(r0 + i) * blocks + b;
+            const __m512 prod = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * i));
+            acc[i] = _mm512_fmadd_ps(prod, _mm512_mul_ps(d, _mm512_set1_ps(dx[at])), acc[i]);
+            if (offset) acc[i] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[at]), acc[i]);
+        }
+    }
+}
+
 /* Output columns 16 g .. 16 g + 15 for every row, w their 16 weight rows: the group's block tiles once, then each
  * 16-row tile of x through them, CHUNK blocks of products at a time, then their scaling. */
 static inline __attribute__((always_inline)) void column_group(int type, const uint8_t *w, int64_t ws,
@@ -175,18 +194,13 @@ static inline __attribute__((always_inline)) void column_group(int type, const u
                     _tile_dpbssd(2, 0, 1);
                 _tile_stored(2, c + 256 * (b - b0), 64);
             }
-            /* rows inner: 16 independent sums in flight (one row's blocks in turn would wait on each FMA) */
-            for (int b = b0; b < b0 + nb; b++) {
-                const __m512 d = _mm512_load_ps(dw + 16 * b), mb = _mm512_load_ps(mw + 16 * b);
-                const int32_t *cb = c + 256 * (b - b0);
-#pragma GCC unroll 16
-                for (int i = 0; i < 16; i++) {
-                    const int64_t at = (int64_t)(r0 + i) * blocks + b;
-                    const __m512 prod = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * i));
-                    acc[i] = _mm512_fmadd_ps(prod, _mm512_mul_ps(d, _mm512_set1_ps(dx[at])), acc[i]);
-                    if (offset) acc[i] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[at]), acc[i]);
-                }
-            }
+            /* rows inner: 16 independent sums in flight (one row's blocks in turn would wait on each FMA); a tile of
+             * at most 8 live rows scales only those (the scaling, not the tile product, bounds a small batch; a
+             * 4-row variant gained nothing: below 5 rows the tiles' making and products bound it) */
+            if (m - r0 <= 8)
+                scale_products(c, dw, mw, dx, sx, blocks, r0, b0, nb, offset, acc, 8);
+            else
+                scale_products(c, dw, mw, dx, sx, blocks, r0, b0, nb, offset, acc, 16);
         }
         for (int i = 0; i < 16 && r0 + i < m; i++) {
             const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i], bv));
