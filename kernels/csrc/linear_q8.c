@@ -151,6 +151,26 @@ static inline __attribute__((always_inline)) void quad_quants(int type, const ui
 #define WROWS 2
 #endif
 
+/* acc[i] (i < MR) += x row i's int32 dot product with a quad's quants (lo: the blocks' values 0-15, hi: 16-31; started
+ * from the row's init where with_init), to float32, times scale (the weights' per lane) and the row's lane scales. */
+static inline __attribute__((always_inline)) void quad_rows(const row_q8 *x, int quad, __m512i lo, __m512i hi,
+                                                            __m512 scale, int with_init, __m512 *acc, const int MR) {
+    for (int i = 0; i < MR; i++) {
+        const __m512i start = with_init ? _mm512_loadu_si512(x[i].init + 16 * quad) : _mm512_setzero_si512();
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(x[i].q + 128 * quad)),
+                                                hi, _mm512_loadu_si512(x[i].q + 128 * quad + 64));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                 _mm512_mul_ps(scale, _mm512_loadu_ps(x[i].lane_scale + 16 * quad)), acc[i]);
+    }
+}
+
+/* out[t] = acc[t]'s lanes summed in a fixed order, + bias[t / MR] where there is one. */
+static inline __attribute__((always_inline)) void tile_out(const __m512 *acc, float *out, const float *bias,
+                                                           const int WR, const int MR) {
+    for (int r = 0; r < WR; r++)
+        for (int i = 0; i < MR; i++) out[r * MR + i] = _mm512_reduce_add_ps(acc[r * MR + i]) + (bias ? bias[r] : 0.f);
+}
+
 /* WR weight rows (w, w + ws, ...) against MR rows of quantized x: out[r * MR + i] = the dot product of weight row r
  * and x row i, + bias[r]. Every output is summed by the same operations in the same order whatever WR and MR, so a
  * row's result does not depend on its batch, on the thread count, or on which tile computed it: per group of 16
@@ -206,21 +226,11 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
                     }
                     continue;
                 }
-                for (int i = 0; i < MR; i++) {
-                    const __m512i start = int_offset(type) ? _mm512_maskz_loadu_epi32(0xFFFF, x[i].init + 16 * quad)
-                                                           : _mm512_setzero_si512();
-                    const __m512i dot = _mm512_dpbusd_epi32(
-                        _mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(x[i].q + 128 * quad)), hi,
-                        _mm512_loadu_si512(x[i].q + 128 * quad + 64));
-                    acc[r * MR + i] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_loadu_ps(x[i].lane_scale + 16 * quad)),
-                        acc[r * MR + i]);
-                }
+                quad_rows(x, quad, lo, hi, scale, int_offset(type), acc + r * MR, MR);
             }
         }
     }
-    for (int r = 0; r < WR; r++)
-        for (int i = 0; i < MR; i++) out[r * MR + i] = _mm512_reduce_add_ps(acc[r * MR + i]) + (bias ? bias[r] : 0.f);
+    tile_out(acc, out, bias, WR, MR);
 }
 
 /* ---- K-quants: super-blocks of 256 values, two quads of 32-value blocks each ---- */
@@ -336,19 +346,11 @@ static inline __attribute__((always_inline)) void tile_dot_k(int type, const uin
                     continue;
                 }
                 const __m512 scale = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * h), quarter), scales);
-                for (int i = 0; i < MR; i++) {
-                    const __m512i dot = _mm512_dpbusd_epi32(
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x[i].q + 128 * quad)), hi,
-                        _mm512_loadu_si512(x[i].q + 128 * quad + 64));
-                    acc[r * MR + i] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_loadu_ps(x[i].lane_scale + 16 * quad)),
-                        acc[r * MR + i]);
-                }
+                quad_rows(x, quad, lo, hi, scale, 0, acc + r * MR, MR);
             }
         }
     }
-    for (int r = 0; r < WR; r++)
-        for (int i = 0; i < MR; i++) out[r * MR + i] = _mm512_reduce_add_ps(acc[r * MR + i]) + (bias ? bias[r] : 0.f);
+    tile_out(acc, out, bias, WR, MR);
 }
 
 /* A tile of either family of types: the 32-value blocks' loop, or the K-quants'. */
