@@ -1,7 +1,7 @@
 /* Linear layers over GGUF blocks on the matrix engine's int8 products (AMX-INT8), llama.cpp's numerics, for a
- * bfloat16 decode batch of a few dozen rows (decode_layer.c's, from its amx_rows): y (m, n) = x (m, k) w^T
- * (+ bias), w in its file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), x rounded to int8 per 32-value block exactly as
- * linear_q8.c rounds it (q8_block.h).
+ * bfloat16 batch of 5 to a few dozen rows (quant_linear's and decode_layer.c's, from AMX_INT8_MIN_ROWS): y (m, n) =
+ * x (m, k) w^T (+ bias), w in its file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), x rounded to int8 per 32-value block
+ * exactly as linear_q8.c rounds it (q8_block.h).
  *
  * Why: past 8 rows linear_q8.c's VNNI loop is bound by its per-row work (two products, a conversion, a scale and an
  * FMA per row, weight row and 4 blocks), and the fused bfloat16 path (linear_quant.c) by dequantizing the whole layer
