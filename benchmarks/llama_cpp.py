@@ -109,7 +109,13 @@ def requantized(gguf: Path, qtype: str) -> Path:
     partial = out.with_suffix(".partial")
     threads = str(os.cpu_count() or 1)
     command = [str(quantize), "--allow-requantize", str(gguf), str(partial), qtype, threads]
-    subprocess.run(command, check=True, capture_output=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        raise SystemExit(
+            f"--requantize {qtype}: llama-quantize refused it (a type it knows: Q4_K_M, Q5_K_M, Q8_0):\n{tail}"
+        )
     partial.rename(out)
     return out
 
