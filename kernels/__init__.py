@@ -24,17 +24,19 @@ else:
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def select_kernels(backend: str, device: torch.device | str) -> Kernels:
-    """ "auto" picks Triton on CUDA and the CPU kernels elsewhere; "triton" on CPU needs TRITON_INTERPRET=1."""
+def select_kernels(backend: str, device: torch.device | str, float32_int8: bool = False) -> Kernels:
+    """ "auto" picks Triton on CUDA and the CPU kernels elsewhere; "triton" on CPU needs TRITON_INTERPRET=1.
+    float32_int8: the CPU kernels' float32 decode rows over quantized blocks round their activations to int8
+    (kernels/quant.py's QuantLinear.float32_int8)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "torch":
         return TORCH_KERNELS
     if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
-        from .cpu import CPU_KERNELS
+        from .cpu import CPU_KERNELS, CPU_KERNELS_FLOAT32_INT8
 
-        return CPU_KERNELS
+        return CPU_KERNELS_FLOAT32_INT8 if float32_int8 else CPU_KERNELS
     from .triton_kernels import TRITON_KERNELS  # imported lazily: triton is only needed here
 
     return TRITON_KERNELS

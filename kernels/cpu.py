@@ -30,6 +30,7 @@ kernels/clib.py); without a compiler, or for shapes and dtypes a kernel does not
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -780,4 +781,9 @@ CPU_KERNELS = Kernels(
     argmax=argmax_rows,
     lora_sgmv=cpu_lora.lora_sgmv,
     fuse_decode_layer=fuse_decode_layer_cpu,
+)
+# The same with float32 decode rows over quantized blocks on int8 activations (QuantLinear.float32_int8): a GGUF served
+# in float32 because the CPU has no bfloat16 arithmetic, with llama.cpp's numerics (replica/builder.py decides).
+CPU_KERNELS_FLOAT32_INT8 = dataclasses.replace(
+    CPU_KERNELS, pack_quantized=functools.partial(pack_for_cpu, float32_int8=True)
 )

@@ -1,5 +1,6 @@
 """A decoder layer's decode step in one C call (kernels/csrc/decode_layer.c): Llama's pre-norm layer over GGUF blocks
-with bfloat16 activations, for a batch of decode rows.
+with bfloat16 activations, for a batch of decode rows; or with float32 ones where the layers round float32 decode rows
+to int8 (QuantLinear.float32_int8: a CPU without bfloat16 arithmetic, Zen 3, where the layer's Python cost the most).
 
 The model offers each layer's parts once, after packing (`DecodeLayerParts`); a backend's `fuse_decode_layer` answers
 with a `FusedDecodeLayer` where the whole layer fits the C kernel, else None (the layer runs module by module, as on
@@ -47,6 +48,7 @@ class FusedDecodeLayer:
     weights: tuple  # the C call's per-layer arguments, from input_norm to head_dim
     max_rows: int = INT8_MAX_ROWS  # the most decode rows it takes (decode_rows(its types) where it is made)
     amx_rows: int = 0  # the fewest rows whose 32-value projections take AMX-INT8 tiles (amx_rows()); 0: never
+    dtype: torch.dtype = torch.bfloat16  # the activations', norms' and caches' (float32: decode_layer_q8_f32)
 
     def __call__(
         self, x, residual, positions, cos_sin, meta: AttentionMetadata, k_cache, v_cache
@@ -57,7 +59,7 @@ class FusedDecodeLayer:
         if not (
             0 < rows <= self.max_rows
             and meta.num_decodes == rows == len(meta.seq_lens_host)
-            and x.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and x.dtype == k_cache.dtype == v_cache.dtype == self.dtype
             and x.is_contiguous()
             and (
                 residual is None
@@ -80,7 +82,8 @@ class FusedDecodeLayer:
             )
         positions, slots, tables, lens = step
         out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        status = self.library.decode_layer_q8_bf16(
+        run = self.library.decode_layer_q8_bf16 if self.dtype == torch.bfloat16 else self.library.decode_layer_q8_f32
+        status = run(
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
             out.data_ptr(),
@@ -119,10 +122,14 @@ def amx_rows() -> int:
 
 def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     """The fused decode step of a layer whose projections are all GGUF blocks the int8-activation kernel reads (one
-    slab each, or two for q/k/v: K-quant mixes give v another type) and whose norms are bfloat16, where this CPU runs
-    the kernels it calls; else None."""
+    slab each, or two for q/k/v: K-quant mixes give v another type) and whose norms are bfloat16, or float32 with
+    projections that round float32 decode rows (as the module path then does), where this CPU runs the kernels it
+    calls; else None."""
     library = clib.get_library()
-    if library is None or not (library.elementwise_available() and library.linear_q8_available()):
+    dtype = parts.input_norm.dtype
+    if library is None or not library.linear_q8_available():
+        return None
+    if not (library.elementwise_available() if dtype == torch.bfloat16 else library.elementwise_f32_available()):
         return None
     qkv, o, gate_up, down = parts.qkv, parts.o, parts.gate_up, parts.down
     if not (
@@ -133,7 +140,7 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
     ):
         return None
     projections = (qkv, o, gate_up, down)
-    if not all(p.int8 and p.perm is None for p in projections):
+    if not all(p.int8 and p.perm is None and (dtype == torch.bfloat16 or p.float32_int8) for p in projections):
         return None
     if len(qkv.calls) > 2 or any(len(p.calls) != 1 for p in (o, gate_up, down)):
         return None
@@ -147,9 +154,8 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
         and gate_up.out_features == 2 * intermediate
         and parts.head_dim % 2 == 0
     )
-    norms_fit = all(
-        w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape == (hidden,)
-        for w in (parts.input_norm, parts.post_norm)
+    norms_fit = dtype in (torch.bfloat16, torch.float32) and all(
+        w.dtype == dtype and w.is_contiguous() and w.shape == (hidden,) for w in (parts.input_norm, parts.post_norm)
     )
     if not (shapes_fit and norms_fit):
         return None
@@ -170,5 +176,7 @@ def fuse_decode_layer_cpu(parts: DecodeLayerParts) -> FusedDecodeLayer | None:
         parts.kv_heads,
         parts.head_dim,
     )
+    if dtype == torch.float32:  # int8 activations on VNNI's or AVX2's loop to INT8_MAX_ROWS, no AMX path
+        return FusedDecodeLayer(parts, library, weights, INT8_MAX_ROWS, 0, dtype)
     qtypes = {call.qtype for p in projections for call in p.calls}
-    return FusedDecodeLayer(parts, library, weights, decode_rows(qtypes), amx_rows())
+    return FusedDecodeLayer(parts, library, weights, decode_rows(qtypes), amx_rows(), dtype)

@@ -185,7 +185,9 @@ def common_perm(parts: Sequence[tuple[int, object]]) -> torch.Tensor | None:
     return first
 
 
-def pack_for_cpu(parts: list[tuple[int, QuantizedTensor | Int4Tensor]], out_features: int) -> QuantLinear | None:
+def pack_for_cpu(
+    parts: list[tuple[int, QuantizedTensor | Int4Tensor]], out_features: int, float32_int8: bool = False
+) -> QuantLinear | None:
     """The CPU backend's packed form of a layer's quantized parts: GGUF blocks for kernels/quant.py's kernels, each
     int4 part converted (to_ggml), act-order's column order kept for the input (QuantLinear.perm); None where a part
     converts to no blocks or the parts' orders differ (the layer dequantizes)."""
@@ -199,7 +201,7 @@ def pack_for_cpu(parts: list[tuple[int, QuantizedTensor | Int4Tensor]], out_feat
         if converted is None:
             return None
         blocks.append((start, converted))
-    packed = pack_quantized(blocks, out_features)
+    packed = pack_quantized(blocks, out_features, float32_int8)
     return packed if packed is None or perm is None else dataclasses.replace(packed, perm=perm)
 
 

@@ -12,11 +12,13 @@ The kernels take float32 activations and write float32 (every weight dequantized
 rounding of the activations); bfloat16 activations are widened on the way in and rounded on the way out.
 
 A decode batch (at most `INT8_MAX_ROWS` rows) of bfloat16 activations takes csrc/linear_q8.c instead where the CPU has
-AVX-512 VNNI (every type here, `INT8_TYPES`): the activations rounded to int8 per 32-value block and multiplied with
-the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do (llama.cpp rounds a K-quant layer's
-activations per 256 values, coarser); from `AMX_INT8_MIN_ROWS` rows the 32-value types' products run on AMX-INT8
-tiles (csrc/linear_amx_q8.c, the same rounding) where the process may use them. bfloat16 activations have already lost
-more than that rounding costs; float32 activations never take it, so float32 results stay the dequantized model's.
+AVX-512 VNNI (every type here) or AVX2 (the 32-value types; `int8_types()`): the activations rounded to int8 per
+32-value block and multiplied with the weights' quants in integers, as llama.cpp and vLLM's GGUF kernels do (llama.cpp
+rounds a K-quant layer's activations per 256 values, coarser); from `AMX_INT8_MIN_ROWS` rows the 32-value types'
+products run on AMX-INT8 tiles (csrc/linear_amx_q8.c, the same rounding) where the process may use them. bfloat16
+activations have already lost more than that rounding costs; float32 activations take it only where the layer says so
+(`QuantLinear.float32_int8`: a GGUF served in float32 because the CPU has no bfloat16 arithmetic, the dtype left to
+auto), else float32 results stay the dequantized model's.
 A decode batch of a few dozen rows past that (to `AMX_INT8_MAX_ROWS`) of the 32-value types (`AMX_INT8_TYPES`) takes
 csrc/linear_amx_q8.c in the fused decode layer (kernels/decode_layer.py) as well. Other bfloat16 batches of
 `bf16_gemm_rows()` rows or more (12 with AMX, 9 with AVX-512 BF16 alone) take one bfloat16 GEMM on the layer's values
@@ -49,12 +51,10 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
 }
 TYPE_NAMES = {number: name for name, (number, _, _) in GGML_TYPES.items()}
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
-# Types csrc/linear_q8.c reads (every one here, the K-quants included), and the most rows of x it is handed (a decode
-# batch).
-INT8_TYPES = frozenset(number for number, _, _ in GGML_TYPES.values())
-# The 32-value types, which csrc/linear_amx_q8.c reads as well.
-AMX_INT8_TYPES = frozenset(number for number, weights, _ in GGML_TYPES.values() if weights == 32)
+# The most rows of x csrc/linear_q8.c is handed (a decode batch).
 INT8_MAX_ROWS = 8
+# The 32-value types, which csrc/linear_amx_q8.c reads (and linear_q8.c on AVX2).
+AMX_INT8_TYPES = frozenset(number for number, weights, _ in GGML_TYPES.values() if weights == 32)
 # The fewest bfloat16 rows that take one GEMM on the layer's values rounded to bfloat16 (the layer dequantized in
 # panels into AMX or vdpbf16ps tiles, fused_bf16_linear) instead of the exact kernels, by the bfloat16 dot products the
 # CPU has (the first of these flags it has), from the crossover of benchmarks/cpu_kernels.py --quant-only --threads 2
@@ -184,13 +184,14 @@ class QuantKernel:
     isa: int
     run: Callable[..., int]
     # The int8-activation kernel for decode rows of bfloat16 activations, where this CPU has one: run's arguments
-    # with x and y in bfloat16 (linear_q8_bf16).
+    # with x and y in bfloat16 (linear_q8_bf16); run_int8_f32 the same in float32 (linear_q8_f32).
     run_int8: Callable[..., int] | None = None
+    run_int8_f32: Callable[..., int] | None = None
 
     @property
     def name(self) -> str:
-        vnni = "+vnni" if self.run_int8 is not None else ""
-        return f"{TYPE_NAMES[self.qtype].lower()}_{ISA_NAMES.get(self.isa, self.isa)}{vnni}"
+        int8 = "" if self.run_int8 is None else "+vnni" if ISA_NAMES.get(self.isa) == "avx512" else "+int8"
+        return f"{TYPE_NAMES[self.qtype].lower()}_{ISA_NAMES.get(self.isa, self.isa)}{int8}"
 
 
 @functools.cache
@@ -200,11 +201,26 @@ def quant_kernels() -> dict[int, QuantKernel]:
     if library is None:
         return {}
     isa = library.linear_quant_isa()
-    int8 = library.linear_q8_bf16 if library.linear_q8_available() else None
-    return {
-        number: QuantKernel(number, isa, library.linear_quant_f32, int8 if number in INT8_TYPES else None)
-        for number, _, _ in GGML_TYPES.values()
-    }
+    kernels = {}
+    for number, _, _ in GGML_TYPES.values():
+        int8 = number in int8_types()
+        kernels[number] = QuantKernel(
+            number,
+            isa,
+            library.linear_quant_f32,
+            library.linear_q8_bf16 if int8 else None,
+            library.linear_q8_f32 if int8 else None,
+        )
+    return kernels
+
+
+@functools.cache
+def int8_types() -> frozenset[int]:
+    """The ggml types csrc/linear_q8.c reads on this CPU: every one with AVX-512 VNNI, the 32-value ones on AVX2,
+    none elsewhere."""
+    library = clib.get_library()
+    mask = library.linear_q8_types() if library is not None else 0
+    return frozenset(number for number, _, _ in GGML_TYPES.values() if mask >> number & 1)
 
 
 @dataclass(frozen=True)
@@ -217,6 +233,9 @@ class QuantLinear:
     in_features: int
     # GPTQ act-order (kernels/int4.py): the input column of each stored one; quant_linear takes x in that order
     perm: torch.Tensor | None = None
+    # float32 decode rows take int8 activations too (llama.cpp's numerics), not only bfloat16 ones: a GGUF served
+    # with the dtype left to auto on a CPU without bfloat16 arithmetic (replica/builder.py); else float32 stays exact
+    float32_int8: bool = False
 
     holds_weight = True
 
@@ -251,7 +270,16 @@ class QuantLinear:
     def calls(self) -> tuple[SlabCall, ...]:
         """Each slab's kernel arguments that do not change between calls (a decode step makes ~100 of them)."""
         return tuple(
-            SlabCall(start, w.data.data_ptr(), w.data.stride(0), w.shape[0], w.qtype, kernel.run, kernel.run_int8)
+            SlabCall(
+                start,
+                w.data.data_ptr(),
+                w.data.stride(0),
+                w.shape[0],
+                w.qtype,
+                kernel.run,
+                kernel.run_int8,
+                kernel.run_int8_f32,
+            )
             for start, w, kernel in self.slabs
         )
 
@@ -270,12 +298,15 @@ class SlabCall:
     qtype: int
     run: Callable[..., int]
     run_int8: Callable[..., int] | None
+    run_int8_f32: Callable[..., int] | None
 
 
-def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) -> QuantLinear | None:
+def pack_quantized(
+    parts: list[tuple[int, QuantizedTensor]], out_features: int, float32_int8: bool = False
+) -> QuantLinear | None:
     """A layer's quantized parts (first output row, weight) as its packed form, or None where this CPU has no kernel
     for one of them (the caller dequantizes). Consecutive parts of one type are joined into one slab (q, k and v of
-    one type: one kernel call)."""
+    one type: one kernel call). float32_int8: QuantLinear's."""
     kernels = quant_kernels()
     parts = sorted(parts, key=lambda p: p[0])
     if not parts or any(
@@ -304,7 +335,7 @@ def pack_quantized(parts: list[tuple[int, QuantizedTensor]], out_features: int) 
             data = torch.cat([p.data for p in group]).contiguous()
         weight = QuantizedTensor(data, group[0].qtype, (data.shape[0], in_features))
         joined.append((start, weight, kernels[weight.qtype]))
-    return QuantLinear(tuple(joined), out_features, in_features)
+    return QuantLinear(tuple(joined), out_features, in_features, float32_int8=float32_int8)
 
 
 @functools.cache
@@ -393,18 +424,22 @@ def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None
             return y
         # the weights' bfloat16 values (quantization none's) for this call only: the layer keeps its blocks
         return F.linear(x, packed.dequantized_bf16(), None if bias is None else bias.to(dtype))
-    int8 = dtype == torch.bfloat16 and 0 < rows <= INT8_MAX_ROWS and packed.int8
+    rounds = dtype == torch.bfloat16 or (dtype == torch.float32 and packed.float32_int8)
+    int8 = rounds and 0 < rows <= INT8_MAX_ROWS and packed.int8
     xk = x if (dtype == torch.float32 or int8) and x.stride(-1) == 1 else x.float().contiguous()
     y = torch.empty((rows, packed.out_features), dtype=xk.dtype)
     if rows == 0:
         return y.to(dtype)
     bias = None if bias is None else bias.float().contiguous()
-    amx = amx_int8_kernel() if int8 and rows >= AMX_INT8_MIN_ROWS else None
+    bf16 = xk.dtype == torch.bfloat16
+    amx = amx_int8_kernel() if int8 and bf16 and rows >= AMX_INT8_MIN_ROWS else None
 
     def kernel_of(call: SlabCall) -> Callable[..., int] | None:
         if not int8:
             return call.run
-        return amx if amx is not None and call.qtype in AMX_INT8_TYPES else call.run_int8
+        if amx is not None and call.qtype in AMX_INT8_TYPES:
+            return amx
+        return call.run_int8 if bf16 else call.run_int8_f32
 
     declined = run_slabs(packed, kernel_of, xk, y, bias)
     if declined is not None:

@@ -129,6 +129,14 @@ def quantized_source(config: EngineConfig, device: torch.device):
     return gguf
 
 
+def float32_int8(config: EngineConfig, dtype: torch.dtype, gguf) -> bool:
+    """Whether float32 decode rows over a GGUF's blocks round their activations to int8 per 32 values, as llama.cpp
+    does (and as bfloat16 activations do on CPUs with bfloat16 arithmetic): where the dtype was left to auto and came
+    out float32, on a CPU without bfloat16 arithmetic (AMD Zen 3, Intel before Cooper Lake). An asked-for
+    --dtype float32 stays exact: the dequantized model's results."""
+    return gguf is not None and dtype == torch.float32 and config.dtype in (None, "", "auto")
+
+
 def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: BatchBroadcast | None = None):
     """This rank's shards of the weights and its KV cache (for its KV heads), in a model runner; returns the runner
     and the number of KV blocks, the same on every rank."""
@@ -142,7 +150,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), broadcast: Batch
     folder = weights.model_folder(config.model, config.load_format)
     hf_config = weights.load_hf_config(folder)
     model_config = ModelConfig.from_hf(hf_config)
-    kernels = select_kernels(config.kernels, device)
+    kernels = select_kernels(config.kernels, device, float32_int8=float32_int8(config, dtype, gguf))
     if config.quantization == "fp8" and kernels.name == "cpu":
         raise ValueError(
             "quantization fp8 needs CUDA (float8 matrix units) or --kernels torch (torch's reference of the same op, "

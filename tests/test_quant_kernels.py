@@ -196,11 +196,15 @@ INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 
 
-def int8_library():
+def int8_library(name: str = "Q4_0"):
+    """The process's library where its int8-activation path reads this type (AVX-512 VNNI: every one; AVX2: the
+    32-value ones)."""
     library = clib.get_library()
     require_tool(library is not None, "no C compiler on this machine")
     if not library.linear_q8_available():
-        pytest.skip("this CPU has no AVX-512 VNNI: the int8-activation path is not built")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: the int8-activation path is not built")
+    if quant.GGML_TYPES[name][0] not in quant.int8_types():
+        pytest.skip(f"this CPU's int8-activation path (AVX2) does not read {name}: AVX-512 VNNI does")
     return library
 
 
@@ -242,7 +246,7 @@ def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
     group of 16 blocks, and rows ending in a quad of 1, 2 (its own half-width path) and 3 blocks (k = 544, 576 and 64,
     96) included; the K-quants' super-blocks (their scales, mins and high bits in every bit pattern) one to six a
     row."""
-    library = int8_library()
+    library = int8_library(name)
     w = random_blocks(name, 37, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     bias = torch.randn(37)
@@ -262,13 +266,42 @@ def test_int8_activations_are_llamas_rounding_times_the_weights(name, rows, k):
 def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name, k):
     """A row alone (2 weight rows at a time) equals the same row in a batch (a weight row at a time), on any thread
     count; 25 and 18 blocks: past a group, a last quad of one block and of two (read at half width)."""
-    library = int8_library()
+    library = int8_library(name)
     w = random_blocks(name, 71, k)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([int8_linear(library, x[i : i + 1], w, threads=1) for i in range(len(x))])
     for rows in (2, 5, 8):
         for threads in (1, 2, 3):
             assert torch.equal(int8_linear(library, x[:rows], w, threads=threads), alone[:rows]), (rows, threads)
+
+
+def test_int8_avx2_build_gives_the_vnni_builds_bits(tmp_path):
+    """linear_q8.c's AVX2 loop follows the AVX-512 loop's lanes, order and reduction tree: the same bits for every
+    32-value type, rows alone (two weight rows at a time) and in strips of a batch, past a group, in a last quad of
+    one and of two blocks. Needs a host with AVX-512 VNNI to compare (each build runs where it was built for)."""
+    library = int8_library()
+    if quant.GGML_TYPES["Q6_K"][0] not in quant.int8_types():  # the K-quants: the AVX-512 loop is this build's
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 loop has nothing to be compared with")
+    compiler = clib.find_compiler()
+    out = tmp_path / "linear_q8_avx2.so"
+    flags = [f for f in clib.FLAGS if not f.startswith("-march")] + ["-march=haswell"]
+    command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_q8.c"), "-lm"]
+    subprocess.run(command, check=True, capture_output=True)
+    avx2 = ctypes.CDLL(str(out))
+    for name in ("linear_q8_types", "linear_q8_f32"):
+        fn = getattr(avx2, name)
+        fn.restype, fn.argtypes = ctypes.c_int, list(clib.signatures()[name].values())
+    assert {t for t in quant.GGML_TYPES.values() if avx2.linear_q8_types() >> t[0] & 1} == {
+        t for t in quant.GGML_TYPES.values() if t[1] == 32
+    }
+    for name in INT8_TYPES:
+        for k in (800, 576, 544):
+            w = random_blocks(name, 23, k, seed=k)
+            x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
+            bias = torch.randn(23)
+            for rows in (1, 7):
+                expected = linear_call(library.linear_q8_f32, x[:rows], w, bias)
+                assert torch.equal(linear_call(avx2.linear_q8_f32, x[:rows], w, bias), expected), (name, k, rows)
 
 
 def test_int8_path_declines_what_it_does_not_read():
@@ -279,7 +312,8 @@ def test_int8_path_declines_what_it_does_not_read():
     args = [x.data_ptr(), 512, w.data.data_ptr(), w.data.stride(0), None, y.data_ptr(), 4, 2, 4]
     assert library.linear_q8_f32(*args, 288, w.qtype, 1) == -1  # a K-quant's k not a whole number of super-blocks
     assert library.linear_q8_f32(*args, 512, 15, 1) == -1  # a type it does not read (Q8_K)
-    assert library.linear_q8_f32(*args, 512, w.qtype, 1) == 0
+    # a K-quant where the build reads them (AVX-512 VNNI), declined where it does not (AVX2)
+    assert library.linear_q8_f32(*args, 512, w.qtype, 1) == (0 if w.qtype in quant.int8_types() else -1)
     w = random_blocks("Q4_0", 4, 64)
     args[2], args[3] = w.data.data_ptr(), w.data.stride(0)
     assert library.linear_q8_f32(*args, 48, w.qtype, 1) == -1  # k not a whole number of blocks
@@ -292,7 +326,7 @@ def test_only_bfloat16_decode_rows_take_int8_activations():
     library = int8_library()
     w = random_blocks("Q4_1", 64, 256)
     packed = quant.pack_quantized([(0, w)], 64)
-    assert packed.formats == ["q4_1_avx512+vnni"]
+    assert packed.formats == ["q4_1_avx512+vnni" if library.linear_quant_isa() == 2 else "q4_1_avx2+int8"]
     x = torch.randn(12, 256).bfloat16().float()
     exact = quant.quant_linear(x, packed, None)
     assert torch.equal(exact[:3], quant.quant_linear(x[:3], packed, None))  # float32: exact for few rows too

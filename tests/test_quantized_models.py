@@ -296,19 +296,60 @@ def test_bfloat16_serving_keeps_the_dequantized_models_perplexity():
 
 
 @pytest.mark.slow
-def test_fused_decode_layers_give_the_module_by_module_bits():
-    """bfloat16 decode batches over the file's blocks run each layer in one C call (kernels/decode_layer.py): the
-    same tokens and the same log-probabilities, bit for bit, as the layers run module by module, for one stream and
-    for a batch of four."""
+def test_float32_left_to_auto_takes_int8_decode_rows_and_keeps_the_perplexity(monkeypatch):
+    """Where the dtype is left to auto and comes out float32 (a CPU without bfloat16 arithmetic: Zen 3), the file's
+    decode rows round their activations to int8 as llama.cpp's do (replica/builder.py's float32_int8; forced here
+    on a host that would serve bfloat16): every quantized layer says so, and a text read in decode-sized chunks (every
+    row rounded, where serving rounds only decode rows) stays within 1% of the dequantized model's float32 perplexity
+    without equalling it (+0.62% over the whole held text on a Zen 3). An asked-for float32 stays exact."""
+    from fastgen.kernels import quant
+    from fastgen.replica import builder, weights
+    from fastgen.replica.config import EngineConfig
+
+    if not quant.int8_types():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: no int8-activation kernel")
+    monkeypatch.setattr(weights, "default_dtype", lambda device: torch.float32)
+
+    def quantized_layers(pipe) -> list:
+        modules = pipe.engine.runner.model.modules()
+        return [m.packed for m in modules if isinstance(getattr(m, "packed", None), quant.QuantLinear)]
+
+    assert not any(p.float32_int8 for p in quantized_layers(quantized_pipeline(dtype="float32")))
+    rounded = quantized_pipeline(dtype=None, max_batch_tokens=8)
+    packed = quantized_layers(rounded)
+    assert len(packed) > 4 * 30 and all(p.float32_int8 for p in packed)  # every projection, and the LM head
+    text = held_text()[:2500]  # ~600 tokens
+    float32 = perplexity(pipeline("smollm2-135m", dtype="float32", quantization="none", progress=False), text)
+    served = perplexity(rounded, text)
+    assert served != float32 and abs(served / float32 - 1) < 0.01, (served, float32)
+    auto, gguf = EngineConfig(dtype=None), gguf_file("smollm2-135m")
+    assert builder.float32_int8(auto, torch.float32, gguf)
+    assert not builder.float32_int8(auto, torch.bfloat16, gguf)
+    assert not builder.float32_int8(EngineConfig(dtype="float32"), torch.float32, gguf)
+    assert not builder.float32_int8(auto, torch.float32, None)  # a float checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_decode_layers_give_the_module_by_module_bits(dtype, monkeypatch):
+    """Decode batches over the file's blocks run each layer in one C call (kernels/decode_layer.py): the same tokens
+    and the same log-probabilities, bit for bit, as the layers run module by module, for one stream and for a batch
+    of four; in bfloat16, and in float32 where the layers round float32 decode rows (the dtype left to auto on a CPU
+    without bfloat16 arithmetic, forced here)."""
     from fastgen.kernels import clib
+    from fastgen.replica import weights
 
     library = clib.get_library()
-    if library is None or not (library.elementwise_available() and library.linear_q8_available()):
-        pytest.skip("this CPU lacks AVX-512 BF16 or VNNI: the fused decode layer is not built")
-    pipe = quantized_pipeline(dtype="bfloat16")
+    if dtype == "bfloat16" and not (library is not None and library.elementwise_available()):
+        pytest.skip("this CPU lacks AVX-512 BF16: the bfloat16 fused decode layer is not built")
+    if library is None or not library.linear_q8_available():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: no int8-activation kernel")
+    if dtype == "float32":
+        monkeypatch.setattr(weights, "default_dtype", lambda device: torch.float32)
+    pipe = quantized_pipeline(dtype="bfloat16" if dtype == "bfloat16" else None)
     layers = pipe.engine.runner.model.layers
     fused = [layer.fused for layer in layers]
-    assert all(f is not None for f in fused)
+    assert all(f is not None and f.dtype == getattr(torch, dtype) for f in fused)
 
     def generate(prompts):
         outs = pipe(prompts, max_new_tokens=TOKENS, min_new_tokens=TOKENS, logprobs=0)

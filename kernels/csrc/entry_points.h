@@ -19,6 +19,16 @@ int linear_q8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, int64_
 int linear_quant_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias, float *y,
                      int64_t y_stride, int m, int n, int k, int type, int threads);
 int silu_mul_f32(const float *gate_up, float *out, int rows, int inter, int64_t in_stride, int threads);
+int add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *residual_out,
+                     int rows, int hidden, int64_t x_stride, float eps, int threads);
+int rotary_write_kv_f32(const float *q, const float *k, const float *v, int64_t row_stride, const float *cos_sin,
+                        const int64_t *positions, const int64_t *slots, float *q_out, float *k_cache, float *v_cache,
+                        int tokens, int heads, int kv_heads, int head_dim, int rotary_dim, int threads);
+int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
+                         const int32_t *seq_lens, const int32_t *starts, float *out, int seqs, int heads, int kv_heads,
+                         int head_dim, int block_size, int table_width, float scale, float softcap, int threads);
+int linear_q8_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias, float *y,
+                  int64_t y_stride, int m, int n, int k, int type, int threads);
 int elementwise_f32_available(void);
 int elementwise_available(void);
 int linear_q8_available(void);

@@ -22,8 +22,9 @@
  * activations only (already rounded to 8 significant bits), never for float32 ones, whose results stay exact.
  *
  * One order for every output whatever m or the thread count: per 16-lane accumulator, quads of blocks in increasing
- * k, then a fixed reduction. Only the CPUs with AVX-512 VNNI (Ice Lake and later, Zen 4) build it;
- * linear_q8_available() says 0 elsewhere and the caller keeps the exact path. */
+ * k, then a fixed reduction. The CPUs with AVX-512 VNNI (Ice Lake and later, Zen 4) build it; those with AVX2 alone
+ * (Zen 3, Haswell to Skylake) build linear_q8_avx2.h's loop for the 32-value types, the same bits by the same lanes;
+ * linear_q8_types() says which types a build reads (none elsewhere: the caller keeps the exact path). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +39,9 @@
     defined(__AVX512DQ__) && defined(__F16C__)
 #include <immintrin.h>
 #define Q8_PATH 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q8_PATH 2
 #else
 #define Q8_PATH 0
 #endif
@@ -46,21 +50,34 @@
 #pragma GCC optimize("no-associative-math")
 #endif
 
-/* Rows of x one pass over the weights serves; a batch of more rows is cut into strips of this many. */
-#define MAX_ROWS 8
+/* Rows of x one pass over the weights serves; a batch of more rows is cut into strips of this many (AVX2: two
+ * accumulators a row in 16 registers). A strip's weight row is read from memory once: the next strip finds it in L1. */
+#if Q8_PATH == 1
+#define TILE_ROWS 8
+#else
+#define TILE_ROWS 4
+#endif
+/* Weight rows one decode row's pass reads at a time. */
+#ifndef WROWS
+#define WROWS 2
+#endif
 /* Blocks whose scales are fetched together (one gather), so 4 quads. */
 #define GROUP 16
 #define MIN_WORK_PER_THREAD (1 << 16)
 /* How far ahead of the group being read its lines are fetched (bytes; past a row's end: the next row's). */
 #define PREFETCH_AHEAD 2048
 
+/* Whether this build reads the type: the AVX-512 loop every one, AVX2's the 32-value ones. */
+static inline int reads(int type) { return Q8_PATH == 1 ? block_weights(type) != 0 : block_weights(type) == 32; }
+
 #if Q8_PATH
 
 /* The offset a type's unsigned quants carry (weight = d (q - offset)): Q4_0's 8, Q5_0's 16, and Q8_0's 128, whose
- * signed quants are read with their sign bit flipped, so VNNI's unsigned-by-signed product takes them; 0 for the
- * types with a float offset m (Q4_1, Q5_1), added per block as m dx sum(q). */
+ * signed quants are read with their sign bit flipped, so VNNI's unsigned-by-signed product takes them (AVX2 moves
+ * their sign onto the activations instead: no offset); 0 for the types with a float offset m (Q4_1, Q5_1), added per
+ * block as m dx sum(q). */
 static inline int int_offset(int type) {
-    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : type == Q6_K ? 32 : 0;
+    return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? (Q8_PATH == 1 ? 128 : 0) : type == Q6_K ? 32 : 0;
 }
 static inline int has_m(int type) { return type == Q4_1 || type == Q5_1; }
 
@@ -102,6 +119,7 @@ static void quantize_row(const float *x, int k, int type, row_q8 r, int padded_b
     }
 }
 
+#if Q8_PATH == 1
 /* The 128 unsigned quants of the quad at w in the activations' order. Only its first `bytes` bytes are read (past the
  * row's last block the quants are fillers, 0 or Q8_0's 128, multiplying the zeros x holds past k). Each block's 16
  * (Q8_0: 32) bytes by its own load, set in place by inserts: a byte permute of two 64-byte loads (AVX-512 VBMI) took
@@ -146,11 +164,6 @@ static inline __attribute__((always_inline)) void quad_quants(int type, const ui
     }
 }
 
-/* Weight rows one decode row's pass reads at a time. */
-#ifndef WROWS
-#define WROWS 2
-#endif
-
 /* acc[i] (i < MR) += x row i's int32 dot product with a quad's quants (lo: the blocks' values 0-15, hi: 16-31; started
  * from the row's init where with_init), to float32, times scale (the weights' per lane) and the row's lane scales. */
 static inline __attribute__((always_inline)) void quad_rows(const row_q8 *x, int quad, __m512i lo, __m512i hi,
@@ -181,7 +194,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
                                                            int64_t ws, int blocks, const row_q8 *x, float *out,
                                                            const float *bias, const int WR, const int MR) {
     const int bb = block_bytes(type);
-    __m512 acc[MAX_ROWS]; /* [r * MR + i]: WR MR <= MAX_ROWS (fixed sizes, so the compiler keeps them in registers) */
+    __m512 acc[TILE_ROWS]; /* [r * MR + i]: WR MR <= TILE_ROWS (fixed sizes, so the compiler keeps them in registers) */
     for (int t = 0; t < WR * MR; t++) acc[t] = _mm512_setzero_ps();
     const __m512i at_block = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32(bb));
@@ -309,7 +322,7 @@ static inline __attribute__((always_inline)) void tile_dot_k(int type, const uin
                                                              const row_q8 *x, float *out, const float *bias,
                                                              const int WR, const int MR) {
     const int bb = block_bytes(type);
-    __m512 acc[MAX_ROWS];
+    __m512 acc[TILE_ROWS];
     for (int t = 0; t < WR * MR; t++) acc[t] = _mm512_setzero_ps();
     const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int s = 0; s < supers; s++) {
@@ -362,6 +375,9 @@ static inline __attribute__((always_inline)) void tile(int type, const uint8_t *
     else
         tile_dot(type, w, ws, blocks, x, out, bias, WR, MR);
 }
+#else
+#include "linear_q8_avx2.h"
+#endif
 
 static inline void store(void *y, int y_bf16, int64_t at, float v) {
     if (y_bf16)
@@ -372,11 +388,11 @@ static inline void store(void *y, int y_bf16, int64_t at, float v) {
 
 /* Output columns [lo, hi) for every row: y is float32, or bfloat16 where y_bf16. One decode row reads WROWS weight
  * rows at a time (more memory streams in flight, which a single row's pass is bound by); a batch, a weight row at a
- * time against up to MAX_ROWS rows. */
+ * time against up to TILE_ROWS rows. */
 static void rows_dot(int type, const uint8_t *w, int64_t ws, const float *bias, const row_q8 *x, int m, void *y,
                      int y_bf16, int64_t ys, int k, int lo, int hi) {
     const int blocks = k / 32;
-    float out[WROWS * MAX_ROWS];
+    float out[WROWS * TILE_ROWS];
     if (m == 1) {
         for (; lo + WROWS <= hi; lo += WROWS) {
             tile(type, w + lo * ws, ws, blocks, x, out, bias ? bias + lo : 0, WROWS, 1);
@@ -384,13 +400,16 @@ static void rows_dot(int type, const uint8_t *w, int64_t ws, const float *bias, 
         }
     }
     for (int j = lo; j < hi; j++)
-        for (int i0 = 0; i0 < m; i0 += MAX_ROWS) {
-            const int mr = m - i0 < MAX_ROWS ? m - i0 : MAX_ROWS;
+        for (int i0 = 0; i0 < m; i0 += TILE_ROWS) {
+            const int mr = m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS;
             const float *bj = bias ? bias + j : 0;
 #define ROWS_CASE(R)                                                                                                   \
     case R: tile(type, w + j * ws, ws, blocks, x + i0, out, bj, 1, R); break;
             switch (mr) {
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#if TILE_ROWS > 4
+                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#endif
             }
 #undef ROWS_CASE
             for (int i = 0; i < mr; i++) store(y, y_bf16, (int64_t)(i0 + i) * ys + j, out[i]);
@@ -408,20 +427,30 @@ TYPE_ROWS(Q4_1)
 TYPE_ROWS(Q5_0)
 TYPE_ROWS(Q5_1)
 TYPE_ROWS(Q8_0)
+#if Q8_PATH == 1
 TYPE_ROWS(Q4_K)
 TYPE_ROWS(Q5_K)
 TYPE_ROWS(Q6_K)
 #endif
+#endif
 
-/* 1 where this build has the int8-activation path (AVX-512 VNNI), else 0. */
-int linear_q8_available(void) { return Q8_PATH; }
+/* 1 where this build has the int8-activation path (AVX-512 VNNI, or AVX2 for the 32-value types), else 0. */
+int linear_q8_available(void) { return Q8_PATH != 0; }
+
+/* The types this build reads, bit t set for ggml type t (types number below 31). */
+int linear_q8_types(void) {
+    int types = 0;
+    for (int t = 0; Q8_PATH && t < 31; t++)
+        if (reads(t)) types |= 1 << t;
+    return types;
+}
 
 /* Both entry points: x float32 or bfloat16 (x_bf16), y likewise. */
 static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t *w, int64_t w_stride,
                      const float *bias, void *y, int y_bf16, int64_t y_stride, int m, int n, int k, int type,
                      int threads) {
     const int bw = block_weights(type), bb = block_bytes(type);
-    if (!Q8_PATH || !bw || m <= 0 || n <= 0 || k <= 0 || k % bw || x_stride < k || w_stride < (int64_t)k / bw * bb ||
+    if (!Q8_PATH || !bw || !reads(type) || m <= 0 || n <= 0 || k <= 0 || k % bw || x_stride < k || w_stride < (int64_t)k / bw * bb ||
         y_stride < n)
         return -1;
 #if Q8_PATH
@@ -441,9 +470,15 @@ static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
         const float *xi = (const float *)x + i * x_stride;
         if (x_bf16) { /* bfloat16 is float32's top half: widening is exact */
             const uint16_t *xb = (const uint16_t *)x + i * x_stride;
+#if Q8_PATH == 1
             for (int j = 0; j < k; j += 16)
                 _mm512_storeu_ps(widened + j, _mm512_castsi512_ps(_mm512_slli_epi32(
                                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + j))), 16)));
+#else
+            for (int j = 0; j < k; j += 8)
+                _mm256_storeu_ps(widened + j, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + j))), 16)));
+#endif
             xi = widened;
         }
         quantize_row(xi, k, type, rows[i], padded);
@@ -454,10 +489,12 @@ static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
                         : type == Q4_1 ? rows_Q4_1
                         : type == Q5_0 ? rows_Q5_0
                         : type == Q5_1 ? rows_Q5_1
-                        : type == Q8_0 ? rows_Q8_0
+#if Q8_PATH == 1
                         : type == Q4_K ? rows_Q4_K
                         : type == Q5_K ? rows_Q5_K
-                                       : rows_Q6_K;
+                        : type == Q6_K ? rows_Q6_K
+#endif
+                                       : rows_Q8_0;
     threads = threads_for(threads, (int64_t)m * n * k, MIN_WORK_PER_THREAD);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
