@@ -73,6 +73,7 @@ HEADERS = [
         "bf16.h",
         "moe_groups.h",
         "q8_block.h",
+        "linear_q8_avx2.h",
         "ggml_blocks.h",
     )
 ]
