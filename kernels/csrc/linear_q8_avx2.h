@@ -120,10 +120,17 @@ static inline __attribute__((always_inline)) void tile(int type, const uint8_t *
             dw[r][1] = _mm256_setzero_ps();
             for (int half = 0; half < 2 && 8 * half < in_group; half++) { /* the scales d (and offsets m) of blocks
                                                                            * 8 half to 8 half + 7, where there are */
-                const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(in_group - 8 * half), lane);
-                const __m256i head =
-                    _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(base + 8 * half * bb), at_block,
-                                                valid, 1);
+                __m256i head; /* scalar loads where all 8 are there: vpgatherdd cost 10% at one row on a Zen 3 */
+                if (in_group - 8 * half >= 8) {
+                    const uint8_t *b = base + 8 * half * bb;
+                    int32_t h[8];
+                    for (int j = 0; j < 8; j++) memcpy(&h[j], b + j * bb, 4);
+                    head = _mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
+                } else {
+                    const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(in_group - 8 * half), lane);
+                    head = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(base + 8 * half * bb),
+                                                       at_block, valid, 1);
+                }
                 dw[r][half] = low_halves(head);
                 if (has_m(type)) {
                     const __m256 mw = low_halves(_mm256_srli_epi32(head, 16));
