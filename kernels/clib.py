@@ -51,6 +51,7 @@ SOURCES = [
         "linear_f32.c",
         "elementwise_f32.c",
         "linear_quant.c",
+        "linear_quant_panels.c",
         "linear_q8.c",
         "linear_amx_q8.c",
         "decode_layer.c",
@@ -294,6 +295,7 @@ class CLibrary:
     )
     linear_quant_dpbf16: Callable[..., int] = entry(**QUANT_LINEAR)
     linear_quant_amx_bf16: Callable[..., int] = entry(**QUANT_LINEAR)
+    linear_quant_panels_f32: Callable[..., int] = entry(**QUANT_LINEAR)
     linear_q8_available: Callable[[], int] = entry()
     linear_q8_types: Callable[[], int] = entry()
     linear_q8_f32: Callable[..., int] = entry(**QUANT_LINEAR)

@@ -84,6 +84,11 @@ AMX_INT8_MAX_ROWS = 32
 # 7.07 ms at 4 rows, 7.83 / 7.19 at 5, 8.49 / 6.99 at 6, 11.49 / 7.46 at 8; 1 thread 12.91 / 13.04, 14.17 / 12.86,
 # 16.05 / 13.99, 21.74 / 14.27.
 AMX_INT8_MIN_ROWS = 5
+# The fewest float32 rows of a layer that rounds float32 decode rows (QuantLinear.float32_int8) that take
+# csrc/linear_quant_panels.c (linear_f32's GEMM on panels dequantized per call) instead of the exact kernels: AMD Zen 3,
+# 2026-12-08, SmolLM2's 120 Q4_1 layers (random blocks), 2 threads, 5 passes: exact against panels 63.6 / 102.6 ms at
+# 9 rows, 102.4 / 98.1 at 32, 202.4 / 158.2 at 64, 1390.9 / 811.2 at 430 (a 430-token prompt).
+F32_PANEL_ROWS = 32
 
 
 def block_shape(qtype: int) -> tuple[int, int]:
@@ -411,6 +416,17 @@ def fused_bf16_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor |
     return y if run_slabs(packed, lambda call: kernel, x, y, bias) is None else None
 
 
+def panels_f32_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + bias in float32 by csrc/linear_quant_panels.c: linear_f32's GEMM on each slab's dequantized panels
+    (the dequantized layer's float32 product, bit for bit); None where that kernel does not run here."""
+    library = clib.get_library()
+    if library is None or not library.linear_f32_available():
+        return None
+    y = torch.empty((x.shape[0], packed.out_features), dtype=torch.float32)
+    bias = None if bias is None else bias.float().contiguous()
+    return y if run_slabs(packed, lambda call: library.linear_quant_panels_f32, x, y, bias) is None else None
+
+
 def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
     """x (rows, in_features) W^T + bias through the quantized kernels, in x's dtype (float32 inside, except
     bfloat16 decode batches, int8 activations, and bfloat16 prompts, a bfloat16 GEMM: see the module's docstring)."""
@@ -426,6 +442,10 @@ def quant_linear(x: torch.Tensor, packed: QuantLinear, bias: torch.Tensor | None
         return F.linear(x, packed.dequantized_bf16(), None if bias is None else bias.to(dtype))
     rounds = dtype == torch.bfloat16 or (dtype == torch.float32 and packed.float32_int8)
     int8 = rounds and 0 < rows <= INT8_MAX_ROWS and packed.int8
+    if dtype == torch.float32 and packed.float32_int8 and rows >= F32_PANEL_ROWS and x.stride(-1) == 1:
+        y = panels_f32_linear(x, packed, bias)
+        if y is not None:
+            return y
     xk = x if (dtype == torch.float32 or int8) and x.stride(-1) == 1 else x.float().contiguous()
     y = torch.empty((rows, packed.out_features), dtype=xk.dtype)
     if rows == 0:

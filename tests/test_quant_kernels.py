@@ -304,6 +304,33 @@ def test_int8_avx2_build_gives_the_vnni_builds_bits(tmp_path):
                 assert torch.equal(linear_call(avx2.linear_q8_f32, x[:rows], w, bias), expected), (name, k, rows)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_float32_prompt_panels_are_linear_f32_on_the_dequantized_layer(name):
+    """csrc/linear_quant_panels.c: float32 rows through linear_f32's GEMM on panels dequantized per call give
+    linear_f32's product on the dequantized layer bit for bit (n past a panel and a group of panels, a decode-sized
+    batch and a blocked one, 1 to 3 threads); quant_linear takes it for F32_PANEL_ROWS rows or more of a layer that
+    rounds float32 decode rows, never for one that does not."""
+    from fastgen.kernels import cpu
+
+    library = clib.get_library()
+    require_tool(library is not None, "no C compiler on this machine")
+    if not library.linear_f32_available():
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 with FMA: no linear_f32 kernel")
+    w = random_blocks(name, 200, 512)
+    dense = cpu.pack_f32(w.dequantize())
+    bias = torch.randn(200)
+    for rows in (3, 40):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        expected = cpu.linear_f32(x, dense, bias)
+        for threads in (1, 2, 3):
+            assert torch.equal(linear_call(library.linear_quant_panels_f32, x, w, bias, threads), expected)
+    x = torch.randn(quant.F32_PANEL_ROWS, 512)
+    rounding = quant.pack_quantized([(0, w)], 200, float32_int8=True)
+    assert torch.equal(quant.quant_linear(x, rounding, None), cpu.linear_f32(x, dense, None))
+    exact = quant.pack_quantized([(0, w)], 200)
+    assert torch.equal(quant.quant_linear(x, exact, None), linear_call(library.linear_quant_f32, x, w))
+
+
 def test_int8_path_declines_what_it_does_not_read():
     library = int8_library()
     w = random_blocks("Q4_K", 4, 512)

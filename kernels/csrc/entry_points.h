@@ -27,6 +27,7 @@ int rotary_write_kv_f32(const float *q, const float *k, const float *v, int64_t 
 int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
                          const int32_t *seq_lens, const int32_t *starts, float *out, int seqs, int heads, int kv_heads,
                          int head_dim, int block_size, int table_width, float scale, float softcap, int threads);
+int dequantize_rows_f32(const uint8_t *w, int64_t w_stride, float *out, int n, int k, int type);
 int linear_q8_f32(const float *x, int64_t x_stride, const uint8_t *w, int64_t w_stride, const float *bias, float *y,
                   int64_t y_stride, int m, int n, int k, int type, int threads);
 int elementwise_f32_available(void);
