@@ -138,7 +138,10 @@ class EngineArgs:
         choices=QUANTIZATIONS,
     )
     dtype: str = arg(
-        "auto", "auto: bfloat16 where the hardware has it, else float32 (default: %(default)s)", choices=DTYPES
+        "auto",
+        "auto: bfloat16 where the hardware has it, else float32 with a GGUF's decode rows on int8 activations, as "
+        "llama.cpp's (default: %(default)s)",
+        choices=DTYPES,
     )
     max_batch_tokens: int | None = arg(
         None,
