@@ -195,7 +195,8 @@ class QuantKernel:
 
     @property
     def name(self) -> str:
-        int8 = "" if self.run_int8 is None else "+vnni" if ISA_NAMES.get(self.isa) == "avx512" else "+int8"
+        # the int8 loop: VNNI's (which reads the K-quants too) or AVX2's, whatever the exact kernel's ISA
+        int8 = "" if self.run_int8 is None else "+vnni" if GGML_TYPES["Q6_K"][0] in int8_types() else "+int8"
         return f"{TYPE_NAMES[self.qtype].lower()}_{ISA_NAMES.get(self.isa, self.isa)}{int8}"
 
 

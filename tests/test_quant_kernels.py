@@ -275,35 +275,6 @@ def test_int8_rows_do_not_depend_on_their_batch_or_the_threads(name, k):
             assert torch.equal(int8_linear(library, x[:rows], w, threads=threads), alone[:rows]), (rows, threads)
 
 
-def test_int8_avx2_build_gives_the_vnni_builds_bits(tmp_path):
-    """linear_q8.c's AVX2 loop follows the AVX-512 loop's lanes, order and reduction tree: the same bits for every
-    32-value type, rows alone (two weight rows at a time) and in strips of a batch, past a group, in a last quad of
-    one and of two blocks. Needs a host with AVX-512 VNNI to compare (each build runs where it was built for)."""
-    library = int8_library()
-    if quant.GGML_TYPES["Q6_K"][0] not in quant.int8_types():  # the K-quants: the AVX-512 loop is this build's
-        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 loop has nothing to be compared with")
-    compiler = clib.find_compiler()
-    out = tmp_path / "linear_q8_avx2.so"
-    flags = [f for f in clib.FLAGS if not f.startswith("-march")] + ["-march=haswell"]
-    command = [compiler, *flags, *clib.OPENMP, "-o", str(out), str(clib.CSRC / "linear_q8.c"), "-lm"]
-    subprocess.run(command, check=True, capture_output=True)
-    avx2 = ctypes.CDLL(str(out))
-    for name in ("linear_q8_types", "linear_q8_f32"):
-        fn = getattr(avx2, name)
-        fn.restype, fn.argtypes = ctypes.c_int, list(clib.signatures()[name].values())
-    assert {t for t in quant.GGML_TYPES.values() if avx2.linear_q8_types() >> t[0] & 1} == {
-        t for t in quant.GGML_TYPES.values() if t[1] == 32
-    }
-    for name in INT8_TYPES:
-        for k in (800, 576, 544):
-            w = random_blocks(name, 23, k, seed=k)
-            x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
-            bias = torch.randn(23)
-            for rows in (1, 7):
-                expected = linear_call(library.linear_q8_f32, x[:rows], w, bias)
-                assert torch.equal(linear_call(avx2.linear_q8_f32, x[:rows], w, bias), expected), (name, k, rows)
-
-
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_float32_prompt_panels_are_linear_f32_on_the_dequantized_layer(name):
     """csrc/linear_quant_panels.c: float32 rows through linear_f32's GEMM on panels dequantized per call give
@@ -353,7 +324,10 @@ def test_only_bfloat16_decode_rows_take_int8_activations():
     library = int8_library()
     w = random_blocks("Q4_1", 64, 256)
     packed = quant.pack_quantized([(0, w)], 64)
-    assert packed.formats == ["q4_1_avx512+vnni" if library.linear_quant_isa() == 2 else "q4_1_avx2+int8"]
+    vnni = quant.GGML_TYPES["Q6_K"][0] in quant.int8_types()
+    assert packed.formats == [
+        "q4_1_avx512+vnni" if vnni else f"q4_1_{quant.ISA_NAMES[library.linear_quant_isa()]}+int8"
+    ]
     x = torch.randn(12, 256).bfloat16().float()
     exact = quant.quant_linear(x, packed, None)
     assert torch.equal(exact[:3], quant.quant_linear(x[:3], packed, None))  # float32: exact for few rows too

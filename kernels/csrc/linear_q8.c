@@ -23,7 +23,7 @@
  *
  * One order for every output whatever m or the thread count: per 16-lane accumulator, quads of blocks in increasing
  * k, then a fixed reduction. The CPUs with AVX-512 VNNI (Ice Lake and later, Zen 4) build it; those with AVX2 alone
- * (Zen 3, Haswell to Skylake) build linear_q8_avx2.h's loop for the 32-value types, the same bits by the same lanes;
+ * (Zen 3, Haswell to Skylake) build linear_q8_avx2.h's loop for the 32-value types, in the same lanes and order;
  * linear_q8_types() says which types a build reads (none elsewhere: the caller keeps the exact path). */
 #include <stdint.h>
 #include <stdlib.h>

@@ -2,10 +2,11 @@
  * activations where the CPU has no AVX-512 VNNI, included by linear_q8.c (its row_q8, row buffers and constants).
  *
  * The AVX-512 loop's 16 float lanes are two 8-lane halves here (a quad's blocks 0-1 and 2-3; a group's blocks 0-7 and
- * 8-15 for the m terms). Each int32 lane sums the same 8 products (vpmaddubsw's pairs, then vpmaddwd's pairs of
- * pairs, where vpdpbusd sums fours: no int16 sum can saturate, 4 x 31 x 127 at most, and Q8_0's signed quants go as
- * |w| times x with w's sign), and the lanes are scaled, added and reduced in the AVX-512 loop's order, by its tree
- * (_mm512_reduce_add_ps's): the same bits as the VNNI build. The K-quants are not read here (linear_q8_types). */
+ * 8-15 for the m terms). Each int32 lane sums the products of the same 8 values (vpmaddubsw's pairs, then vpmaddwd's
+ * pairs of pairs, where vpdpbusd sums fours: no int16 sum can saturate, 4 x 31 x 127 at most, and Q8_0's signed quants
+ * go as |w| times x with w's sign, where VNNI flips their sign bits and starts lane 0 from -128 sum(q)), and the lanes
+ * are scaled, added and reduced in the AVX-512 loop's order, by its tree (_mm512_reduce_add_ps's). Results are
+ * independent of the batch and the thread count, as there. The K-quants are not read here (linear_q8_types). */
 #ifndef FASTGEN_LINEAR_Q8_AVX2_H
 #define FASTGEN_LINEAR_Q8_AVX2_H
 
