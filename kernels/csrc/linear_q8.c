@@ -67,8 +67,10 @@
 /* How far ahead of the group being read its lines are fetched (bytes; past a row's end: the next row's). */
 #define PREFETCH_AHEAD 2048
 
-/* Whether this build reads the type: the AVX-512 loop every one, AVX2's the 32-value ones. */
-static inline int reads(int type) { return Q8_PATH == 1 ? block_weights(type) != 0 : block_weights(type) == 32; }
+/* Whether this build reads the type: the AVX-512 loop every one, AVX2's the 32-value ones, none without either. */
+static inline int reads(int type) {
+    return Q8_PATH == 1 ? block_weights(type) != 0 : Q8_PATH == 2 && block_weights(type) == 32;
+}
 
 #if Q8_PATH
 
@@ -440,7 +442,7 @@ int linear_q8_available(void) { return Q8_PATH != 0; }
 /* The types this build reads, bit t set for ggml type t (types number below 31). */
 int linear_q8_types(void) {
     int types = 0;
-    for (int t = 0; Q8_PATH && t < 31; t++)
+    for (int t = 0; t < 31; t++)
         if (reads(t)) types |= 1 << t;
     return types;
 }
@@ -450,8 +452,8 @@ static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
                      const float *bias, void *y, int y_bf16, int64_t y_stride, int m, int n, int k, int type,
                      int threads) {
     const int bw = block_weights(type), bb = block_bytes(type);
-    if (!Q8_PATH || !bw || !reads(type) || m <= 0 || n <= 0 || k <= 0 || k % bw || x_stride < k || w_stride < (int64_t)k / bw * bb ||
-        y_stride < n)
+    if (!reads(type) || m <= 0 || n <= 0 || k <= 0 || k % bw || x_stride < k ||
+        w_stride < (int64_t)k / bw * bb || y_stride < n)
         return -1;
 #if Q8_PATH
     const int padded = (k / 32 + GROUP - 1) / GROUP * GROUP;
@@ -476,8 +478,9 @@ static int linear_q8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
                                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + j))), 16)));
 #else
             for (int j = 0; j < k; j += 8)
-                _mm256_storeu_ps(widened + j, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + j))), 16)));
+                _mm256_storeu_ps(widened + j,
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(
+                                     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xb + j))), 16)));
 #endif
             xi = widened;
         }
